@@ -1,0 +1,424 @@
+"""moetune configuration: one YAML file, validated by pydantic, overridable from the command line.
+
+Precedence: built-in defaults (the tiny CPU demo) < YAML file < `--section.key value` overrides.
+Every problem surfaces as a ConfigError naming the dotted key and where it came from (the file or
+the override), because a trainer that silently ignores `optim.lrr: 1e-4` wastes a GPU-day.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence, Union, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message is meant to be printed as is."""
+
+
+BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts")
+LORA_ALIASES = {"attention": LORA_TARGETS[:4], "all": LORA_TARGETS}
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" — did you mean {match[0]!r}?" if match else ""
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key must fail, not fall back to a default unnoticed.
+    # coerce_numbers_to_str: YAML reads `--run.name 7` as an int; it is still a fine name.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("demo", min_length=1)
+    output_dir: str = "runs"  # the run directory is output_dir/name
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    path: Optional[str] = None  # HF checkpoint directory
+    config: Union[str, dict[str, Any], None] = None  # config.json path, inline dict or builtin name
+    num_hidden_layers: Optional[int] = Field(None, ge=1)  # truncate for proxies (AIR-8)
+    dtype: Literal["bfloat16", "float32"] = "float32"  # frozen base / compute dtype
+    attn_implementation: Literal["auto", "sdpa", "flex", "eager"] = "auto"
+    init_std: float = Field(0.02, gt=0)  # random init when there is no checkpoint
+
+    @field_validator("config")
+    @classmethod
+    def _known_builtin(cls, v):
+        # A bare word can only be a builtin name; catch "glm45air" here, not deep in model code.
+        bare = isinstance(v, str) and not re.search(r"[/\\]|\.json$", v) and not Path(v).exists()
+        if bare and v not in BUILTIN_MODELS:
+            raise ValueError(f"unknown builtin model {v!r}{_did_you_mean(v, BUILTIN_MODELS)} "
+                             f"(builtins: {', '.join(BUILTIN_MODELS)}; or a config.json path or a mapping)")
+        return v
+
+    @property
+    def effective_config(self) -> Union[str, dict, None]:
+        """What to build: `config` if given, else "tiny" without a checkpoint, else None (= path's config.json).
+        Kept out of the stored fields so a dumped config plus `--model.path X` still means X's config."""
+        if self.config is not None:
+            return self.config
+        return "tiny" if self.path is None else None
+
+
+class FinetuneConfig(_Section):
+    mode: Literal["lora", "full"] = "lora"
+    train_router: bool = False  # full mode only: train the router weight or keep it frozen
+
+
+class LoraConfig(_Section):
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    rslora: bool = False
+    targets: list[str] = Field(default_factory=lambda: list(LORA_ALIASES["attention"]))
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _single_name_is_a_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("targets")
+    @classmethod
+    def _expand_aliases(cls, v):
+        # Resolve aliases and use canonical order, so the saved config and the resume hash don't
+        # depend on how the user spelled the same set ("attention" == [q,k,v,o] == [o,v,k,q]).
+        chosen = set()
+        for name in v:
+            if name not in LORA_TARGETS and name not in LORA_ALIASES:
+                raise ValueError(f"unknown LoRA target {name!r}"
+                                 f"{_did_you_mean(name, LORA_TARGETS + tuple(LORA_ALIASES))}"
+                                 f" (allowed: {', '.join(LORA_TARGETS + tuple(LORA_ALIASES))})")
+            chosen.update(LORA_ALIASES.get(name, (name,)))
+        if not chosen:
+            raise ValueError("at least one LoRA target is required")
+        return [t for t in LORA_TARGETS if t in chosen]
+
+
+class DataConfig(_Section):
+    train: Optional[str] = None  # JSONL; None -> the embedded demo dataset
+    eval: Optional[str] = None
+    tokenizer: Optional[str] = None  # None -> model.path's tokenizer, else the embedded one
+    seq_len: int = Field(256, ge=8)
+    pack: bool = True
+    train_on: Literal["assistant", "all"] = "assistant"
+    skip_malformed: bool = False
+    shuffle: bool = True
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, ge=1)  # optimizer steps
+    micro_batch_size: int = Field(4, ge=1)  # sequences per rank per micro-batch
+    grad_accum: int = Field(1, ge=1)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
+    aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    fused: Optional[bool] = None  # None = auto
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v):
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"betas must be in [0, 1), got {list(v)}")
+        return v
+
+
+class EvalConfig(_Section):
+    every: int = Field(50, ge=0)  # 0 = only at the end
+    max_batches: Optional[int] = Field(None, ge=1)
+
+
+class LoggingConfig(_Section):
+    every: int = Field(1, ge=1)
+    expert_stats_every: int = Field(10, ge=0)  # 0 = off
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    progress_bar: bool = True
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0)  # 0 = no intermediate checkpoints
+    keep_last: int = Field(2, ge=1)
+
+
+class ParallelConfig(_Section):
+    ep: int = Field(1, ge=1)
+    dp_shard: int = -1  # -1 = world_size / ep
+    reshard_after_forward: bool = True
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _auto_or_positive(cls, v):
+        if v != -1 and v < 1:
+            raise ValueError(f"must be -1 (auto) or >= 1, got {v}")
+        return v
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    resume: str = Field("none", min_length=1)  # "auto" | "none" | a checkpoint path
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_means_defaults(cls, data):
+        # `lora:` with every line commented out parses as None; treat it as "all defaults".
+        if isinstance(data, dict):
+            data = {k: {} if v is None and _section_class(Config, k) else v for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self):
+        if self.optim.warmup_steps > self.train.steps:
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be <= train.steps "
+                             f"({self.train.steps}); lower optim.warmup_steps")
+        if self.finetune.train_router and self.finetune.mode != "full":
+            raise ValueError("finetune.train_router only applies to finetune.mode: full")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+def _section_class(cls: type[BaseModel], name: str) -> Optional[type[BaseModel]]:
+    ann = cls.model_fields[name].annotation if name in cls.model_fields else None
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _all_paths(cls: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every valid dotted key (sections and leaves): the vocabulary for suggestions."""
+    out = []
+    for name in cls.model_fields:
+        out.append(prefix + name)
+        if sub := _section_class(cls, name):
+            out += _all_paths(sub, f"{prefix}{name}.")
+    return out
+
+
+def _key_suggestion(bad: str) -> str:
+    paths = _all_paths()
+    parent, _, leaf = bad.rpartition(".")
+    # The right key in the wrong section ("optim.steps" -> "train.steps") beats a fuzzy sibling.
+    moved = [p for p in paths if p.rpartition(".")[2] == leaf and p != bad]
+    if moved:
+        return " — did you mean " + " or ".join(repr(p) for p in moved) + "?"
+    siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
+    if match := difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6):
+        return f" — did you mean {(parent + '.' if parent else '') + match[0]!r}?"
+    return _did_you_mean(bad, paths)
+
+
+# --- YAML ------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # let SafeLoader report unhashable keys its own way
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 reads `2e-4` (no dot) as a string; that would break floats inside an inline model.config.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str, label: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{label}:{mark.line + 1}:{mark.column + 1}" if mark else label
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+
+
+# --- command-line overrides ------------------------------------------------------------------
+
+def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
+    """["--a.b", "1", "--c=2"] -> [(["a","b"], 1, "--a.b"), (["c"], 2, "--c=2")]."""
+    out, args, i = [], list(args), 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE "
+                              "or --section.key=VALUE")
+        key, eq, raw = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"missing value for {arg!r}")
+            i += 1
+            raw = args[i]
+        i += 1
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"malformed key in override {arg!r}")
+        out.append((parts, _yaml_load(raw, f"value of override {arg!r}"), arg))
+    return out
+
+
+def _nest(parts: list[str], value: Any) -> dict:
+    for p in reversed(parts):
+        value = {p: value}
+    return value
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(args: Sequence[str]) -> dict:
+    """Turn `--a.b 1 --c=2` style arguments into a nested dict; values are parsed as YAML."""
+    result: dict = {}
+    for parts, value, _ in _split_overrides(args):
+        result = _deep_merge(result, _nest(parts, value))
+    return result
+
+
+def _check_override_key(parts: list[str], arg: str) -> None:
+    """Fail on an unknown override key with the full dotted path (pydantic would only name a prefix)."""
+    cls: type[BaseModel] = Config
+    for i, name in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        if name not in cls.model_fields:
+            full = ".".join(parts)
+            raise ConfigError(f"unknown key {full!r} in command-line override {arg!r}{_key_suggestion(full)}")
+        sub = _section_class(cls, name)
+        if sub is None:
+            # Only a mapping-valued field (model.config) may be addressed below itself.
+            kinds = [getattr(a, "__origin__", a) for a in get_args(cls.model_fields[name].annotation)]
+            if i < len(parts) - 1 and dict not in kinds:
+                raise ConfigError(f"{dotted!r} is a value, not a section; cannot apply {arg!r}")
+            return
+        cls = sub
+
+
+# --- loading and reporting -------------------------------------------------------------------
+
+def _loc_to_path(loc: tuple, err_type: str) -> str:
+    """pydantic loc -> dotted path, dropping union-member tags like 'str' / 'dict[str,any]'."""
+    path, cls = "", Config
+    for i, seg in enumerate(loc):
+        if isinstance(seg, int):
+            path += f"[{seg}]"
+        elif cls is not None and seg in cls.model_fields:
+            path += ("." if path else "") + seg
+            cls = _section_class(cls, seg)
+        elif err_type == "extra_forbidden" and i == len(loc) - 1:
+            path += ("." if path else "") + str(seg)
+    return path
+
+
+def _source(path: str, label: str, overridden: dict[str, str]) -> str:
+    """Blame the override that set `path` (or a section above or below it), else the file."""
+    if not path:  # cross-field error: could come from either
+        return f"{label} + command-line overrides" if overridden else label
+    for key, arg in overridden.items():
+        if path == key or path.startswith((key + ".", key + "[")) or key.startswith(path + "."):
+            return f"command-line override {arg!r}"
+    return label
+
+
+def _format_errors(err: ValidationError, label: str, overridden: dict[str, str]) -> str:
+    lines = []
+    for e in err.errors():
+        path = _loc_to_path(e["loc"], e["type"])
+        src = _source(path, label, overridden)
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key {path!r} in {src}{_key_suggestion(path)}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] in ("value_error", "missing") else f" (got {repr(e['input'])[:80]})"
+        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}" if path
+                     else f"invalid config in {src}: {msg}")
+    lines = list(dict.fromkeys(lines))  # union members can repeat the same complaint
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} config errors:\n" + "\n".join("  " + line for line in lines)
+
+
+def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ()) -> Config:
+    """Load `path` (None -> the built-in tiny demo defaults), apply overrides, validate."""
+    data: Any = {}
+    label = "built-in defaults"
+    if path is not None:
+        label = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        data = _yaml_load(text, label)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{label}: the top level must be a mapping of sections, got {type(data).__name__}")
+    overridden: dict[str, str] = {}
+    for parts, value, arg in _split_overrides(overrides):
+        _check_override_key(parts, arg)
+        data = _deep_merge(data, _nest(parts, value))
+        overridden[".".join(parts)] = arg
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, label, overridden)) from None
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The fully resolved config as YAML; load_config() on it gives back an equal Config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def config_hash(cfg: Config, sections: Sequence[str] = ("model", "lora", "finetune")) -> str:
+    """16-hex-digit digest of what must not change across a resume (by default the model and
+    what is trained). The lora section is ignored in full mode, where it has no effect."""
+    dump = cfg.model_dump(mode="json")
+    unknown = [s for s in sections if s not in dump]
+    if unknown:
+        raise ConfigError(f"config_hash: unknown section(s) {unknown}")
+    picked = {s: dump[s] for s in sections if not (s == "lora" and cfg.finetune.mode == "full")}
+    blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

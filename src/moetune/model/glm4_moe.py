@@ -1,0 +1,258 @@
+"""The GLM-4.5 mixture-of-experts architecture (GLM-4.5, 4.5-Air, 4.6, 4.7), in plain PyTorch.
+
+Module and parameter names mirror transformers v5's `Glm4MoeForCausalLM`, experts fused as
+`gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, so a state dict converts to HF by renaming nothing.
+
+    embed → N × [x + Attn(RMSNorm(x)); x + MLP-or-MoE(RMSNorm(x))] → RMSNorm → lm_head
+    Attn: GQA, q/k/v bias, optional per-head qk RMSNorm, NeoX RoPE on the first head_dim·partial_rotary_factor dims
+    MoE:  sigmoid router in fp32 (+e_score_correction_bias for the choice only), group-limited top-k,
+          normalised weights × routed_scaling_factor; routed experts via grouped GEMM; + shared expert
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moetune.model.config import ModelConfig
+from moetune.model.moe import experts_forward, permute, unpermute
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # As transformers: normalise in fp32, cast back, then scale (the order matters for bf16 parity).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(position_ids, rotary_dim: int, theta: float, dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=position_ids.device) / rotary_dim))
+    freqs = position_ids[..., None].float() * inv_freq  # [B, S, rotary_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """NeoX-style (rotate_half) rotation of the first cos.shape[-1] dims of x [B, S, heads, D]; the rest pass."""
+    d = cos.shape[-1]
+    x_rot, x_pass = x[..., :d], x[..., d:]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    x1, x2 = x_rot[..., : d // 2], x_rot[..., d // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def document_mask(position_ids):
+    """Boolean [B, 1, S, S] mask: causal and within one document (a document starts where position_ids == 0)."""
+    doc = (position_ids == 0).cumsum(-1)
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    S = position_ids.shape[-1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attn_mask):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        if self.q_norm is not None:  # after the bias, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if attn_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: the dense layers and the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.n_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        # Trained by the load-balancing rule of the original recipe, never by gradients: a buffer.
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        """x [T, H] -> (scores [T, E] fp32, topk weights [T, k] fp32, topk indices [T, k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.n_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+            choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(-1, self.n_experts)
+        topk_idx = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, topk_idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return scores, weights * self.scaling, topk_idx
+
+
+class Experts(nn.Module):
+    """Routed experts as stacked weights; `lora` (an ExpertLoRA) is attached by `apply_lora` when targeted."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # gate rows first, then up
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.lora = None
+
+    def forward(self, x, topk_idx, topk_weights):
+        perm = permute(topk_idx, self.num_experts)
+        y = experts_forward(x[perm.token_idx], perm, self.gate_up_proj, self.down_proj, self.lora)
+        return unpermute(y, perm, topk_weights, x.dtype), perm.counts
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        # Side outputs of the last forward, read by the trainer (expert-load metrics, auxiliary loss).
+        self.last_counts: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.compute_aux_loss = False
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        scores, weights, idx = self.gate(flat)
+        routed, counts = self.experts(flat, idx, weights)
+        self.last_counts = counts.detach()
+        if self.compute_aux_loss:
+            self.last_aux_loss = load_balancing_loss(scores, counts, idx.shape[-1])
+        return routed.view(shape) + self.shared_experts(x)
+
+
+def load_balancing_loss(scores, counts, top_k):
+    """Switch-style balance loss E·Σᵢ fᵢ·Pᵢ on the sigmoid scores (normalised per token): 1.0 when uniform."""
+    E = scores.shape[-1]
+    probs = scores / scores.sum(-1, keepdim=True)
+    f = counts.float() / (counts.sum().float().clamp(min=1.0))
+    return E * (f * probs.mean(0)).sum()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.activation_checkpointing = False  # set by parallel.apply_ac
+
+    def _forward(self, x, cos, sin, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, attn_mask):
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            # Routing is a deterministic function of the input, so the recompute chooses the same experts.
+            return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
+        return self._forward(x, cos, sin, attn_mask)
+
+
+class Backbone(nn.Module):
+    """`model.*` in HF naming."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Glm4MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.loss_chunk_tokens = 4096  # tokens per lm_head+CE chunk: logits never exist for the whole batch
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32
+        cross-entropy over the target tokens (the trainer divides by the global token count)."""
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
+        attn_mask = document_mask(position_ids) if _is_packed(position_ids) else None
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn_mask)
+        x = self.model.norm(x)
+        if labels is None:
+            return self.lm_head(x)
+        return chunked_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_tokens)
+
+    def moe_layers(self):
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+
+def _is_packed(position_ids) -> bool:
+    # One host sync per step; a row holding one document needs only the causal kernel.
+    return bool((position_ids[:, 1:] == 0).any())
+
+
+def _ce_chunk(h, weight, labels):
+    logits = F.linear(h, weight).float()
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+
+
+def chunked_cross_entropy(h, weight, labels, chunk: int):
+    """Σ CE(h·Wᵀ, labels) in chunks, each recomputed in backward, so [tokens, vocab] logits are never all alive."""
+    total = h.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk):
+        hs, ls = h[start : start + chunk], labels[start : start + chunk]
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_ce_chunk, hs, weight, ls, use_reentrant=False)
+        else:
+            total = total + _ce_chunk(hs, weight, ls)
+    return total

@@ -1,0 +1,226 @@
+"""HF checkpoints <-> our model: names, layouts, sharded reading, random initialisation.
+
+Our parameter names are transformers v5's, so only the routed experts need conversion: the hub stores them
+one by one (`mlp.experts.E.{gate,up,down}_proj.weight`), transformers v5 fuses them (`mlp.experts.gate_up_proj`
+[E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]). Both load.
+
+Reading is by slices: for a parameter that FSDP/EP has sharded, a rank reads from the safetensors files only
+the rows it owns (safetensors' lazy `get_slice`), assembling its part of a stacked expert tensor directly
+from the per-expert tensors. Host memory stays near one shard plus one tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from moetune.model.config import ModelConfig
+from moetune.model.glm4_moe import Glm4MoeForCausalLM
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- building
+def build_model(cfg: ModelConfig, device="meta") -> Glm4MoeForCausalLM:
+    with torch.device(device):
+        return Glm4MoeForCausalLM(cfg)
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast the base weights; the router's correction bias stays fp32 (as transformers keeps it)."""
+    model.to(dtype)
+    for moe in model.moe_layers():
+        moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.data.float()
+    return model
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _local_index(t: torch.Tensor) -> tuple[tuple[slice, ...], torch.Size]:
+    """(slices of the global tensor this rank holds, global shape), for plain tensors and DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return tuple(slice(o, o + s) for o, s in zip(offset, shape)), t.shape
+    return tuple(slice(0, s) for s in t.shape), t.shape
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) -> None:
+    """Random init that does not depend on sharding: each parameter is drawn whole from its own seeded
+    generator (on its device) and each rank keeps its slice. Norms 1, biases and the correction bias 0."""
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".lora" in name:
+            continue  # LoRA keeps its own init (B = 0)
+        local = _local(p)
+        idx, shape = _local_index(p)
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+        elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+            local.zero_()
+        else:
+            g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
+            full = torch.empty(shape, dtype=torch.float32, device=local.device).normal_(0.0, std, generator=g)
+            local.copy_(full[idx])
+            del full
+
+
+# ---------------------------------------------------------------------------------------------- reading
+@dataclass
+class _Stored:
+    file: str
+    key: str
+    shape: tuple
+
+
+class _Reader:
+    """Index of the tensors in a checkpoint directory; reads slices lazily, one open handle per file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+        self._handles = {}
+        self.tensors: dict[str, _Stored] = {}
+        for fname in files:
+            full = os.path.join(path, fname)
+            if not os.path.exists(full):
+                raise CheckpointError(f"{index}: names shard file {fname}, which does not exist")
+            h = self._handle(fname)
+            for key in h.keys():
+                self.tensors[key] = _Stored(fname, key, tuple(h.get_slice(key).get_shape()))
+
+    def _handle(self, fname):
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.path, fname), framework="pt", device="cpu")
+        return self._handles[fname]
+
+    def read(self, key: str, idx: tuple[slice, ...]) -> torch.Tensor:
+        s = self.tensors[key]
+        sl = self._handle(s.file).get_slice(key)
+        return sl[idx] if idx else sl[:]
+
+
+def _expected_shape_error(name, stored: _Stored, want):
+    return CheckpointError(f"tensor {stored.key} in {stored.file} has shape {list(stored.shape)}, "
+                           f"expected {list(want)} for {name}")
+
+
+def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consumed: set) -> torch.Tensor:
+    """Read the slice `idx` of our parameter `name` (global `shape`) from whichever layout the checkpoint has."""
+    if name in reader.tensors:
+        st = reader.tensors[name]
+        if tuple(st.shape) != tuple(shape):
+            raise _expected_shape_error(name, st, shape)
+        consumed.add(name)
+        return reader.read(name, idx)
+    m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    if not m:
+        raise CheckpointError(f"tensor {name} is missing from the checkpoint at {reader.path}")
+    prefix, which = m.groups()
+    E = shape[0]
+    e_slice, rest = idx[0], idx[1:]
+    parts = []
+    for e in range(e_slice.start, e_slice.stop):
+        if which == "down_proj":
+            parts.append(_read_expert(reader, f"{prefix}.{e}.down_proj.weight", rest, shape[1:], name, consumed))
+            continue
+        I = shape[1] // 2
+        row, col = rest
+        pieces = []
+        if row.start < I:  # gate rows
+            pieces.append(_read_expert(reader, f"{prefix}.{e}.gate_proj.weight",
+                                       (slice(row.start, min(row.stop, I)), col), (I, shape[2]), name, consumed))
+        if row.stop > I:  # up rows
+            pieces.append(_read_expert(reader, f"{prefix}.{e}.up_proj.weight",
+                                       (slice(max(row.start, I) - I, row.stop - I), col), (I, shape[2]), name, consumed))
+        parts.append(torch.cat(pieces, 0))
+    if E and not parts:
+        return torch.empty(0, *[s.stop - s.start for s in rest])
+    return torch.stack(parts, 0)
+
+
+def _read_expert(reader, key, idx, want_shape, name, consumed):
+    st = reader.tensors.get(key)
+    if st is None:
+        raise CheckpointError(f"tensor {key} (part of {name}) is missing from the checkpoint at {reader.path}")
+    if tuple(st.shape) != tuple(want_shape):
+        raise _expected_shape_error(name, st, want_shape)
+    consumed.add(key)
+    return reader.read(key, idx)
+
+
+def _ignored(key: str, cfg: ModelConfig) -> bool:
+    """MTP layers (model.layers.{num_hidden_layers}.*) and layers past a proxy's truncation are not ours."""
+    m = _LAYER_RE.match(key)
+    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers
+
+
+@torch.no_grad()
+def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -> None:
+    """Fill the base weights of `model` (plain or sharded, already materialised) from an HF checkpoint dir."""
+    reader = _Reader(path)
+    consumed: set[str] = set()
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".lora" in name:
+            continue
+        idx, shape = _local_index(p)  # LoRALinear keeps its base layer's names: nothing to rename
+        t = _read_param(reader, name, idx, shape, consumed)
+        _local(p).copy_(t.to(_local(p).dtype))
+    if strict:
+        unexpected = [k for k in reader.tensors if k not in consumed and not _ignored(k, model.config)]
+        if unexpected:
+            k = unexpected[0]
+            raise CheckpointError(f"unexpected tensor {k} in {reader.tensors[k].file} "
+                                  f"({len(unexpected)} unexpected in all) at {path}")
+
+
+# ---------------------------------------------------------------------------------------------- public
+_DTYPES = {None: None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16}
+
+
+def as_dtype(dtype) -> torch.dtype | None:
+    return dtype if isinstance(dtype, torch.dtype) or dtype is None else _DTYPES[dtype]
+
+
+def load_model(path: str, device="cpu", dtype=None, adapter: str | None = None) -> Glm4MoeForCausalLM:
+    """Load an HF-format GLM-4.5 checkpoint directory (and optionally a moetune adapter) for inference."""
+    cfg = ModelConfig.from_json(path)
+    model = build_model(cfg, "meta")
+    model.to_empty(device=device)
+    dtype = as_dtype(dtype) or torch.float32
+    cast_model(model, dtype)
+    load_hf_weights(model, path)
+    if adapter is not None:
+        from moetune.model.adapter_io import load_adapter
+
+        load_adapter(model, adapter)
+    return model.eval()

@@ -1,0 +1,170 @@
+"""LoRA for linear layers and for stacked experts (our own; PEFT is used only to verify and to export).
+
+Linear:  y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ,  A [r, in] (Kaiming-uniform, as PEFT), B [out, r] = 0.
+Experts: per-expert A and B as 3-D tensors, applied to the tokens already permuted for the grouped GEMM:
+         gate_up: A [E, r, H], B [E, 2I, r] (one A feeds gate and up rows, as PEFT's fused target);
+         down:    A [E, r, I], B [E, H, r].
+s = alpha/r, or alpha/√r with rsLoRA. Base weights stay frozen (bf16 in training); LoRA weights are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetune.model.moe import grouped_linear
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGETS = ATTENTION + ("dense_mlp", "shared_experts", "experts")
+
+
+def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+class LoRALinear(nn.Module):
+    """A linear layer with a LoRA branch; keeps `weight`/`bias` under the base layer's names."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, rslora: bool):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=dev, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=dev, dtype=torch.float32))
+        self.scaling = lora_scaling(rank, alpha, rslora)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora()
+
+    def reset_lora(self):
+        if self.lora_A.device.type != "meta":
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_B)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        h = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
+        return y + F.linear(h, self.lora_B.to(x.dtype)) * self.scaling
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling:g}"
+
+
+class ExpertLoRA(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, rank: int, alpha: float, dropout: float,
+                 rslora: bool, device=None):
+        super().__init__()
+        E, H, I, r = num_experts, hidden, intermediate, rank
+        f32 = dict(device=device, dtype=torch.float32)
+        self.gate_up_A = nn.Parameter(torch.empty(E, r, H, **f32))
+        self.gate_up_B = nn.Parameter(torch.zeros(E, 2 * I, r, **f32))
+        self.down_A = nn.Parameter(torch.empty(E, r, I, **f32))
+        self.down_B = nn.Parameter(torch.zeros(E, H, r, **f32))
+        self.scaling = lora_scaling(rank, alpha, rslora)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora()
+
+    def reset_lora(self):
+        if self.gate_up_A.device.type == "meta":
+            return
+        for A in (self.gate_up_A, self.down_A):
+            bound = 1.0 / math.sqrt(A.shape[-1])  # what kaiming_uniform(a=√5) gives each expert's [r, in] slice
+            nn.init.uniform_(A, -bound, bound)
+        nn.init.zeros_(self.gate_up_B)
+        nn.init.zeros_(self.down_B)
+
+    def delta_gate_up(self, x, offs):
+        return grouped_linear(grouped_linear(self.dropout(x), self.gate_up_A, offs), self.gate_up_B, offs) * self.scaling
+
+    def delta_down(self, a, offs):
+        return grouped_linear(grouped_linear(self.dropout(a), self.down_A, offs), self.down_B, offs) * self.scaling
+
+
+def _targeted_linears(model, targets):
+    """(module kind, parent module, attribute name) for every linear the targets select."""
+    from moetune.model.glm4_moe import MLP, MoE
+
+    for layer in model.model.layers:
+        for name in ATTENTION:
+            if name in targets:
+                yield name, layer.self_attn, name
+        mlp = layer.mlp
+        if isinstance(mlp, MLP) and "dense_mlp" in targets:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                yield "dense_mlp", mlp, name
+        if isinstance(mlp, MoE) and "shared_experts" in targets:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                yield "shared_experts", mlp.shared_experts, name
+
+
+def apply_lora(model, targets, rank: int, alpha: float, dropout: float = 0.0, rslora: bool = False) -> dict:
+    """Freeze the base and add LoRA on the targeted modules. Returns {kind: number of modules adapted}.
+
+    A target that matches nothing (e.g. `dense_mlp` on a model whose layers are all MoE) is an error.
+    """
+    unknown = set(targets) - set(TARGETS)
+    if unknown:
+        raise ValueError(f"unknown LoRA target(s) {sorted(unknown)}; choose from {list(TARGETS)}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapted = {t: 0 for t in targets}
+    for kind, parent, name in list(_targeted_linears(model, targets)):
+        setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha, dropout, rslora))
+        adapted[kind] += 1
+    if "experts" in targets:
+        for moe in model.moe_layers():
+            ex = moe.experts
+            E, twoI, H = ex.gate_up_proj.shape
+            ex.lora = ExpertLoRA(E, H, twoI // 2, rank, alpha, dropout, rslora, device=ex.gate_up_proj.device)
+            adapted["experts"] += 1
+    empty = [t for t, n in adapted.items() if n == 0]
+    if empty:
+        raise ValueError(f"lora.targets {empty} match no module of this model "
+                         f"({model.config.num_hidden_layers} layers, first_k_dense_replace={model.config.first_k_dense_replace})")
+    return adapted
+
+
+def lora_state_dict(model) -> dict:
+    return {k: v for k, v in model.state_dict().items() if ".lora_" in k or ".lora." in k}
+
+
+def trainable_table(model) -> list[tuple[str, int, int]]:
+    """Rows (module kind, tensors, parameters) of what requires grad, grouped by kind."""
+    rows: dict[str, list[int]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        kind = module_kind(name)
+        r = rows.setdefault(kind, [0, 0])
+        r[0] += 1
+        r[1] += p.numel()
+    return [(k, v[0], v[1]) for k, v in sorted(rows.items())]
+
+
+def module_kind(param_name: str) -> str:
+    parts = param_name.split(".")
+    if "experts" in parts and "shared_experts" not in parts:
+        return "experts"
+    for kind in ("shared_experts", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "embed_tokens", "lm_head"):
+        if kind in parts:
+            return "router" if kind == "gate" else kind
+    if "mlp" in parts:
+        return "dense_mlp"
+    return "norm"
+
+
+def format_trainable_table(model) -> str:
+    rows = trainable_table(model)
+    total = sum(p.numel() for p in model.parameters())
+    lines = [f"{'module kind':<16}{'tensors':>10}{'parameters':>16}"]
+    lines += [f"{k:<16}{n:>10}{c:>16,}" for k, n, c in rows]
+    trainable = sum(c for _, _, c in rows)
+    lines.append(f"{'trainable':<16}{'':>10}{trainable:>16,}  ({100 * trainable / max(total, 1):.4f}% of {total:,})")
+    return "\n".join(lines)

@@ -1,0 +1,322 @@
+"""Config layer: schema, error messages, CLI overrides, dump/load round trip, resume hash."""
+from pathlib import Path
+
+import pytest
+
+from moetune.config import (
+    Config,
+    ConfigError,
+    config_hash,
+    config_to_yaml,
+    load_config,
+    parse_overrides,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# --- defaults -------------------------------------------------------------------------------
+
+def test_defaults_are_the_demo():
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.run.name == "demo" and cfg.model.dtype == "float32"
+    assert cfg.model.effective_config == "tiny"
+    assert cfg.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert cfg.optim.betas == (0.9, 0.95)
+    assert cfg.run_dir == Path("runs") / "demo"
+
+
+def test_model_path_means_its_own_config():
+    assert load_config(None, ["--model.path", "/ckpt"]).model.effective_config is None
+    assert load_config(None, ["--model.config", "glm45-air-8layers"]).model.effective_config == "glm45-air-8layers"
+
+
+def test_empty_file_and_empty_section_mean_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == Config()
+    assert load_config(write(tmp_path, "lora:\n  # rank: 8\n")) == Config()
+
+
+# --- unknown keys ---------------------------------------------------------------------------
+
+def test_misspelt_key_names_dotted_path_file_and_suggestion(tmp_path):
+    p = write(tmp_path, "optim:\n  lrr: 2.0e-4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "unknown key 'optim.lrr'" in msg
+    assert str(p) in msg
+    assert "did you mean 'optim.lr'?" in msg
+
+
+def test_misspelt_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'optimm'.*did you mean 'optim'\?"):
+        load_config(write(tmp_path, "optimm:\n  lr: 1.0\n"))
+
+
+def test_key_in_wrong_section_suggests_the_right_one(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.steps'.*did you mean 'train.steps'\?"):
+        load_config(write(tmp_path, "optim:\n  steps: 3\n"))
+
+
+def test_nested_unknown_key_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'parallel.dp_shrad'.*'parallel.dp_shard'"):
+        load_config(write(tmp_path, "parallel:\n  ep: 2\n  dp_shrad: 4\n"))
+
+
+def test_all_errors_are_reported_together(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "lora:\n  rnak: 8\ntrain:\n  steps: zero\n"))
+    assert "2 config errors" in str(e.value)
+    assert "'lora.rnak'" in str(e.value) and "'lora.rank'" in str(e.value)
+    assert "'train.steps'" in str(e.value)
+
+
+# --- wrong types and values ----------------------------------------------------------------
+
+def test_wrong_type_names_path_and_file(tmp_path):
+    p = write(tmp_path, "train:\n  steps: lots\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "'train.steps'" in msg and str(p) in msg and "'lots'" in msg
+
+
+def test_wrong_literal_and_union_paths(tmp_path):
+    with pytest.raises(ConfigError, match=r"'model.dtype'.*bfloat16"):
+        load_config(write(tmp_path, "model:\n  dtype: fp16\n"))
+    # union members (str | dict) must not leak into the reported path
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "model:\n  config: [1, 2]\n"))
+    assert "'model.config'" in str(e.value) and "model.config.str" not in str(e.value)
+
+
+def test_list_element_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"'optim.betas\[1\]'"):
+        load_config(write(tmp_path, "optim:\n  betas: [0.9, high]\n"))
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("--lora.rank=0", "'lora.rank'"),
+    ("--lora.dropout=1.5", "'lora.dropout'"),
+    ("--data.seq_len=4", "'data.seq_len'"),
+    ("--train.micro_batch_size=0", "'train.micro_batch_size'"),
+    ("--optim.lr=-1", "'optim.lr'"),
+    ("--optim.betas=[0.9, 1.5]", "'optim.betas'"),
+    ("--parallel.dp_shard=0", "'parallel.dp_shard'"),
+    ("--parallel.ep=0", "'parallel.ep'"),
+    ("--optim.warmup_steps=500", "optim.warmup_steps (500) must be <= train.steps (200)"),
+    ("--finetune.train_router=true", "finetune.mode: full"),
+    ("--model.config=glm45air", "did you mean 'glm45-air'?"),
+    ("--logging.report_to=[tensorbord]", "'logging.report_to[0]'"),
+])
+def test_value_validation(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_train_router_allowed_in_full_mode():
+    cfg = load_config(None, ["--finetune.mode", "full", "--finetune.train_router", "true"])
+    assert cfg.finetune.train_router is True
+
+
+# --- YAML syntax ----------------------------------------------------------------------------
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    p = write(tmp_path, "run:\n  name: x\noptim:\n  lr: [1e-4\n  eps: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert f"{p}:" in str(e.value) and "YAML syntax error" in str(e.value)
+    line = int(str(e.value).split(f"{p}:")[1].split(":")[0])
+    assert 4 <= line <= 6
+
+
+def test_yaml_bad_indentation_line(tmp_path):
+    p = write(tmp_path, "train:\n  steps: 3\n    grad_accum: 2\n")
+    with pytest.raises(ConfigError, match=rf"{p}:3:"):
+        load_config(p)
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    p = write(tmp_path, "optim:\n  lr: 1.0e-4\n  lr: 2.0e-4\n")
+    with pytest.raises(ConfigError, match=rf"{p}:3:.*duplicate key 'lr'"):
+        load_config(p)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent/cfg.yaml")
+
+
+def test_exponent_without_dot_is_a_float(tmp_path):
+    # YAML 1.1 reads `2e-4` as a string; inline model configs need real floats.
+    cfg = load_config(write(tmp_path, "optim:\n  lr: 2e-4\nmodel:\n  config: {rms_norm_eps: 1e-5}\n"))
+    assert cfg.optim.lr == 2e-4
+    assert cfg.model.config == {"rms_norm_eps": 1e-5}
+
+
+# --- overrides ------------------------------------------------------------------------------
+
+def test_parse_overrides_both_syntaxes():
+    got = parse_overrides(["--optim.lr", "2e-4", "--train.steps=5", "--run.name", "x"])
+    assert got == {"optim": {"lr": 2e-4}, "train": {"steps": 5}, "run": {"name": "x"}}
+
+
+def test_parse_overrides_lists_bools_null_and_merge():
+    got = parse_overrides(["--lora.targets", "[q_proj,v_proj]", "--train.compile=true",
+                           "--model.path", "null", "--lora.rank=8"])
+    assert got == {"lora": {"targets": ["q_proj", "v_proj"], "rank": 8},
+                   "train": {"compile": True}, "model": {"path": None}}
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["optim.lr", "1"], "'optim.lr'"),
+    (["--optim.lr"], "missing value for '--optim.lr'"),
+    (["--optim.lr", "--train.steps", "3"], "missing value for '--optim.lr'"),
+    (["--optim..lr=1"], "'--optim..lr=1'"),
+    (["--lora.targets=[q_proj"], "'--lora.targets=[q_proj'"),
+])
+def test_parse_overrides_errors_name_the_arg(args, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(args)
+    assert needle in str(e.value)
+
+
+def test_overrides_apply_on_top_of_file(tmp_path):
+    p = write(tmp_path, "optim:\n  lr: 1.0e-4\n  warmup_steps: 2\ntrain:\n  steps: 10\n")
+    cfg = load_config(p, ["--optim.lr", "2e-4", "--train.steps=20", "--lora.targets", "[q_proj,v_proj]",
+                          "--train.compile", "true", "--logging.progress_bar=false", "--resume", "auto"])
+    assert cfg.optim.lr == 2e-4 and cfg.optim.warmup_steps == 2
+    assert cfg.train.steps == 20 and cfg.train.compile is True
+    assert cfg.logging.progress_bar is False
+    assert cfg.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.resume == "auto"
+
+
+def test_numeric_string_fields():
+    assert load_config(None, ["--run.name", "7"]).run.name == "7"
+
+
+def test_unknown_override_key_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--optim.lrr=2e-4"])
+    msg = str(e.value)
+    assert "unknown key 'optim.lrr'" in msg and "'--optim.lrr=2e-4'" in msg
+    assert "did you mean 'optim.lr'?" in msg
+    with pytest.raises(ConfigError, match=r"unknown key 'lr'.*did you mean 'optim.lr'\?"):
+        load_config(None, ["--lr", "1"])
+    with pytest.raises(ConfigError, match=r"unknown key 'optimm.lr'.*did you mean 'optim.lr'\?"):
+        load_config(None, ["--optimm.lr", "1"])
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(None, ["--optim.lr.x", "1"])
+
+
+def test_invalid_override_value_names_the_override(tmp_path):
+    p = write(tmp_path, "train:\n  steps: 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["--train.grad_accum", "two"])
+    assert "'train.grad_accum'" in str(e.value) and "'--train.grad_accum'" in str(e.value)
+
+
+def test_inline_model_config_override():
+    cfg = load_config(None, ["--model.config.hidden_size", "64", "--model.config.num_hidden_layers=2"])
+    assert cfg.model.config == {"hidden_size": 64, "num_hidden_layers": 2}
+
+
+# --- LoRA targets ---------------------------------------------------------------------------
+
+def test_alias_expansion():
+    cfg = load_config(None, ["--lora.targets", "[attention, experts, shared_experts]"])
+    assert cfg.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj", "shared_experts", "experts"]
+    everything = load_config(None, ["--lora.targets", "all"]).lora.targets
+    assert everything == ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]
+    # order and duplicates don't matter: same set, same resolved list
+    assert load_config(None, ["--lora.targets", "[v_proj, q_proj, q_proj]"]).lora.targets == ["q_proj", "v_proj"]
+
+
+def test_bad_target_suggests():
+    with pytest.raises(ConfigError, match=r"'lora.targets'.*unknown LoRA target 'q_prj'.*did you mean 'q_proj'\?"):
+        load_config(None, ["--lora.targets", "[q_prj]"])
+    with pytest.raises(ConfigError, match="at least one"):
+        load_config(None, ["--lora.targets", "[]"])
+
+
+# --- dump and hash --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["--lora.targets", "[attention, experts]", "--optim.lr", "2e-4", "--optim.betas", "[0.8, 0.99]"],
+    ["--model.config", "{hidden_size: 64, rms_norm_eps: 1e-5, name: x}", "--logging.report_to", "[tensorboard]",
+     "--eval.max_batches", "3", "--optim.fused", "true", "--finetune.mode", "full"],
+])
+def test_yaml_round_trip(tmp_path, overrides):
+    cfg = load_config(None, overrides)
+    p = write(tmp_path, config_to_yaml(cfg), "resolved.yaml")
+    again = load_config(p)
+    assert again == cfg
+    assert config_to_yaml(again) == config_to_yaml(cfg)
+    assert config_hash(again) == config_hash(cfg)
+
+
+def test_hash_tracks_what_must_not_change_on_resume():
+    base = load_config(None)
+    h = config_hash(base)
+    assert h == config_hash(load_config(None)) and len(h) == 16
+    assert config_hash(load_config(None, ["--lora.rank", "8"])) != h
+    assert config_hash(load_config(None, ["--model.dtype", "bfloat16"])) != h
+    assert config_hash(load_config(None, ["--finetune.mode", "full"])) != h
+    assert config_hash(load_config(None, ["--optim.lr", "2e-4"])) == h
+    assert config_hash(load_config(None, ["--train.steps", "500", "--run.name", "other"])) == h
+    # an alias and its expansion are the same adapter
+    assert config_hash(load_config(None, ["--lora.targets", "attention"])) == h
+    # explicit sections
+    assert config_hash(base, sections=("optim",)) != config_hash(load_config(None, ["--optim.lr=2e-4"]), ("optim",))
+    with pytest.raises(ConfigError):
+        config_hash(base, sections=("optimizer",))
+
+
+def test_hash_ignores_lora_in_full_mode():
+    full = ["--finetune.mode", "full"]
+    assert config_hash(load_config(None, full)) == config_hash(load_config(None, full + ["--lora.rank", "8"]))
+
+
+# --- shipped configs ------------------------------------------------------------------------
+
+def test_configs_are_shipped():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "glm45-air-lora.yaml", "glm45-air-lora-experts.yaml", "glm45-lora.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert load_config(path, ["--optim.lr", "1e-5"]).optim.lr == 1e-5
+
+
+def test_tiny_yaml_is_the_defaults():
+    assert load_config(CONFIGS[0].parent / "tiny.yaml") == load_config(None)
+
+
+def test_big_recipes():
+    for name in ("glm45-air-lora", "glm45-air-lora-experts", "glm45-lora"):
+        cfg = load_config(CONFIGS[0].parent / f"{name}.yaml")
+        assert cfg.model.dtype == "bfloat16" and cfg.data.seq_len == 4096
+        assert (cfg.lora.rank, cfg.lora.alpha, cfg.optim.lr) == (16, 32, 2e-4)
+        assert cfg.train.micro_batch_size * cfg.train.grad_accum * 8 == 64
+        assert cfg.train.activation_checkpointing == "full"
+        assert (cfg.eval.every, cfg.checkpoint.every) == (50, 100)
+    experts = load_config(CONFIGS[0].parent / "glm45-air-lora-experts.yaml").lora.targets
+    assert {"experts", "shared_experts", "q_proj", "o_proj"} <= set(experts)
+    assert load_config(CONFIGS[0].parent / "glm45-lora.yaml").parallel.ep > 1
