@@ -132,7 +132,7 @@ class OptimConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(10, ge=0)  # capped at train.steps, so `--train.steps 3` needs no second override
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     fused: Optional[bool] = None  # None = auto
 
@@ -198,9 +198,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_field_checks(self):
-        if self.optim.warmup_steps > self.train.steps:
-            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be <= train.steps "
-                             f"({self.train.steps}); lower optim.warmup_steps")
         if self.finetune.train_router and self.finetune.mode != "full":
             raise ValueError("finetune.train_router only applies to finetune.mode: full")
         return self

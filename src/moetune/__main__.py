@@ -1,0 +1,5 @@
+import sys
+
+from moetune.cli import main
+
+sys.exit(main())

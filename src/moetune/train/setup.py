@@ -1,0 +1,71 @@
+"""Build the model a run trains: meta → LoRA → activation checkpointing → compile → FSDP2 → materialise → weights."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moetune.model.config import ModelConfig, resolve_model_config
+from moetune.model.glm4_moe import Glm4MoeForCausalLM
+from moetune.model.hf_io import as_dtype, build_model, cast_model, init_weights, load_hf_weights
+from moetune.model.lora import ExpertLoRA, LoRALinear, apply_lora
+from moetune.parallel import Dist, apply_ac, apply_compile, apply_fsdp
+
+log = logging.getLogger("moetune")
+
+
+def model_config_for(cfg) -> ModelConfig:
+    return resolve_model_config(cfg.model.path, cfg.model.effective_config, cfg.model.num_hidden_layers)
+
+
+def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
+    mcfg = model_config_for(cfg)
+    compute_dtype = as_dtype(cfg.model.dtype)
+    full = cfg.finetune.mode == "full"
+    model = build_model(mcfg, "meta")
+    # LoRA mode: the frozen base is stored in the compute dtype, LoRA in fp32. Full mode: fp32 master weights.
+    cast_model(model, torch.float32 if full else compute_dtype)
+    if full:
+        for name, p in model.named_parameters():
+            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+    else:
+        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+    apply_ac(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        apply_compile(model)
+    if dist.initialized:
+        apply_fsdp(model, dist.mesh, param_dtype=compute_dtype, reshard_after_forward=cfg.parallel.reshard_after_forward)
+    elif full and compute_dtype != torch.float32:
+        cast_model(model, compute_dtype)  # one process without FSDP: no separate master copy
+    model.to_empty(device=dist.device)
+    with torch.no_grad():
+        if cfg.model.path:
+            load_hf_weights(model, cfg.model.path)
+        else:
+            init_weights(model, cfg.model.init_std, seed=cfg.run.seed)
+        init_lora(model, seed=cfg.run.seed)
+    return model
+
+
+@torch.no_grad()
+def init_lora(model, seed: int) -> None:
+    """LoRA A from a generator seeded per tensor name, B = 0: the same adapter at any world size."""
+    from moetune.model.hf_io import _local, _local_index, _param_seed
+
+    for name, p in model.named_parameters():
+        if ".lora" not in name:
+            continue
+        local = _local(p)
+        if name.endswith("lora_B") or name.endswith("_B"):
+            local.zero_()
+            continue
+        idx, shape = _local_index(p)
+        fan_in = shape[-1]
+        bound = 1.0 / fan_in**0.5  # kaiming_uniform(a=√5) on [r, in], as PEFT
+        g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
+        full = torch.empty(shape, dtype=torch.float32, device=local.device).uniform_(-bound, bound, generator=g)
+        local.copy_(full[idx])
+
+
+__all__ = ["setup_model", "model_config_for", "init_lora", "LoRALinear", "ExpertLoRA"]
