@@ -38,3 +38,81 @@ def save_hf(model, path, max_shard_size=None):
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kw)
     return str(path)
+
+
+# ------------------------------------------------------------------------------------------ training runs
+import json
+import os
+import random
+import subprocess
+import sys
+
+
+def write_chat_jsonl(path, n=48, seed=0, min_len=3, max_len=12):
+    """A small chat dataset with answers of unequal length (so a mean of means would differ)."""
+    r = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            s = "".join(r.choice("abcdefgh") for _ in range(r.randint(min_len, max_len)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": "reverse: " + s},
+                                             {"role": "assistant", "content": s[::-1]}]}) + "\n")
+    return str(path)
+
+
+def small_run_args(tmp_path, name, **over):
+    """CLI overrides for a fast tiny run on CPU (2 layers, short sequences)."""
+    data = tmp_path / "data.jsonl"
+    if not data.exists():
+        write_chat_jsonl(data)
+    args = {
+        "run.output_dir": str(tmp_path / "runs"), "run.name": name, "data.train": str(data), "data.eval": str(data),
+        "data.seq_len": 64, "model.num_hidden_layers": 2, "train.steps": 5, "train.micro_batch_size": 2,
+        "optim.warmup_steps": 0, "optim.lr": 1e-2, "eval.every": 0, "logging.progress_bar": False,
+        "logging.expert_stats_every": 0, "lora.targets": "[q_proj,k_proj,v_proj,o_proj,shared_experts,experts]",
+    }
+    args.update(over)
+    out = []
+    for k, v in args.items():
+        out += [f"--{k}", str(v)]
+    return out
+
+
+def run_inprocess(args):
+    from moetune.config import load_config
+    from moetune.train.loop import train
+
+    cfg = load_config(None, args)
+    train(cfg)
+    return cfg.run_dir
+
+
+def run_torchrun(args, nproc=2, extra=None, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    cmd = extra or [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                    "--master-port", str(free_port())]
+    p = subprocess.run(cmd + ["-m", "moetune", "train"] + args, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def eval_losses(run_dir):
+    return [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
