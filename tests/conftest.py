@@ -5,7 +5,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread per test process: tests run in parallel (pytest -n), and OpenMP threads spinning
+# against another busy process make tiny matmuls ~100x slower.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

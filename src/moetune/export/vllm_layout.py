@@ -1,0 +1,89 @@
+"""moetune LoRA -> the adapter layout vLLM serves on GLM-4.5 (per-expert, as transformers v4 named experts).
+
+Source: vllm-project/vllm `vllm/model_executor/models/glm4_moe.py` (Glm4MoeForCausalLM.packed_modules_mapping
+{"qkv_proj": [q_proj, k_proj, v_proj], "gate_up_proj": [gate_proj, up_proj]}; experts are a FusedMoE built
+with ckpt names gate_proj/down_proj/up_proj), `vllm/lora/utils.py` process_packed_modules_mapping (for MoE
+models that are not `is_3d_moe_weight`, GLM-4.5 among them, the packed module "experts" expands to
+`experts.{e}.gate_proj`, `experts.{e}.down_proj`, `experts.{e}.up_proj` for every expert e), and
+`vllm/lora/lora_model.py` (keys parsed PEFT-style, `base_model.model.` stripped; a key under `.experts` must
+end in one of those `experts.{e}.{proj}` names; the 3-D `experts.base_layer` PEFT layout is only read for
+3-D MoE models or with enable_mixed_moe_lora_format). So, per layer N and expert e (P = base_model.model.):
+
+    moetune                                  vLLM key                                           shape
+    model.layers.N.self_attn.X.lora_A/B      P model.layers.N.self_attn.X.lora_A/B.weight         [r,in]/[out,r]
+      (X = q_proj, k_proj, v_proj, o_proj; vLLM packs q/k/v into qkv_proj itself)
+    model.layers.N.mlp.Y.lora_A/B            P model.layers.N.mlp.Y.lora_A/B.weight               (dense layers)
+    ...mlp.shared_experts.Y.lora_A/B         P model.layers.N.mlp.shared_experts.Y.lora_A/B.weight
+      (Y = gate_proj, up_proj, down_proj; vLLM packs gate/up into gate_up_proj)
+    ...mlp.experts.lora.gate_up_A[e]         P ...mlp.experts.e.gate_proj.lora_A.weight           [r, H]
+                                             P ...mlp.experts.e.up_proj.lora_A.weight   (same A) [r, H]
+    ...mlp.experts.lora.gate_up_B[e][:I]     P ...mlp.experts.e.gate_proj.lora_B.weight           [I, r]
+    ...mlp.experts.lora.gate_up_B[e][I:]     P ...mlp.experts.e.up_proj.lora_B.weight             [I, r]
+    ...mlp.experts.lora.down_A[e]            P ...mlp.experts.e.down_proj.lora_A.weight           [r, I]
+    ...mlp.experts.lora.down_B[e]            P ...mlp.experts.e.down_proj.lora_B.weight           [H, r]
+
+Splitting gate_up into gate and up with a shared A is exact: [B_g; B_u]·A = [B_g·A; B_u·A], and the rank stays r.
+The same per-expert names are what PEFT reads as a transformers-v4 MoE adapter, which the tests use to check
+this layout numerically.
+"""
+
+from __future__ import annotations
+
+from moetune.export.peft_layout import _LINEAR_RE, _OURS_EXPERT_RE, PREFIX, targets_of
+
+LEAF_MODULES = {"q_proj": ["q_proj"], "k_proj": ["k_proj"], "v_proj": ["v_proj"], "o_proj": ["o_proj"],
+                "dense_mlp": ["gate_proj", "up_proj", "down_proj"],
+                "shared_experts": ["gate_proj", "up_proj", "down_proj"],
+                "experts": ["gate_proj", "up_proj", "down_proj"]}
+
+
+def vllm_expert_tensors(prefix: str, gate_up_A, gate_up_B, down_A, down_B) -> dict:
+    """Per-expert vLLM tensors of one layer's stacked expert LoRA (`prefix` = `model.layers.N.mlp.experts`)."""
+    out = {}
+    I = gate_up_B.shape[1] // 2
+    for e in range(gate_up_A.shape[0]):
+        p = f"{PREFIX}{prefix}.{e}"
+        # clones: safetensors refuses tensors that share storage, and gate/up would share A
+        out[f"{p}.gate_proj.lora_A.weight"] = gate_up_A[e].clone()
+        out[f"{p}.up_proj.lora_A.weight"] = gate_up_A[e].clone()
+        out[f"{p}.gate_proj.lora_B.weight"] = gate_up_B[e, :I].clone()
+        out[f"{p}.up_proj.lora_B.weight"] = gate_up_B[e, I:].clone()
+        out[f"{p}.down_proj.lora_A.weight"] = down_A[e].clone()
+        out[f"{p}.down_proj.lora_B.weight"] = down_B[e].clone()
+    return out
+
+
+def to_vllm_state_dict(our_state: dict, cfg: dict, base_model: str | None = None) -> tuple[dict, dict]:
+    """(our LoRA tensors, our adapter meta) -> (vLLM adapter tensors, adapter_config.json)."""
+    out, experts = {}, {}
+    for k, v in our_state.items():
+        m = _OURS_EXPERT_RE.match(k)
+        if m:
+            experts.setdefault(m.group(1), {})[m.group(2).split(".")[-1]] = v
+        elif _LINEAR_RE.match(k):
+            out[f"{PREFIX}{k}.weight"] = v.contiguous()
+        else:
+            raise ValueError(f"{k} is not a moetune LoRA parameter name")
+    for prefix, parts in sorted(experts.items()):
+        missing = {"gate_up_A", "gate_up_B", "down_A", "down_B"} - set(parts)
+        if missing:
+            raise ValueError(f"{prefix}: expert LoRA incomplete, missing {sorted(missing)}")
+        out.update(vllm_expert_tensors(prefix, parts["gate_up_A"], parts["gate_up_B"], parts["down_A"], parts["down_B"]))
+    targets = cfg.get("targets") or targets_of(our_state)
+    modules = []
+    for t in targets:
+        modules += [m for m in LEAF_MODULES[t] if m not in modules]
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model if base_model is not None else cfg.get("base_model"),
+        "r": int(cfg["rank"]),
+        "lora_alpha": cfg["alpha"],
+        "lora_dropout": 0.0,
+        "use_rslora": bool(cfg.get("rslora", False)),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": modules,
+        "modules_to_save": None,
+    }
+    return out, config
