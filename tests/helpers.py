@@ -116,3 +116,22 @@ def step_losses(run_dir):
 
 def eval_losses(run_dir):
     return [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
+
+
+def random_adapter(base_path, adapter_dir, targets, rank=4, alpha=8.0, rslora=False, seed=0, scale=0.1):
+    """A moetune adapter dir with random nonzero A and B on `targets` for the checkpoint at base_path;
+    returns our model (fp32) holding it."""
+    import moetune
+    from moetune.model.adapter_io import save_adapter
+    from moetune.model.lora import apply_lora, lora_state_dict
+
+    model = moetune.load_model(str(base_path), dtype="float32")
+    apply_lora(model, targets, rank, alpha, 0.0, rslora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    save_adapter(lora_state_dict(model), str(adapter_dir),
+                 dict(rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, targets=list(targets)), base_model=str(base_path))
+    return model

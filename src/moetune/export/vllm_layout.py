@@ -29,6 +29,10 @@ this layout numerically.
 
 from __future__ import annotations
 
+import re
+
+import torch
+
 from moetune.export.peft_layout import _LINEAR_RE, _OURS_EXPERT_RE, PREFIX, targets_of
 
 LEAF_MODULES = {"q_proj": ["q_proj"], "k_proj": ["k_proj"], "v_proj": ["v_proj"], "o_proj": ["o_proj"],
@@ -87,3 +91,35 @@ def to_vllm_state_dict(our_state: dict, cfg: dict, base_model: str | None = None
         "modules_to_save": None,
     }
     return out, config
+
+
+_VLLM_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(lora_[AB])\.weight$")
+
+
+def from_vllm_state_dict(tensors: dict) -> dict:
+    """Inverse of to_vllm_state_dict's tensors (used by verify): per-expert tensors stacked back into ours.
+    Raises if an expert's gate and up LoRA do not share one A, which our fused gate_up LoRA cannot express."""
+    out, experts = {}, {}
+    for k, v in tensors.items():
+        if not k.startswith(PREFIX):
+            raise ValueError(f"{k}: vLLM adapter keys start with {PREFIX!r}")
+        name = k[len(PREFIX):]
+        m = _VLLM_EXPERT_RE.match(name)
+        if m:
+            prefix, e, proj, ab = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            experts.setdefault(prefix, {})[(e, proj, ab)] = v
+        elif name.endswith(".weight") and _LINEAR_RE.match(name[: -len(".weight")]):
+            out[name[: -len(".weight")]] = v
+        else:
+            raise ValueError(f"{k} is not a GLM-4.5 LoRA key")
+    for prefix, parts in experts.items():
+        E = 1 + max(e for e, _, _ in parts)
+        for e in range(E):
+            if not torch.equal(parts[(e, "gate_proj", "lora_A")], parts[(e, "up_proj", "lora_A")]):
+                raise ValueError(f"{prefix}.{e}: gate_proj and up_proj LoRA A differ; moetune shares one A")
+        out[f"{prefix}.lora.gate_up_A"] = torch.stack([parts[(e, "gate_proj", "lora_A")] for e in range(E)])
+        out[f"{prefix}.lora.gate_up_B"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj", "lora_B")], parts[(e, "up_proj", "lora_B")]]) for e in range(E)])
+        out[f"{prefix}.lora.down_A"] = torch.stack([parts[(e, "down_proj", "lora_A")] for e in range(E)])
+        out[f"{prefix}.lora.down_B"] = torch.stack([parts[(e, "down_proj", "lora_B")] for e in range(E)])
+    return out

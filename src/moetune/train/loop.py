@@ -36,13 +36,14 @@ def train(cfg: Config) -> TrainState:
     dist = init_distributed(cfg.parallel.ep, cfg.parallel.dp_shard)
     setup_logging(dist)
     run_dir = cfg.run_dir
+    torch.manual_seed(cfg.run.seed)
+
+    # Inputs first: bad data or a bad checkpoint stops the run before anything in the run dir is touched.
+    data = setup_data(cfg, dist)
+    model = setup_model(cfg, dist)
     if dist.is_main:
         os.makedirs(run_dir, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-    torch.manual_seed(cfg.run.seed)
-
-    data = setup_data(cfg, dist)
-    model = setup_model(cfg, dist)
     full = cfg.finetune.mode == "full"
     if dist.is_main:
         log.info("trainable parameters:\n%s", format_trainable_table(model))

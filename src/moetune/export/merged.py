@@ -1,0 +1,203 @@
+"""Merge a moetune adapter into its base and write an HF checkpoint, streaming tensor by tensor.
+
+Every output tensor is read from the base (plain file reads of its bytes, or of one expert's rows of a fused
+tensor), merged in fp32 as W + scaling·B·A when LoRA touches it, cast, written straight into its planned shard,
+and freed. Peak memory is one tensor plus its LoRA factors (one layer at most), whatever the model's size.
+
+Output: the hub's layout (experts one by one, `mlp.experts.E.{gate,up,down}_proj.weight`, which transformers v5
+fuses on load and vLLM/SGLang read as is), sharded `model-XXXXX-of-YYYYY.safetensors` of at most
+max_shard_bytes + model.safetensors.index.json, config.json (dtype updated), and the base's generation config and
+tokenizer files. The router's e_score_correction_bias stays fp32, as the hub checkpoints store it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+
+import torch
+
+from moetune.export.adapter import ExportError, resolve_adapter_dir
+from moetune.export.safetensors_io import Reader, ShardedWriter
+from moetune.model.adapter_io import read_adapter_config
+from moetune.model.hf_io import as_dtype
+from moetune.model.lora import lora_scaling
+
+COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
+                "merges.txt", "chat_template*", "*.tiktoken", "preprocessor_config.json")
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_KEEP_DTYPE = ("e_score_correction_bias",)
+
+
+def _natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _order_key(name: str):
+    # embeddings, then the layers in numeric order, then the final norm and lm_head (as HF writes them)
+    group = 0 if name.startswith("model.embed_tokens") else 1 if name.startswith("model.layers.") else 2
+    return group, _natural_key(name)
+
+
+class _Merger:
+    """Produces each output tensor; knows which LoRA factors touch which base weight."""
+
+    def __init__(self, base: Reader, lora: Reader, scaling: float, dtype: torch.dtype):
+        self.base, self.lora, self.scaling, self.dtype = base, lora, scaling, dtype
+        self.unused_lora = set(lora.entries)
+        self._row_cache = (None, None)
+
+    def out_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
+        if not stored.is_floating_point or name.endswith(_KEEP_DTYPE):
+            return stored
+        return self.dtype
+
+    def _delta(self, A: torch.Tensor, B: torch.Tensor, W: torch.Tensor, what: str) -> torch.Tensor:
+        if A.shape[1] != W.shape[1] or B.shape[0] != W.shape[0] or A.shape[0] != B.shape[1]:
+            raise ExportError(f"LoRA for {what}: A {list(A.shape)}, B {list(B.shape)} do not fit the base weight "
+                              f"{list(W.shape)}; is this adapter for this base model?")
+        return (B.float() @ A.float()) * self.scaling
+
+    def linear(self, name: str) -> torch.Tensor:
+        W = self.base.read(name)
+        module = name[: -len(".weight")]
+        a, b = f"{module}.lora_A", f"{module}.lora_B"
+        if a in self.lora:
+            self.unused_lora -= {a, b}
+            W = W.float() + self._delta(self.lora.read(a), self.lora.read(b), W, module)
+        return W
+
+    def _fused_row(self, fused_name: str, e: int) -> torch.Tensor:
+        # gate and up of one expert come from the same row of a fused gate_up_proj: read it once
+        if self._row_cache[0] != (fused_name, e):
+            self._row_cache = ((fused_name, e), self.base.read(fused_name, slice(e, e + 1))[0])
+        return self._row_cache[1]
+
+    def expert(self, prefix: str, e: int, proj: str, source: str | None) -> torch.Tensor:
+        """Expert e's `proj` weight, read from per-expert tensors (source None) or the fused tensor `source`."""
+        if source is None:
+            W = self.base.read(f"{prefix}.{e}.{proj}.weight")
+        elif proj == "down_proj":
+            W = self.base.read(source, slice(e, e + 1))[0]
+        else:
+            row = self._fused_row(source, e)
+            I = row.shape[0] // 2
+            W = row[:I] if proj == "gate_proj" else row[I:]
+        which = "down" if proj == "down_proj" else "gate_up"
+        a, b = f"{prefix}.lora.{which}_A", f"{prefix}.lora.{which}_B"
+        if a not in self.lora:
+            return W
+        self.unused_lora -= {a, b}
+        A, B = self.lora.read(a, slice(e, e + 1))[0], self.lora.read(b, slice(e, e + 1))[0]
+        if which == "gate_up":
+            I = B.shape[0] // 2
+            B = B[:I] if proj == "gate_proj" else B[I:]
+        return W.float() + self._delta(A, B, W, f"{prefix}.{e}.{proj}")
+
+
+def _plan(base: Reader, merger: _Merger):
+    """[(out name, shape, dtype, producer)] in writing order; fused experts are split into the hub's names."""
+    plan = []
+    for name in sorted(base.entries, key=_order_key):
+        ent = base.entries[name]
+        fused = _FUSED_RE.match(name)
+        if fused:
+            prefix, which = fused.groups()
+            E = ent.shape[0]
+            projs = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+            for e in range(E):
+                for proj in projs:
+                    shape = (ent.shape[1] // 2, ent.shape[2]) if which == "gate_up_proj" else tuple(ent.shape[1:])
+                    out = f"{prefix}.{e}.{proj}.weight"
+                    plan.append((out, shape, merger.out_dtype(out, ent.dtype),
+                                 lambda p=prefix, e=e, j=proj, s=name: merger.expert(p, e, j, s)))
+            continue
+        m = _EXPERT_RE.match(name)
+        if m:
+            prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            producer = lambda p=prefix, e=e, j=proj: merger.expert(p, e, j, None)  # noqa: E731
+        elif name.endswith(".weight"):
+            producer = lambda n=name: merger.linear(n)  # noqa: E731
+        else:
+            producer = lambda n=name: base.read(n)  # noqa: E731
+        plan.append((name, tuple(ent.shape), merger.out_dtype(name, ent.dtype), producer))
+    return plan
+
+
+def _check_lora_fits(base: Reader, lora: Reader, adapter_dir: str, base_path: str) -> None:
+    """Every LoRA tensor must land on a base weight; checked before a byte is written."""
+    modules = set()
+    for name in base.entries:
+        m = _FUSED_RE.match(name) or _EXPERT_RE.match(name)
+        if m:
+            modules.add(f"{m.group(1)}.lora.")
+        elif name.endswith(".weight"):
+            modules.add(name[: -len("weight")])
+    stray = [k for k in lora.entries if k.rsplit(".", 1)[0] + "." not in modules]
+    if stray:
+        raise ExportError(f"{adapter_dir}: {len(stray)} LoRA tensors match no weight of {base_path} "
+                          f"(e.g. {sorted(stray)[0]}); is this adapter for this base model?")
+
+
+def _write_config(base_path: str, out_dir: str, dtype: torch.dtype) -> None:
+    with open(os.path.join(base_path, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("quantization_config"):
+        raise ExportError(f"{base_path} is a quantized checkpoint ({cfg['quantization_config'].get('quant_method')}); "
+                          "merge into the unquantized base and quantize afterwards")
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
+    for k in keys:
+        cfg[k] = name
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def _copy_side_files(base_path: str, out_dir: str) -> list[str]:
+    copied = []
+    for fname in sorted(os.listdir(base_path)):
+        src = os.path.join(base_path, fname)
+        if os.path.isfile(src) and any(fnmatch.fnmatch(fname, pat) for pat in COPIED_FILES):
+            shutil.copy2(src, os.path.join(out_dir, fname))
+            copied.append(fname)
+    return copied
+
+
+def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat16", max_shard_bytes: float = 5e9,
+                  verify: bool = False) -> dict:
+    """Merge the moetune adapter at `adapter_dir` (or a run dir holding adapter/) into the HF checkpoint at
+    `base_path` and write the result to `out_dir`. Returns {"out_dir", "shards", "tensors", "bytes", "verify"}."""
+    base_path, out_dir = os.fspath(base_path), os.fspath(out_dir)
+    adapter_dir = resolve_adapter_dir(adapter_dir)
+    meta = read_adapter_config(adapter_dir)
+    torch_dtype = as_dtype(dtype)
+    if torch_dtype is None or not torch_dtype.is_floating_point:
+        raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
+    if os.path.abspath(out_dir) == os.path.abspath(base_path):
+        raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
+    os.makedirs(out_dir, exist_ok=True)
+    _write_config(base_path, out_dir, torch_dtype)
+
+    base, lora = Reader(base_path), Reader(adapter_dir)
+    merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype)
+    plan = _plan(base, merger)
+    _check_lora_fits(base, lora, adapter_dir, base_path)
+    writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
+    for name, _, out_dtype, produce in plan:
+        t = produce()
+        writer.write(name, t.to(out_dtype))
+        del t
+    assert not merger.unused_lora, sorted(merger.unused_lora)[:3]  # _check_lora_fits saw to it
+    writer.finish()
+    copied = _copy_side_files(base_path, out_dir)
+    report = {"out_dir": out_dir, "shards": len(writer.shards), "tensors": len(plan), "bytes": writer.total,
+              "copied": copied, "verify": None}
+    if verify:
+        from moetune.export.verify import verify_merged
+
+        report["verify"] = verify_merged(base_path, adapter_dir, out_dir)
+    return report
