@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moetune.model.attention import AttnMeta, attend, build_attn_meta
 from moetune.model.config import ModelConfig
+from moetune.model.loss import linear_cross_entropy
 from moetune.model.moe import experts_forward, permute, unpermute
 
 
@@ -50,15 +52,6 @@ def apply_rope(x, cos, sin):
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
 
 
-def document_mask(position_ids):
-    """Boolean [B, 1, S, S] mask: causal and within one document (a document starts where position_ids == 0)."""
-    doc = (position_ids == 0).cumsum(-1)
-    same_doc = doc[:, :, None] == doc[:, None, :]
-    S = position_ids.shape[-1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
-    return (same_doc & causal).unsqueeze(1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -74,7 +67,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn_mask):
+    def forward(self, x, cos, sin, attn: AttnMeta):
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
@@ -83,10 +76,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if attn_mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        o = attend(q, k, v, attn)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -187,15 +177,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.activation_checkpointing = False  # set by parallel.apply_ac
 
-    def _forward(self, x, cos, sin, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+    def _forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x, cos, sin, attn_mask):
+    def forward(self, x, cos, sin, attn):
         if self.activation_checkpointing and torch.is_grad_enabled():
             # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-            return checkpoint(self._forward, x, cos, sin, attn_mask, use_reentrant=False)
-        return self._forward(x, cos, sin, attn_mask)
+            return checkpoint(self._forward, x, cos, sin, attn, use_reentrant=False)
+        return self._forward(x, cos, sin, attn)
 
 
 class Backbone(nn.Module):
@@ -214,7 +204,8 @@ class Glm4MoeForCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.loss_chunk_tokens = 4096  # tokens per lm_head+CE chunk: logits never exist for the whole batch
+        self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "eager" (model.attn_implementation)
+        self.loss_chunk_tokens = 2048  # tokens per lm_head+CE chunk: logits never exist for the whole batch
 
     def forward(self, input_ids, position_ids=None, labels=None):
         """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32
@@ -224,35 +215,13 @@ class Glm4MoeForCausalLM(nn.Module):
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
-        attn_mask = document_mask(position_ids) if _is_packed(position_ids) else None
+        attn = build_attn_meta(position_ids, self.attn_implementation)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn_mask)
+            x = layer(x, cos, sin, attn)
         x = self.model.norm(x)
         if labels is None:
             return self.lm_head(x)
-        return chunked_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_tokens)
+        return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_tokens)
 
     def moe_layers(self):
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
-
-
-def _is_packed(position_ids) -> bool:
-    # One host sync per step; a row holding one document needs only the causal kernel.
-    return bool((position_ids[:, 1:] == 0).any())
-
-
-def _ce_chunk(h, weight, labels):
-    logits = F.linear(h, weight).float()
-    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-
-
-def chunked_cross_entropy(h, weight, labels, chunk: int):
-    """Σ CE(h·Wᵀ, labels) in chunks, each recomputed in backward, so [tokens, vocab] logits are never all alive."""
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk):
-        hs, ls = h[start : start + chunk], labels[start : start + chunk]
-        if torch.is_grad_enabled():
-            total = total + checkpoint(_ce_chunk, hs, weight, ls, use_reentrant=False)
-        else:
-            total = total + _ce_chunk(hs, weight, ls)
-    return total

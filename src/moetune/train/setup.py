@@ -31,6 +31,7 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
             p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
     else:
         apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+    model.attn_implementation = cfg.model.attn_implementation
     apply_ac(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model)

@@ -1,0 +1,73 @@
+"""Causal attention with document boundaries, by the best kernel the device has.
+
+One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
+position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
+diagonal of each document are computed), SDPA with a dense boolean mask elsewhere (its CPU-testable twin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnMeta:
+    dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
+    block_mask: object | None = None  # FlexAttention BlockMask
+
+
+def document_ids(position_ids):
+    return (position_ids == 0).cumsum(-1)
+
+
+def dense_document_mask(position_ids):
+    doc = document_ids(position_ids)
+    S = position_ids.shape[-1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+
+
+def is_packed(position_ids) -> bool:
+    # One host sync per step; a row holding one document needs only the causal kernel.
+    return bool((position_ids[:, 1:] == 0).any())
+
+
+_flex = None
+
+
+def _compiled_flex():
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex
+
+
+def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
+    if impl == "eager" or not is_packed(position_ids):
+        return AttnMeta(dense_mask=dense_document_mask(position_ids) if impl == "eager" else None)
+    use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
+    if not use_flex:
+        return AttnMeta(dense_mask=dense_document_mask(position_ids))
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids(position_ids)
+
+    def doc_causal(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    B, S = position_ids.shape
+    return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device))
+
+
+def attend(q, k, v, meta: AttnMeta):
+    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, S, D]."""
+    if meta.block_mask is not None:
+        return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
+    if meta.dense_mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -1,0 +1,55 @@
+"""Fused linear + cross-entropy: Σ CE(h·Wᵀ, labels) without ever holding [tokens, vocab] logits.
+
+The loss is a sum, so d(loss)/d(logits) = softmax − onehot does not depend on anything that comes later:
+forward computes it chunk by chunk, turns it at once into the gradients of h (and of W when W trains) and
+drops the logits. Backward only scales those by the incoming scalar. Compared with checkpointing each chunk
+this skips recomputing the lm_head GEMM (~20% of a LoRA step's FLOPs on GLM-4.5-Air's 151k vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk: int):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), device=h.device, dtype=torch.float32)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+        for s in range(0, h.shape[0], chunk):
+            hs, ls = h[s : s + chunk], labels[s : s + chunk]
+            logits = (hs @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = ls != IGNORE
+            safe = ls.clamp(min=0)
+            target = logits.gather(1, safe[:, None]).squeeze(1)
+            total += ((lse - target) * valid).sum()
+            if need_h or need_w:
+                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
+                g *= valid[:, None]
+                g = g.to(h.dtype)
+                if need_h:
+                    grad_h[s : s + chunk] = g @ weight
+                if need_w:
+                    grad_w += (g.t() @ hs).float()
+            del logits
+        ctx.w_dtype = weight.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 4096):
+    """Summed fp32 cross-entropy of logits h·Wᵀ against labels (-100 ignored). h [T, H], labels [T]."""
+    return LinearCrossEntropy.apply(h, weight, labels, chunk)
