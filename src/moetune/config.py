@@ -157,14 +157,17 @@ class LoggingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(0, ge=0)  # 0 = no intermediate checkpoints
+    every: int = Field(0, ge=0)  # 0 = no intermediate checkpoints (the last step is always saved)
     keep_last: int = Field(2, ge=1)
+    async_save: bool = False  # write in a background thread while training goes on (meant for full fine-tuning)
+    max_bad_steps: int = Field(5, ge=1)  # this many consecutive non-finite steps stop the run
 
 
 class ParallelConfig(_Section):
     ep: int = Field(1, ge=1)
     dp_shard: int = -1  # -1 = world_size / ep
     reshard_after_forward: bool = True
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
 
     @field_validator("dp_shard")
     @classmethod

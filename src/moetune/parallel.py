@@ -106,19 +106,22 @@ def apply_compile(model) -> None:
 
 
 def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
     """FSDP2: routed experts in their own unit (their all-gather overlaps the attention), each decoder layer
     a unit, the root last (embeddings, final norm, lm_head). Stacked experts mean every rank gathers the same
-    tensors whatever its tokens route to, so uneven routing cannot desynchronise collectives."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    tensors whatever its tokens route to, so uneven routing cannot desynchronise collectives.
+    cpu_offload keeps the sharded fp32 master weights, gradients and optimizer state in host memory (FSDP2
+    copies each unit to the GPU for its forward/backward); it needs an accelerator."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     dp_mesh = mesh["dp_shard"] if mesh.mesh_dim_names and len(mesh.mesh_dim_names) > 1 else mesh
     n = len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
-            fully_shard(experts, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            fully_shard(experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
         # the last layer's parameters are needed again at once by backward: keep them gathered
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < n - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < n - 1, **kw)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **kw)

@@ -36,7 +36,7 @@ def peft_model(base, peft_state, peft_cfg):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = peft.get_peft_model(base, cfg)
-    theirs = {peft_layout._strip_adapter_name(k) for k, _ in pm.named_parameters() if ".lora_" in k}
+    theirs = {peft_layout.strip_adapter_name(k) for k, _ in pm.named_parameters() if ".lora_" in k}
     theirs = {k if k.startswith(peft_layout.PREFIX) else peft_layout.PREFIX + k for k in theirs}
     assert theirs == set(peft_state), (sorted(theirs - set(peft_state))[:4], sorted(set(peft_state) - theirs)[:4])
     res = peft.set_peft_model_state_dict(pm, peft_state)
@@ -48,7 +48,7 @@ def lora_grads_of_peft(pm, peft_cfg):
     grads = {}
     for k, p in pm.named_parameters():
         if ".lora_" in k:
-            k = peft_layout._strip_adapter_name(k)
+            k = peft_layout.strip_adapter_name(k)
             grads[k if k.startswith(peft_layout.PREFIX) else peft_layout.PREFIX + k] = p.grad
     return peft_layout.from_peft_state_dict(grads, peft_cfg)[0]
 

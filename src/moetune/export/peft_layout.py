@@ -12,6 +12,7 @@ first, so it is the inner wrapper and its LoRA lives under `.base_layer`):
     ours down_A    [E, r, I]  ->  ...mlp.experts.lora_A.weight             [E·r, I]   row  e·r + j
     ours down_B    [E, H, r]  ->  ...mlp.experts.lora_B.weight             [H, r·E]   col  j·E + e
 PEFT reads A as A.reshape(E, r, in) and B as B.reshape(out, r, E): the two factors order experts differently.
+(vLLM's reader of this layout, lora/model_manager.py `_stack_moe_lora_weights`, reshapes the same way.)
 
 Why dense/shared MLPs go through `target_parameters` (their 2-D `.weight`) and never `target_modules`: for
 glm4_moe PEFT rewrites `target_modules` entries named gate_proj/up_proj/down_proj (bare or dotted) into the
@@ -82,14 +83,14 @@ def peft_key(our_key: str) -> str:
     raise ValueError(f"{our_key} is not a moetune LoRA parameter name")
 
 
-def _strip_adapter_name(key: str) -> str:
+def strip_adapter_name(key: str) -> str:
     # in-memory PEFT keys carry the adapter name (`lora_A.default.weight`); saved ones do not
     return re.sub(r"\.(lora_[AB])\.(?!weight$)[^.]+\.weight$", r".\1.weight", key)
 
 
 def our_key(peft_key_: str) -> str:
     """PEFT key (saved, or in-memory with an adapter name) -> our LoRA parameter name."""
-    key = _strip_adapter_name(peft_key_)
+    key = strip_adapter_name(peft_key_)
     if not key.startswith(PREFIX):
         raise ValueError(f"{peft_key_}: PEFT LoRA keys start with {PREFIX!r}")
     key = key[len(PREFIX):]

@@ -134,8 +134,9 @@ class Experts(nn.Module):
 
     def forward(self, x, topk_idx, topk_weights):
         perm = permute(topk_idx, self.num_experts)
-        y = experts_forward(x[perm.token_idx], perm, self.gate_up_proj, self.down_proj, self.lora)
-        return unpermute(y, perm, topk_weights, x.dtype), perm.counts
+        row_weights = topk_weights.reshape(-1)[perm.order]
+        y = experts_forward(x[perm.token_idx], perm, row_weights, self.gate_up_proj, self.down_proj, self.lora)
+        return unpermute(y, perm, x.shape[0]), perm.counts
 
 
 class MoE(nn.Module):

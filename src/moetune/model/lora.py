@@ -81,10 +81,24 @@ class ExpertLoRA(nn.Module):
         nn.init.zeros_(self.down_B)
 
     def delta_gate_up(self, x, offs):
-        return grouped_linear(grouped_linear(self.dropout(x), self.gate_up_A, offs), self.gate_up_B, offs) * self.scaling
+        return self._delta(x, self.gate_up_A, self.gate_up_B, offs)
 
     def delta_down(self, a, offs):
-        return grouped_linear(grouped_linear(self.dropout(a), self.down_A, offs), self.down_B, offs) * self.scaling
+        return self._delta(a, self.down_A, self.down_B, offs)
+
+    def _delta(self, x, A, B, offs):
+        A, B = _pad_rank(A.to(x.dtype), B.to(x.dtype))
+        return grouped_linear(grouped_linear(self.dropout(x), A, offs), B, offs) * self.scaling
+
+
+def _pad_rank(A, B):
+    """grouped_mm wants 16-byte-aligned strides: pad the rank with zero rows of A / columns of B (which adds
+    exactly zero, and whose gradients are zero) when rank × element size is not a multiple of 16."""
+    step = 16 // A.element_size()
+    pad = -A.shape[1] % step
+    if pad == 0:
+        return A, B
+    return F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
 
 
 def _targeted_linears(model, targets):

@@ -61,11 +61,10 @@ def permute(topk_idx: torch.Tensor, num_experts: int) -> Permutation:
     return Permutation(order // k, order, inverse, counts, offs)
 
 
-def unpermute(y_perm: torch.Tensor, perm: Permutation, topk_weights: torch.Tensor, out_dtype) -> torch.Tensor:
-    """Weighted sum of each token's k expert outputs, as a gather (deterministic, no atomics)."""
-    T, k = topk_weights.shape
-    y = y_perm[perm.inverse].view(T, k, -1)
-    return (y * topk_weights.unsqueeze(-1)).sum(dim=1).to(out_dtype)
+def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch.Tensor:
+    """Sum of each token's k (already weighted) expert outputs, as a gather (deterministic, no atomics)."""
+    y = y_perm[perm.inverse]
+    return y.view(num_tokens, -1, y.shape[-1]).sum(dim=1)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -73,12 +72,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def experts_forward(x, perm: Permutation, gate_up_proj, down_proj, lora=None) -> torch.Tensor:
-    """Run permuted tokens x [T*k, H] through stacked experts (gate_up [E, 2I, H], down [E, H, I])."""
+def experts_forward(x, perm: Permutation, row_weights, gate_up_proj, down_proj, lora=None) -> torch.Tensor:
+    """Run permuted tokens x [T*k, H] through stacked experts (gate_up [E, 2I, H], down [E, H, I]).
+
+    The routing weight of each row scales the SwiGLU output, before down_proj: the same product (down_proj
+    is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum."""
     h = grouped_linear(x, gate_up_proj, perm.offs)
     if lora is not None:
         h = h + lora.delta_gate_up(x, perm.offs)
-    a = swiglu(h)
+    a = (swiglu(h).float() * row_weights.unsqueeze(-1)).to(x.dtype)
     y = grouped_linear(a, down_proj, perm.offs)
     if lora is not None:
         y = y + lora.delta_down(a, perm.offs)

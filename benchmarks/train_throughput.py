@@ -1,0 +1,254 @@
+"""Training throughput: moetune vs the HF transformers + PEFT reference, side by side in one GPU call.
+
+    python benchmarks/train_throughput.py                      # the default variant list, 1 GPU
+    python benchmarks/train_throughput.py --variants ours_qkvo_4x1024 hf_qkvo_4x1024
+    python benchmarks/train_throughput.py --two-gpu            # adds FSDP2 on 2 GPUs (torchrun)
+
+Each variant runs in its own process (peak memory is honest), warms up 3 steps and times 8 (median,
+synchronised wall clock around forward + backward + optimizer). The AIR-8 proxy: GLM-4.5-Air shapes with 8
+decoder layers, random bf16 N(0, 0.02) weights, random token ids. MFU₄ₚ = 4 × 2.72e9 × tokens/s / 989e12.
+A step-time breakdown comes from one profiled step, kernels bucketed by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# name: (stack, batch, seq, lora targets, extra)
+VARIANTS = {
+    "hf_qkvo_4x1024": ("hf", 4, 1024, QKVO, {}),
+    "ours_qkvo_4x1024": ("ours", 4, 1024, QKVO, {}),
+    "ours_qkvo_4x1024_ac": ("ours", 4, 1024, QKVO, {"ac": "full"}),
+    "ours_qkvo_4x1024_compile": ("ours", 4, 1024, QKVO, {"compile": True}),
+    "ours_qkvo_4x1024_skew": ("ours", 4, 1024, QKVO, {"skew": 1.2}),
+    "hf_qkvo_1x4096": ("hf", 1, 4096, QKVO, {}),
+    "ours_qkvo_1x4096": ("ours", 1, 4096, QKVO, {}),
+    "ours_qkvo_2x8192_packed": ("ours", 2, 8192, QKVO, {"docs": 4}),
+    "hf_experts_4x1024": ("hf", 4, 1024, QKVO + ["experts"], {}),
+    "ours_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {}),
+    "ours_experts_4x1024_compile": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True}),
+    "ours_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2}),
+}
+DEFAULT = ["hf_qkvo_4x1024", "ours_qkvo_4x1024", "ours_qkvo_1x4096", "ours_qkvo_2x8192_packed",
+           "hf_experts_4x1024", "ours_experts_4x1024", "ours_qkvo_4x1024_skew", "ours_full_4x1024_2layers"]
+PEAK = 989e12
+
+
+def air8(layers=8) -> dict:
+    from moetune.model.config import BUILTIN
+
+    return dict(BUILTIN["glm45-air"], num_hidden_layers=layers)
+
+
+def active_params(cfg: dict) -> int:
+    from moetune.model.config import ModelConfig
+    from moetune.train.metrics import active_matmul_params
+
+    return active_matmul_params(ModelConfig.from_hf_dict(cfg))
+
+
+def make_batch(B, S, vocab, docs, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    if docs > 1:  # packed: `docs` documents of equal length per row, positions restart, no cross-doc targets
+        L = S // docs
+        pos = torch.arange(S) % L
+        labels[:, L - 1 :: L] = -100
+        pos = pos.expand(B, S).contiguous()
+    else:
+        pos = torch.arange(S).expand(B, S).contiguous()
+    return ids.to(device), labels.to(device), pos.to(device)
+
+
+# ------------------------------------------------------------------------------------------------- workers
+def build_ours(cfg: dict, targets, extra, device):
+    from moetune.model.config import ModelConfig
+    from moetune.model.hf_io import build_model, cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.parallel import apply_ac, apply_compile
+    from moetune.train.setup import init_lora
+
+    mcfg = ModelConfig.from_hf_dict(cfg)
+    model = build_model(mcfg, "meta")
+    full = targets is None
+    cast_model(model, torch.bfloat16)
+    if not full:
+        apply_lora(model, targets, 16, 32)
+    apply_ac(model, extra.get("ac", "none"))
+    if extra.get("compile"):
+        apply_compile(model)
+    model.to_empty(device=device)
+    init_weights(model, 0.02, seed=0)
+    init_lora(model, seed=0)
+    if extra.get("skew"):  # Zipf-distributed correction bias: a few experts take most tokens, as trained routers do
+        E = mcfg.n_routed_experts
+        zipf = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** extra["skew"]
+        with torch.no_grad():
+            for moe in model.moe_layers():
+                moe.gate.e_score_correction_bias.copy_((zipf[torch.randperm(E)] * 0.5).to(device))
+    return model
+
+
+def ours_step_fn(model, full: bool):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def step(ids, labels, pos):
+        loss = model(ids, pos, labels=labels) / (labels != -100).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+BUCKETS = [  # (bucket, substrings of CUDA kernel names), first match wins
+    ("attention", ["flash", "fmha", "attention", "flex", "sdpa", "triton_tem_fused"]),
+    ("experts_grouped_gemm", ["grouped", "group_gemm", "GroupedGemm", "gemm_grouped", "cutlass3x_sm90_gemm_grouped"]),
+    ("optimizer", ["adam", "Adam", "multi_tensor"]),
+    ("communication", ["nccl", "ncclDevKernel"]),
+    ("loss_softmax", ["logsumexp", "softmax", "log_softmax", "nll", "cross_entropy"]),
+    ("permutation_router", ["sort", "Sort", "radix", "bincount", "histogram", "index", "gather", "scatter", "topk", "cumsum", "scan", "bitonic"]),
+    ("dense_gemm", ["gemm", "Gemm", "cublas", "xmma", "cutlass", "sm90"]),
+]
+
+
+def breakdown(step, batch):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(*batch)
+        torch.cuda.synchronize()
+    totals, kernels = {}, {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" and getattr(e, "device_time_total", 0) == 0:
+            continue
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if not t:
+            continue
+        b = next((b for b, keys in BUCKETS if any(k in e.key for k in keys)), "elementwise_other")
+        totals[b] = totals.get(b, 0.0) + t / 1e3
+        kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + t / 1e3
+    if os.environ.get("BENCH_KERNELS"):
+        for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"KERNEL {v:8.2f} ms  {k}", flush=True)
+    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def worker(name: str) -> dict:
+    stack, B, S, targets, extra = VARIANTS[name]
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    cfg = air8(extra.get("layers", 8))
+    docs = extra.get("docs", 1)
+    if stack == "hf":
+        from hf_reference import build_hf, hf_step_fn
+
+        model = build_hf(cfg, targets, device=dev)
+        step = hf_step_fn(model)
+    else:
+        model = build_ours(cfg, targets, extra, dev)
+        step = ours_step_fn(model, targets is None)
+    batch = make_batch(B, S, cfg["vocab_size"], docs, dev)
+    if stack == "hf":
+        batch = (batch[0], torch.roll(batch[1], 1, 1), batch[2] if docs > 1 else None)  # HF shifts itself
+    for _ in range(3):
+        step(*batch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(8):
+        t = time.perf_counter()
+        loss = step(*batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    st = statistics.median(times)
+    tokens = B * S
+    res = {
+        "variant": name, "stack": stack, "batch": f"{B}x{S}", "layers": cfg["num_hidden_layers"],
+        "step_s": round(st, 4), "tokens_per_s": round(tokens / st, 1),
+        "mfu4p": round(4 * active_params(cfg) * tokens / st / PEAK, 4),
+        "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "loss": round(float(loss), 4),
+    }
+    if targets is None:
+        res["mfu6p"] = round(6 * active_params(cfg) * tokens / st / PEAK, 4)
+    try:
+        res["breakdown_ms"] = breakdown(step, batch)
+    except Exception as e:  # the profiler is a nice-to-have, never a reason to lose the numbers
+        res["breakdown_ms"] = {"error": str(e)[:200]}
+    return res
+
+
+def run_variant(name: str, timeout: int) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t = time.time()
+    p = subprocess.run([sys.executable, __file__, "--worker", name], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    for line in p.stdout.splitlines():
+        if line.startswith("KERNEL "):
+            print(f"[{name}] {line}", flush=True)
+    for line in p.stdout.splitlines()[::-1]:
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            r["wall_s"] = round(time.time() - t, 1)
+            return r
+    return {"variant": name, "error": (p.stderr or p.stdout)[-1500:]}
+
+
+def table(results):
+    ref = {r["batch"]: r for r in results if r.get("stack") == "hf" and "error" not in r}
+    lines = [f"{'variant':<30}{'tok/s':>10}{'MFU4p':>8}{'vs HF':>7}{'alloc GiB':>10}{'resv GiB':>9}{'step s':>8}"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['variant']:<30} ERROR {r['error'][-300:]!r}")
+            continue
+        base = ref.get(r["batch"])
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and r["stack"] != "hf" else ""
+        lines.append(f"{r['variant']:<30}{r['tokens_per_s']:>10,.0f}{100 * r['mfu4p']:>7.1f}%{ratio:>7}"
+                     f"{r['peak_alloc_gib']:>10.1f}{r['peak_reserved_gib']:>9.1f}{r['step_s']:>8.3f}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker")
+    ap.add_argument("--variants", nargs="*", default=DEFAULT)
+    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    a = ap.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(worker(a.worker)), flush=True)
+        return
+    results = []
+    for v in a.variants:
+        r = run_variant(v, a.timeout)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    print(table(results))
+    if a.out:
+        with open(os.path.join(a.out, "train_throughput.json"), "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+                       "torch": torch.__version__, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
