@@ -103,9 +103,25 @@ def _render_text(tokenizer, turns: list[dict], add_generation_prompt: bool = Fal
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("the tokenizer has no chat template, so 'messages' records cannot be rendered")
     try:
+        if not turns:
+            return _render_no_turns(tokenizer, add_generation_prompt)
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raises many types, e.g. a template's raise_exception("roles must alternate")
         raise DataError(f"the chat template rejected this conversation: {e}") from e
+
+
+def _render_no_turns(tokenizer, add_generation_prompt: bool) -> str:
+    # Where the first turn starts is what the template writes for zero turns ("[gMASK]<sop>"), but
+    # apply_chat_template refuses an empty conversation, so call its renderer the way it would.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[[]],
+        chat_template=tokenizer.get_chat_template(),
+        add_generation_prompt=add_generation_prompt,
+        **tokenizer.special_tokens_map,
+    )
+    return rendered[0]
 
 
 def _render(tokenizer, turns: list[dict], add_generation_prompt: bool = False) -> list[int]:
@@ -114,7 +130,7 @@ def _render(tokenizer, turns: list[dict], add_generation_prompt: bool = False) -
     except DataError:
         if turns:
             raise
-        return []  # some templates cannot render zero messages; the conversation then starts at token 0
+        return []  # a template that cannot render zero turns (e.g. it reads messages[0]): the first turn starts at 0
     # The template already wrote every special token (e.g. [gMASK]<sop>); don't let the tokenizer add its own.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -20,24 +20,16 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+        ce_chunk = _ce_and_grad_compiled() if h.is_cuda else _ce_and_grad
         for s in range(0, h.shape[0], chunk):
             hs, ls = h[s : s + chunk], labels[s : s + chunk]
-            logits = (hs @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = ls != IGNORE
-            safe = ls.clamp(min=0)
-            target = logits.gather(1, safe[:, None]).squeeze(1)
-            total += ((lse - target) * valid).sum()
-            if need_h or need_w:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
-                g *= valid[:, None]
-                g = g.to(h.dtype)
+            loss, g = ce_chunk(hs @ weight.t(), ls, need_h or need_w)
+            total += loss
+            if g is not None:
                 if need_h:
                     grad_h[s : s + chunk] = g @ weight
                 if need_w:
                     grad_w += (g.t() @ hs).float()
-            del logits
         ctx.w_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total
@@ -48,6 +40,33 @@ class LinearCrossEntropy(torch.autograd.Function):
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
         return gh, gw, None, None
+
+
+def _ce_and_grad(logits, labels, want_grad: bool):
+    """(Σ CE over valid rows, d/dlogits = softmax − onehot on valid rows in the logits' dtype, or None)."""
+    in_dtype = logits.dtype
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != IGNORE
+    safe = labels.clamp(min=0)
+    target = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = ((lse - target) * valid).sum()
+    if not want_grad:
+        return loss, None
+    onehot = torch.nn.functional.one_hot(safe, logits.shape[-1]).to(logits.dtype)
+    g = ((logits - lse[:, None]).exp() - onehot) * valid[:, None]
+    return loss, g.to(in_dtype)
+
+
+_compiled = None
+
+
+def _ce_and_grad_compiled():
+    """On CUDA the elementwise part (fp32 cast, logsumexp, exp, one-hot) is fused into two kernels."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_ce_and_grad, dynamic=False)
+    return _compiled
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 4096):

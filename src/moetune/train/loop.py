@@ -30,6 +30,7 @@ class TrainState:
     best_eval_loss: float | None = None
     eval_losses: list = field(default_factory=list)
     skipped_steps: int = 0
+    bad_streak: int = 0  # consecutive non-finite steps; checkpoint.max_bad_steps of them stop the run
 
 
 def train(cfg: Config) -> TrainState:
@@ -59,6 +60,7 @@ def train(cfg: Config) -> TrainState:
     ckpt = Checkpointer(cfg, dist, model, optimizer, scheduler, data.loader)
     state = ckpt.resume(TrainState())
     metrics = MetricsWriter(run_dir / "metrics.jsonl", dist.is_main, append=state.step > 0)
+    ckpt.metrics = metrics  # each save logs {"step", "checkpoint_s", "checkpoint_bytes"}
     peak = device_peak_flops(dist.device)
     expert_counts = torch.zeros(len(moe_layers), model.config.n_routed_experts, device=dist.device, dtype=torch.long)
     bar = progress_bar(cfg, dist, state.step)
@@ -89,10 +91,12 @@ def train(cfg: Config) -> TrainState:
         if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
             optimizer.zero_grad(set_to_none=True)  # a numerical fault: skip the update, count it
             state.skipped_steps += 1
+            state.bad_streak += 1
             log.warning("step %d: non-finite loss %s / grad norm %s: update skipped", state.step + 1, loss_val, grad_norm)
         else:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            state.bad_streak = 0
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         state.step += 1
@@ -124,7 +128,9 @@ def train(cfg: Config) -> TrainState:
             state.best_eval_loss = ev if state.best_eval_loss is None else min(state.best_eval_loss, ev)
             metrics.write({"step": state.step, "eval_loss": round(ev, 6)})
             bar.write(f"step {state.step}: eval loss {ev:.4f}")
-        ckpt.maybe_save(state, last=last)
+        if state.bad_streak >= cfg.checkpoint.max_bad_steps:
+            ckpt.stop_on_numerical_fault(state)  # saves the last good weights, then raises NumericalFault
+        ckpt.maybe_save(state, last=last)  # also: all ranks agree on a stop signal, an async save completes
         if ckpt.stop_requested():
             break
         timer.lap(dist.device)  # evaluation and checkpoint time are not training throughput
