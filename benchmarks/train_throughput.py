@@ -32,16 +32,21 @@ VARIANTS = {
     "hf_qkvo_4x1024": ("hf", 4, 1024, QKVO, {}),
     "ours_qkvo_4x1024": ("ours", 4, 1024, QKVO, {}),
     "ours_qkvo_4x1024_ac": ("ours", 4, 1024, QKVO, {"ac": "full"}),
-    "ours_qkvo_4x1024_compile": ("ours", 4, 1024, QKVO, {"compile": True}),
+    "ours_qkvo_4x1024_eager": ("ours", 4, 1024, QKVO, {"compile": False}),
     "ours_qkvo_4x1024_skew": ("ours", 4, 1024, QKVO, {"skew": 1.2}),
     "hf_qkvo_1x4096": ("hf", 1, 4096, QKVO, {}),
     "ours_qkvo_1x4096": ("ours", 1, 4096, QKVO, {}),
     "ours_qkvo_2x8192_packed": ("ours", 2, 8192, QKVO, {"docs": 4}),
     "hf_experts_4x1024": ("hf", 4, 1024, QKVO + ["experts"], {}),
     "ours_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {}),
-    "ours_experts_4x1024_compile": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True}),
-    "ours_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2}),
+    "ours_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2, "compile": True}),
+    # 2 GPUs (torchrun), per-GPU batch 4x1024: FSDP2 over both, and expert parallelism EP=2
+    "ours_fsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2}),
+    "ours_ep2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2}),
 }
+for _k, _v in list(VARIANTS.items()):
+    if _v[0] == "ours" and "nproc" not in _v[4] and not _k.endswith("_compile"):
+        _v[4].setdefault("compile", True)  # torch.compile per block is the default for our GPU numbers
 DEFAULT = ["hf_qkvo_4x1024", "ours_qkvo_4x1024", "ours_qkvo_1x4096", "ours_qkvo_2x8192_packed",
            "hf_experts_4x1024", "ours_experts_4x1024", "ours_qkvo_4x1024_skew", "ours_full_4x1024_2layers"]
 PEAK = 989e12
@@ -92,6 +97,15 @@ def build_ours(cfg: dict, targets, extra, device):
     apply_ac(model, extra.get("ac", "none"))
     if extra.get("compile"):
         apply_compile(model)
+    if extra.get("nproc", 1) > 1:
+        from moetune.parallel import apply_fsdp, init_distributed
+
+        dist = init_distributed(ep=extra.get("ep", 1))
+        if extra.get("ep", 1) > 1:
+            from moetune.parallel import apply_ep
+
+            apply_ep(model, dist.mesh)
+        apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16)
     model.to_empty(device=device)
     init_weights(model, 0.02, seed=0)
     init_lora(model, seed=0)
@@ -183,6 +197,7 @@ def worker(name: str) -> dict:
     tokens = B * S
     res = {
         "variant": name, "stack": stack, "batch": f"{B}x{S}", "layers": cfg["num_hidden_layers"],
+        "gpus": extra.get("nproc", 1), "per_gpu": True,
         "step_s": round(st, 4), "tokens_per_s": round(tokens / st, 1),
         "mfu4p": round(4 * active_params(cfg) * tokens / st / PEAK, 4),
         "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -201,8 +216,14 @@ def worker(name: str) -> dict:
 def run_variant(name: str, timeout: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t = time.time()
-    p = subprocess.run([sys.executable, __file__, "--worker", name], capture_output=True, text=True, env=env,
-                       timeout=timeout)
+    nproc = VARIANTS[name][4].get("nproc", 1)
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                                   str(nproc), "--master-port", "29533"]
+    try:
+        p = subprocess.run(launch + [__file__, "--worker", name], capture_output=True, text=True, env=env,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"variant": name, "error": f"timeout after {timeout}s: {str(e.stderr)[-800:]}"}
     for line in p.stdout.splitlines():
         if line.startswith("KERNEL "):
             print(f"[{name}] {line}", flush=True)
@@ -236,7 +257,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"))
     a = ap.parse_args()
     if a.worker:
-        print("RESULT " + json.dumps(worker(a.worker)), flush=True)
+        r = worker(a.worker)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("RESULT " + json.dumps(r), flush=True)
         return
     results = []
     for v in a.variants:
