@@ -91,12 +91,10 @@ def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None)
 
 
 def apply_ac(model, mode: str) -> None:
-    """Activation checkpointing per decoder layer ("full"); "selective" keeps the GEMM outputs and recomputes
-    only cheap ops (norms, activations, RoPE) — here it is per-layer recompute of everything but the MoE."""
-    if mode == "none":
-        return
+    """Activation checkpointing per decoder layer: "full" recomputes the whole layer in backward; "selective"
+    keeps the GEMM and attention outputs and recomputes only the cheap elementwise ops."""
     for layer in model.model.layers:
-        layer.activation_checkpointing = True
+        layer.activation_checkpointing = mode
 
 
 def apply_compile(model) -> None:

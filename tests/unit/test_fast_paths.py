@@ -91,3 +91,30 @@ def test_expert_lora_any_rank_matches_per_expert_products():
                                        atol=1e-2 if dt == torch.bfloat16 else 1e-5)
             got.float().pow(2).sum().backward()
             assert lora.gate_up_A.grad.shape == (4, r, 16)
+
+
+def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
+    import moetune
+    from moetune.model.lora import apply_lora
+    from moetune.parallel import apply_ac
+
+    from helpers import hf_model, save_hf
+
+    path = save_hf(hf_model(seed=8), tmp_path / "ckpt")
+    ids = torch.randint(0, 96, (2, 16))
+    labels = torch.roll(ids, -1, 1)
+    grads = {}
+    for mode in ("none", "full", "selective"):
+        model = moetune.load_model(path)
+        torch.manual_seed(0)
+        apply_lora(model, ["q_proj", "experts"], 4, 8)
+        for n, p in model.named_parameters():
+            if "lora_B" in n or n.endswith("_B"):
+                torch.nn.init.normal_(p, std=0.1)
+        apply_ac(model, mode)
+        model.train()
+        model(ids, labels=labels).backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for mode in ("full", "selective"):
+        for n, g in grads["none"].items():
+            torch.testing.assert_close(grads[mode][n], g, rtol=1e-5, atol=1e-6)

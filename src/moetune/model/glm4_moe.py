@@ -176,17 +176,40 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.activation_checkpointing = False  # set by parallel.apply_ac
+        self.activation_checkpointing = "none"  # "none" | "full" | "selective", set by parallel.apply_ac
 
     def _forward(self, x, cos, sin, attn):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, attn):
-        if self.activation_checkpointing and torch.is_grad_enabled():
+        if self.activation_checkpointing != "none" and torch.is_grad_enabled():
             # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-            return checkpoint(self._forward, x, cos, sin, attn, use_reentrant=False)
+            kw = {"context_fn": selective_checkpoint_context} if self.activation_checkpointing == "selective" else {}
+            return checkpoint(self._forward, x, cos, sin, attn, use_reentrant=False, **kw)
         return self._forward(x, cos, sin, attn)
+
+
+_SAVE_OPS = None
+
+
+def selective_checkpoint_context():
+    """Selective recompute: keep what the GEMMs and attention produced, recompute the cheap elementwise ops
+    (norms, RoPE, SwiGLU, casts, permutation gathers) in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    global _SAVE_OPS
+    if _SAVE_OPS is None:
+        aten = torch.ops.aten
+        _SAVE_OPS = {aten.mm.default, aten.addmm.default, aten._grouped_mm.default,
+                     aten._scaled_dot_product_flash_attention.default,
+                     aten._scaled_dot_product_efficient_attention.default,
+                     aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 class Backbone(nn.Module):
