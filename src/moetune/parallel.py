@@ -1,6 +1,10 @@
 """Distributed setup and the parallelisms, as plain functions applied in a fixed order (torchtitan's shape):
 
-    init_distributed → build on meta → LoRA → apply_ac → apply_compile → apply_fsdp → materialise → load
+    init_distributed → build on meta → LoRA → apply_ep → apply_ac → apply_compile → apply_fsdp → materialise → load
+
+Every rank is a data-parallel rank (its own batches). With parallel.ep > 1 the world is a mesh
+("dp_shard", "ep"): the routed experts are split by expert over "ep" and FSDP-sharded over "dp_shard"; all
+other parameters are FSDP-sharded over the whole world ("dp", the two dimensions flattened).
 
 Launch is whatever sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (torchrun, accelerate, srun):
 we never start processes ourselves. NCCL on GPU, gloo on CPU.
@@ -21,7 +25,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    mesh: object | None = None  # DeviceMesh ("dp_shard",) or ("dp_shard", "ep"); None without a process group
+    mesh: object | None = None  # DeviceMesh ("dp_shard",) or ("dp_shard", "ep") (+ flattened "dp"); None alone
     ep: int = 1
 
     @property
@@ -32,13 +36,15 @@ class Dist:
     def initialized(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
+    # Expert parallelism does not take ranks from data parallelism: every rank reads its own batches (the
+    # experts' gradients are still a mean over all ranks: apply_fsdp sets their divide factor to the world).
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.ep if self.ep > 1 else self.rank
+        return self.rank
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.ep
+        return self.world_size
 
     def barrier(self):
         if self.initialized:
@@ -85,9 +91,56 @@ def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None)
 
     if ep > 1:
         mesh = init_device_mesh(dev.type, (dp_shard, ep), mesh_dim_names=("dp_shard", "ep"))
+        mesh._flatten("dp")  # the whole world as one dimension: FSDP of everything but the routed experts
     else:
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
     return Dist(rank, world, local, dev, mesh, ep)
+
+
+def apply_ep(model, ep_mesh) -> None:
+    """Expert parallelism: shard every MoE layer's routed experts by expert over `ep_mesh` (see shard_experts).
+    The router and the shared expert stay whole on every rank, so routing is local."""
+    for moe in model.moe_layers():
+        shard_experts(moe.experts, ep_mesh)
+
+
+def shard_experts(experts, ep_mesh) -> None:
+    """Split stacked experts (base and LoRA tensors) by expert into DTensors Shard(0) over `ep_mesh` — so init
+    and loading by global offset, DCP and export keep working — and let `Experts` exchange rows by all-to-all."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if experts.num_experts % ep_mesh.size():
+        raise ValueError(f"parallel.ep ({ep_mesh.size()}) must divide the number of routed experts "
+                         f"({experts.num_experts})")
+    for module in (experts, experts.lora):
+        if module is None:
+            continue
+        for name, p in list(module.named_parameters(recurse=False)):
+            # src_data_rank=None: each rank keeps its own slice, no scatter (the model is normally still on meta)
+            shard = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, torch.nn.Parameter(shard, requires_grad=p.requires_grad))
+    experts.ep_group = ep_mesh.get_group()
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Global gradient norm over all ranks, clipped when max_norm > 0. Under expert parallelism the experts'
+    gradients are DTensors on another mesh than the rest, and DTensor ops cannot mix meshes: one norm per
+    mesh, made whole (full_tensor), then combined."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if not by_mesh:
+        return 0.0
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm > 0:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return float(total)
 
 
 def apply_ac(model, mode: str) -> None:
@@ -108,17 +161,27 @@ def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype 
     """FSDP2: routed experts in their own unit (their all-gather overlaps the attention), each decoder layer
     a unit, the root last (embeddings, final norm, lm_head). Stacked experts mean every rank gathers the same
     tensors whatever its tokens route to, so uneven routing cannot desynchronise collectives.
+    With expert parallelism the experts' unit shards over "dp_shard" only (they are already split over "ep"),
+    everything else over the whole world ("dp").
     cpu_offload keeps the sharded fp32 master weights, gradients and optimizer state in host memory (FSDP2
     copies each unit to the GPU for its forward/backward); it needs an accelerator."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    dp_mesh = mesh["dp_shard"] if mesh.mesh_dim_names and len(mesh.mesh_dim_names) > 1 else mesh
+    dp_mesh = mesh["dp"] if "ep" in (mesh.mesh_dim_names or ()) else mesh
     n = len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
+        if experts is not None and experts.ep_group is not None:
+            fully_shard(experts, mesh=mesh["dp_shard"], reshard_after_forward=reshard_after_forward, **kw)
+            # The all-to-all's backward already sums an expert's gradient over its ep group; dividing by the
+            # world (not dp_shard) makes it the same all-rank mean as every other gradient.
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            if mesh["dp_shard"].size() > 1:
+                # sum, then divide (gloo has no PREMUL_SUM); not on a dp_shard of 1, where torch 2.13 would divide twice
+                experts.set_force_sum_reduction_for_comms(True)
+        elif experts is not None:
             fully_shard(experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
         # the last layer's parameters are needed again at once by backward: keep them gathered
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < n - 1, **kw)

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from moetune.model.attention import AttnMeta, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
-from moetune.model.moe import experts_forward, permute, unpermute
+from moetune.model.moe import ep_combine, ep_dispatch, experts_forward, permute, unpermute
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +122,10 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as stacked weights; `lora` (an ExpertLoRA) is attached by `apply_lora` when targeted."""
+    """Routed experts as stacked weights; `lora` (an ExpertLoRA) is attached by `apply_lora` when targeted.
+
+    Under expert parallelism (`parallel.apply_ep`) the weights are sharded by expert over `ep_group` and each
+    rank's rows travel to the rank holding their expert and back (all-to-all); routing stays local."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -131,11 +134,17 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # gate rows first, then up
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.lora = None
+        self.ep_group = None  # set by parallel.apply_ep
 
     def forward(self, x, topk_idx, topk_weights):
         perm = permute(topk_idx, self.num_experts)
-        row_weights = topk_weights.reshape(-1)[perm.order]
-        y = experts_forward(x[perm.token_idx], perm, row_weights, self.gate_up_proj, self.down_proj, self.lora)
+        if self.ep_group is None:
+            rows, row_weights, offs = x[perm.token_idx], topk_weights.reshape(-1)[perm.order], perm.offs
+        else:
+            rows, row_weights, offs, plan = ep_dispatch(x, topk_weights, perm, self.ep_group)
+        y = experts_forward(rows, offs, row_weights, self.gate_up_proj, self.down_proj, self.lora)
+        if self.ep_group is not None:
+            y = ep_combine(y, plan)
         return unpermute(y, perm, x.shape[0]), perm.counts
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.model.moe import grouped_linear
+from moetune.model.moe import grouped_linear, local_experts
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGETS = ATTENTION + ("dense_mlp", "shared_experts", "experts")
@@ -87,7 +87,7 @@ class ExpertLoRA(nn.Module):
         return self._delta(a, self.down_A, self.down_B, offs)
 
     def _delta(self, x, A, B, offs):
-        A, B = _pad_rank(A.to(x.dtype), B.to(x.dtype))
+        A, B = _pad_rank(local_experts(A).to(x.dtype), local_experts(B).to(x.dtype))  # EP: this rank's experts
         return grouped_linear(grouped_linear(self.dropout(x), A, offs), B, offs) * self.scaling
 
 

@@ -1,4 +1,5 @@
-"""Build the model a run trains: meta → LoRA → activation checkpointing → compile → FSDP2 → materialise → weights."""
+"""Build the model a run trains: meta → LoRA → EP → activation checkpointing → compile → FSDP2 → materialise →
+weights."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from moetune.model.config import ModelConfig, resolve_model_config
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import as_dtype, build_model, cast_model, init_weights, load_hf_weights
 from moetune.model.lora import ExpertLoRA, LoRALinear, apply_lora
-from moetune.parallel import Dist, apply_ac, apply_compile, apply_fsdp
+from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp
 
 log = logging.getLogger("moetune")
 
@@ -32,6 +33,8 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
     else:
         apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
     model.attn_implementation = cfg.model.attn_implementation
+    if dist.ep > 1:
+        apply_ep(model, dist.mesh["ep"])
     apply_ac(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model)

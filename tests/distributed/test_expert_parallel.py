@@ -1,0 +1,134 @@
+"""Expert parallelism on 2 gloo processes (CPU): the same numbers as EP=1.
+
+- dispatch/combine alone: outputs and gradients (tokens, routing weights, base and LoRA experts) equal the
+  non-EP path, with skewed routing, including a rank that receives no rows at all;
+- whole runs: parallel.ep 2 on 2 processes (micro-batch 1 each) equals 1 process (micro-batch 2): per-step
+  losses, eval losses and the trained adapter (LoRA on attention + experts) or weights (full fine-tuning).
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from helpers import eval_losses, free_port, read_metrics, run_inprocess, run_torchrun, small_run_args, step_losses
+
+E, H, I, K, WORLD = 8, 16, 8, 2, 2
+
+
+def _experts(seed=0):
+    from moetune.model.config import ModelConfig
+    from moetune.model.glm4_moe import Experts
+    from moetune.model.lora import ExpertLoRA
+
+    cfg = ModelConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=K)
+    g = torch.Generator().manual_seed(seed)
+    ex = Experts(cfg)
+    ex.lora = ExpertLoRA(E, H, I, rank=4, alpha=8.0, dropout=0.0, rslora=False)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)  # B != 0, so the LoRA path matters
+    return ex
+
+
+def _inputs(rank, experts_allowed):
+    """Rank `rank`'s tokens (a different count per rank), routed to distinct experts among `experts_allowed`."""
+    g = torch.Generator().manual_seed(100 + rank)
+    T = 11 + 4 * rank
+    x = torch.randn(T, H, generator=g)
+    allowed = torch.tensor(experts_allowed)
+    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    return x, idx, w, torch.randn(T, H, generator=g)
+
+
+def _dispatch_combine_worker(rank, port):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moetune.parallel import shard_experts
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+    # skewed: rank 0 routes anywhere, rank 1 only to rank 0's experts; then everything to rank 0 (rank 1
+    # receives no rows: its grouped GEMMs run on zero rows, it still joins every collective)
+    for routes in ([list(range(E)), list(range(E // 2))], [list(range(E // 2))] * WORLD):
+        ref, ep = _experts(), _experts()
+        shard_experts(ep, mesh)
+        inputs = [_inputs(r, routes[r]) for r in range(WORLD)]
+        # reference: every rank's tokens through the whole experts, one loss summed over ranks
+        ref_x = [(x.clone().requires_grad_(), idx, w.clone().requires_grad_(), g) for x, idx, w, g in inputs]
+        ref_y = [ref(x, idx, w)[0] for x, idx, w, _ in ref_x]
+        sum((y * g).sum() for y, (*_, g) in zip(ref_y, ref_x)).backward()
+        # expert parallel: this rank's tokens only
+        x, idx, w, g = inputs[rank]
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, counts = ep(x, idx, w)
+        (y * g).sum().backward()
+
+        torch.testing.assert_close(y, ref_y[rank])
+        torch.testing.assert_close(counts, torch.bincount(idx.reshape(-1), minlength=E))
+        torch.testing.assert_close(x.grad, ref_x[rank][0].grad)
+        torch.testing.assert_close(w.grad, ref_x[rank][2].grad)
+        mine = slice(rank * E // WORLD, (rank + 1) * E // WORLD)
+        ref_params = dict(ref.named_parameters())
+        for name, p in ep.named_parameters():
+            assert p.placements[0].is_shard(0), name
+            torch.testing.assert_close(p.grad.to_local(), ref_params[name].grad[mine], msg=name)
+    dist.destroy_process_group()
+
+
+def test_dispatch_combine_equals_non_ep():
+    mp.spawn(_dispatch_combine_worker, args=(free_port(),), nprocs=WORLD)
+
+
+# ------------------------------------------------------------------------------------------- whole runs
+def _assert_same_run(one, ep):
+    la, lb = step_losses(one), step_losses(ep)
+    assert len(la) == len(lb) == 5
+    assert la == pytest.approx(lb, rel=1e-4, abs=1e-5)
+    assert la[-1] < la[0]  # it trained
+    # Adam hides a constant factor on a gradient from the losses; the norm does not (experts' divide factor)
+    norms = [[r["grad_norm"] for r in read_metrics(run) if "grad_norm" in r] for run in (one, ep)]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4, abs=1e-6)
+    assert eval_losses(one) == pytest.approx(eval_losses(ep), rel=1e-4, abs=1e-5)
+
+
+def _assert_close_tensors(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+def _runs(tmp_path, **over):
+    over = {"eval.every": 2, **over}  # evaluation runs the all-to-all under no_grad
+    one = run_inprocess(small_run_args(tmp_path, "one", **over, **{"train.micro_batch_size": 2}))
+    run_torchrun(small_run_args(tmp_path, "ep", **over, **{"parallel.ep": 2, "train.micro_batch_size": 1}))
+    return one, tmp_path / "runs" / "ep"
+
+
+def test_lora_attention_and_experts_ep2_equals_one_process(tmp_path):
+    one, ep = _runs(tmp_path)  # small_run_args targets attention, shared experts and routed experts
+    _assert_same_run(one, ep)
+    adapter = lambda run: load_file(os.path.join(run, "adapter", "adapter_model.safetensors"))  # noqa: E731
+    a, b = adapter(one), adapter(ep)
+    assert any(".experts." in k for k in a)
+    _assert_close_tensors(a, b)
+
+
+def test_full_finetune_ep2_equals_one_process(tmp_path):
+    from moetune.train.checkpoint_files import load_model_state
+
+    # router trained too (its gradient comes back through the all-to-all), and activation checkpointing
+    # (the backward recomputes each layer, all-to-alls included)
+    one, ep = _runs(tmp_path, **{"finetune.mode": "full", "finetune.train_router": True, "optim.lr": 1e-3,
+                                 "train.activation_checkpointing": "full"})
+    _assert_same_run(one, ep)
+    a, b = (load_model_state(run / "checkpoints" / "step_000005") for run in (one, ep))
+    assert "model.layers.1.mlp.experts.gate_up_proj" in a
+    _assert_close_tensors(a, b)
