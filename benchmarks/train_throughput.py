@@ -104,7 +104,7 @@ def build_ours(cfg: dict, targets, extra, device):
         if extra.get("ep", 1) > 1:
             from moetune.parallel import apply_ep
 
-            apply_ep(model, dist.mesh)
+            apply_ep(model, dist.mesh["ep"])
         apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16)
     model.to_empty(device=device)
     init_weights(model, 0.02, seed=0)
