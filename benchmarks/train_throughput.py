@@ -32,6 +32,7 @@ VARIANTS = {
     "hf_qkvo_4x1024": ("hf", 4, 1024, QKVO, {}),
     "ours_qkvo_4x1024": ("ours", 4, 1024, QKVO, {}),
     "ours_qkvo_4x1024_ac": ("ours", 4, 1024, QKVO, {"ac": "full"}),
+    "ours_qkvo_4x1024_sac": ("ours", 4, 1024, QKVO, {"ac": "selective"}),
     "ours_qkvo_4x1024_eager": ("ours", 4, 1024, QKVO, {"compile": False}),
     "ours_qkvo_4x1024_skew": ("ours", 4, 1024, QKVO, {"skew": 1.2}),
     "hf_qkvo_1x4096": ("hf", 1, 4096, QKVO, {}),
@@ -163,7 +164,9 @@ def breakdown(step, batch):
     if os.environ.get("BENCH_KERNELS"):
         for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
             print(f"KERNEL {v:8.2f} ms  {k}", flush=True)
-    return {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    out = {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    out["gpu_busy_total"] = round(sum(totals.values()), 1)  # vs step_s: the rest is host overhead / launch gaps
+    return out
 
 
 def worker(name: str) -> dict:
@@ -266,11 +269,11 @@ def main():
         r = run_variant(v, a.timeout)
         results.append(r)
         print(json.dumps(r), flush=True)
+        if a.out:  # after every variant, so a call cut short keeps what it measured
+            with open(os.path.join(a.out, "train_throughput.json"), "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+                           "torch": torch.__version__, "results": results}, f, indent=1)
     print(table(results))
-    if a.out:
-        with open(os.path.join(a.out, "train_throughput.json"), "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
-                       "torch": torch.__version__, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
