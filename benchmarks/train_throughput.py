@@ -43,6 +43,8 @@ VARIANTS = {
     "ours_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2, "compile": True}),
     # 2 GPUs (torchrun), per-GPU batch 4x1024: FSDP2 over both, and expert parallelism EP=2
     "ours_fsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2}),
+    "ours_fsdp2_keep_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "reshard": False}),
+    "ours_hsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "dp_shard": 1}),
     "ours_ep2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": False, "nproc": 2, "ep": 2}),
 }
 for _k, _v in list(VARIANTS.items()):
@@ -101,12 +103,12 @@ def build_ours(cfg: dict, targets, extra, device):
     if extra.get("nproc", 1) > 1:
         from moetune.parallel import apply_fsdp, init_distributed
 
-        dist = init_distributed(ep=extra.get("ep", 1))
+        dist = init_distributed(ep=extra.get("ep", 1), dp_shard=extra.get("dp_shard", -1))
         if extra.get("ep", 1) > 1:
             from moetune.parallel import apply_ep
 
             apply_ep(model, dist.mesh["ep"])
-        apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16)
+        apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True))
     model.to_empty(device=device)
     init_weights(model, 0.02, seed=0)
     init_lora(model, seed=0)
@@ -239,13 +241,16 @@ def run_variant(name: str, timeout: int) -> dict:
 
 
 def table(results):
-    ref = {r["batch"]: r for r in results if r.get("stack") == "hf" and "error" not in r}
+    ref = {r["variant"]: r for r in results if r.get("stack") == "hf" and "error" not in r}
     lines = [f"{'variant':<30}{'tok/s':>10}{'MFU4p':>8}{'vs HF':>7}{'alloc GiB':>10}{'resv GiB':>9}{'step s':>8}"]
     for r in results:
         if "error" in r:
             lines.append(f"{r['variant']:<30} ERROR {r['error'][-300:]!r}")
             continue
-        base = ref.get(r["batch"])
+        # the reference of the same LoRA targets and batch: hf_<targets>_<batch>
+        parts = r["variant"].split("_")
+        targets = "experts" if "experts" in parts else "qkvo"
+        base = ref.get(f"hf_{targets}_{r['batch']}")
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and r["stack"] != "hf" else ""
         lines.append(f"{r['variant']:<30}{r['tokens_per_s']:>10,.0f}{100 * r['mfu4p']:>7.1f}%{ratio:>7}"
                      f"{r['peak_alloc_gib']:>10.1f}{r['peak_reserved_gib']:>9.1f}{r['step_s']:>8.3f}")

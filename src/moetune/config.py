@@ -165,7 +165,7 @@ class CheckpointConfig(_Section):
 
 class ParallelConfig(_Section):
     ep: int = Field(1, ge=1)
-    dp_shard: int = -1  # -1 = world_size / ep
+    dp_shard: int = -1  # FSDP shard group size; -1 = world_size / ep; smaller (ep 1): the rest replicates (HSDP)
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
 

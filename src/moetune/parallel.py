@@ -25,7 +25,9 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    mesh: object | None = None  # DeviceMesh ("dp_shard",) or ("dp_shard", "ep") (+ flattened "dp"); None alone
+    # DeviceMesh ("dp_shard",), ("dp_replicate", "dp_shard") (HSDP) or ("dp_shard", "ep") (+ flattened "dp");
+    # None in a single process without a launcher
+    mesh: object | None = None
     ep: int = 1
 
     @property
@@ -85,11 +87,17 @@ def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
     if dp_shard == -1:
         dp_shard = world // ep
-    if dp_shard * ep != world:
-        raise ValueError(f"parallel.dp_shard ({dp_shard}) × parallel.ep ({ep}) must equal the world size ({world})")
+    # Ranks left over by dp_shard × ep replicate (HSDP): a model that fits on fewer GPUs shards over those and
+    # only all-reduces gradients across the replicas — for a frozen LoRA base, next to no communication.
+    replicate = world // (dp_shard * ep) if dp_shard * ep <= world else 0
+    if replicate * dp_shard * ep != world or (replicate > 1 and ep > 1):
+        raise ValueError(f"parallel.dp_shard ({dp_shard}) × parallel.ep ({ep}) must equal the world size ({world}), "
+                         "or, without expert parallelism, divide it (the rest replicates)")
     from torch.distributed.device_mesh import init_device_mesh
 
-    if ep > 1:
+    if replicate > 1:
+        mesh = init_device_mesh(dev.type, (replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    elif ep > 1:
         mesh = init_device_mesh(dev.type, (dp_shard, ep), mesh_dim_names=("dp_shard", "ep"))
         mesh._flatten("dp")  # the whole world as one dimension: FSDP of everything but the routed experts
     else:
@@ -169,7 +177,7 @@ def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype 
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    dp_mesh = mesh["dp"] if "ep" in (mesh.mesh_dim_names or ()) else mesh
+    dp_mesh = mesh["dp"] if "ep" in (mesh.mesh_dim_names or ()) else mesh  # a 2-D mesh here means HSDP
     n = len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)

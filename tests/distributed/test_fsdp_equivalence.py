@@ -49,3 +49,10 @@ def test_two_torchrun_agents_like_two_nodes(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     _assert_same_run(one, tmp_path / "runs" / "nodes")
+
+
+def test_two_replicas_hsdp_equal_one(tmp_path):
+    """parallel.dp_shard 1 on 2 processes: parameters replicated (HSDP), gradients all-reduced."""
+    one = run_inprocess(small_run_args(tmp_path, "one", **{"train.micro_batch_size": 2}))
+    run_torchrun(small_run_args(tmp_path, "rep", **{"train.micro_batch_size": 1, "parallel.dp_shard": 1}), nproc=2)
+    _assert_same_run(one, tmp_path / "runs" / "rep")
