@@ -2,12 +2,13 @@
 
     python -m moetune.assets.demo_data OUT_DIR [--n-train 4000] [--n-eval 200] [--seed 0]
 
-The task is upper-casing: the user writes ``upper: hello``, the assistant answers ``HELLO``. It was chosen because a
-tiny random-init model trained with LoRA learns it within a few hundred steps on two CPU cores (every answer token
-is a fixed function of one earlier token at a constant distance), while a model that has not learned it scores ~0%
-exact match, so the loss curve and a generation check both show learning. Tried and rejected as too slow for the
-demo: reversing and sorting strings (position-dependent or global), and plain copying, which learned more slowly.
-Conversations are ~20-30 tokens with the demo tokenizer.
+The task is upper-casing: the user writes ``upper: hecjab``, the assistant answers ``HECJAB``. It was chosen because a
+tiny random-init model trained with LoRA learns it within a couple of hundred steps on two CPU cores (every answer
+token is a fixed function of one earlier token at a constant distance), while an untrained model scores ~0% exact
+match, so both the loss curve and a generation check show learning. Words use ten letters and 3-6 characters: with
+all 26 letters and up to 8 the same budget learned far less. Tried and rejected as too slow for the demo: reversing
+and sorting strings (position-dependent or global rules) and plain copying. Conversations are 20-26 tokens with the
+demo tokenizer.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import string
 from pathlib import Path
 
 PREFIX = "upper: "
-MIN_LEN, MAX_LEN = 3, 8
+ALPHABET = "abcdefghij"  # few classes: the frozen random output layer of a LoRA run separates them quickly
+MIN_LEN, MAX_LEN = 3, 6
 
 
 def demo_answer(question: str) -> str:
@@ -57,7 +58,7 @@ def write_demo_dataset(out_dir, n_train: int = 4000, n_eval: int = 200, seed: in
 
 
 def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(MIN_LEN, MAX_LEN)))
+    return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(MIN_LEN, MAX_LEN)))
 
 
 def _distinct_words(rng: random.Random, n: int) -> list[str]:
