@@ -1,5 +1,5 @@
 """Exact resume on 2 gloo processes (LoRA and full fine-tuning, eval and accumulation on), and resharding
-resumes 2→1 and 1→2 processes.
+resumes 2→1 processes (1→2: test_resume_signals.py, to spare a launch).
 
 "N/2 + resume + N/2" is made from the straight run itself: its run directory as it stood right after the
 step-N/2 checkpoint (that checkpoint, the config, and a metrics.jsonl that already runs past it, as a
@@ -87,15 +87,3 @@ def test_full_finetune_two_processes_exact_async_and_resharded_to_one(tmp_path):
     one = run_inprocess(small_run_args(tmp_path, "one", **full, **{
         "train.micro_batch_size": 2, "resume": str(straight / "checkpoints" / "step_000003")}))
     _assert_close_tail(straight, one)
-
-
-def test_full_finetune_one_process_resharded_to_two(tmp_path):
-    full = {**EXACT, "finetune.mode": "full", "optim.lr": 1e-3}
-    one = run_inprocess(small_run_args(tmp_path, "one", **full, **{"train.micro_batch_size": 2}))
-    two = tmp_path / "runs" / "two"
-    run_torchrun(small_run_args(tmp_path, "two", **full, **{
-        "train.micro_batch_size": 1, "resume": str(one / "checkpoints" / "step_000003")}))
-    _assert_close_tail(one, two)
-    a, b = _final_weights(one), _final_weights(two)
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5)

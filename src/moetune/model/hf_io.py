@@ -147,6 +147,19 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     prefix, which = m.groups()
     E = shape[0]
     e_slice, rest = idx[0], idx[1:]
+    # Every expert of the stack must be present with the right shape, whichever this rank reads: checked from
+    # the index alone (no data read), so the strict check agrees on every rank of a sharded load.
+    projs = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
+    want = tuple(shape[1:]) if which == "down_proj" else (shape[1] // 2, shape[2])
+    for e in range(E):
+        for proj in projs:
+            key = f"{prefix}.{e}.{proj}.weight"
+            st = reader.tensors.get(key)
+            if st is None:
+                raise CheckpointError(f"tensor {key} (part of {name}) is missing from the checkpoint at {reader.path}")
+            if tuple(st.shape) != want:
+                raise _expected_shape_error(name, st, want)
+            consumed.add(key)
     parts = []
     for e in range(e_slice.start, e_slice.stop):
         if which == "down_proj":

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 import moetune
 from moetune.config import config_hash, config_to_yaml
 from moetune.model.adapter_io import gather_lora_state, save_adapter
 from moetune.model.hf_io import CheckpointError
-from moetune.train.checkpoint_files import (CONFIG, METADATA, TRAINER_STATE, check_config, complete_checkpoints,
-                                            dir_bytes, publish, remove_debris, remove_dir, resolve_resume,
+from moetune.train.checkpoint_files import (CONFIG, TRAINER_STATE, check_config, complete_checkpoints, dir_bytes,
+                                            publish, remove_debris, remove_dir, resolve_resume, set_aside,
                                             step_dir_name, verify_checkpoint, write_synced)
 
 log = logging.getLogger("moetune")
@@ -48,6 +49,9 @@ RESTORED_FIELDS = ("step", "tokens", "best_eval_loss", "eval_losses", "skipped_s
 # Test hook, "step_000004:30": rank 0 sleeps 30 s before publishing that checkpoint, so that a test can kill
 # or signal the run at a known point of a save.
 PAUSE_ENV = "MOETUNE_TEST_PAUSE_BEFORE_RENAME"
+
+
+_ERRORS = (Exception, CheckpointException)  # DCP's collective error derives from BaseException, not Exception
 
 
 class CheckpointWriteError(CheckpointError):
@@ -95,10 +99,13 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------ resume
     def resume(self, state):
         path = resolve_resume(self.cfg.resume, self.cfg.run_dir)
-        if self.dist.is_main and self.cfg.resume != "none" and path is None:
-            log.info("resume: auto found no checkpoint in %s: starting from scratch", self.root)
-        if self.dist.is_main and self.cfg.resume in ("auto", "none"):
-            remove_debris(self.root)
+        if self.dist.is_main:
+            remove_debris(self.root)  # unfinished saves of an earlier process: never resumed from
+            if self.cfg.resume == "none" and (earlier := set_aside(self.root)):
+                log.warning("resume: none: the checkpoints of an earlier run in this directory are moved to %s",
+                            earlier)
+            elif path is None and self.cfg.resume == "auto":
+                log.info("resume: auto found no checkpoint in %s: starting from scratch", self.root)
         if path is None:
             return state
         verify_checkpoint(path)
@@ -137,7 +144,7 @@ class Checkpointer:
         sd = self._state_dict(rng=has_rng)  # the tensors DCP fills in place; the bytes entries it replaces
         try:
             dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=not self.dist.initialized)
-        except Exception as e:
+        except _ERRORS as e:
             raise CheckpointError(f"cannot load checkpoint {path}: {_root_cause(e)}") from e
         set_model_state_dict(self.model, sd["model"], options=_model_options(self.full, loading=True))
         set_optimizer_state_dict(self.model, self.optimizer, sd["optim"])
@@ -201,7 +208,7 @@ class Checkpointer:
                                           process_group=self._async_group, no_dist=no_dist)
             else:
                 dcp.save(self._state_dict(), storage_writer=writer, no_dist=no_dist)
-        except Exception as e:
+        except _ERRORS as e:
             self._fail(s, e)
         s.blocking_s = time.perf_counter() - s.t0
         self._saved_step = state.step
@@ -216,7 +223,7 @@ class Checkpointer:
         try:
             s.future.result()
             error = None
-        except Exception as e:
+        except _ERRORS as e:
             error = e
         if not self._all_ok(error is None):
             self._fail(s, error)
@@ -232,9 +239,10 @@ class Checkpointer:
                 _test_pause(s.final.name)
                 publish(s.tmp, s.final)
                 nbytes = dir_bytes(s.final)
-                self._prune(keep=s.final)
             except OSError as e:
                 error = e
+            if error is None:
+                self._prune(keep=s.final)  # only once the new checkpoint is safe
         if not self._all_ok(error is None):
             self._fail(s, error)
         seconds = time.perf_counter() - s.t0
@@ -249,7 +257,10 @@ class Checkpointer:
     def _prune(self, keep: Path) -> None:
         done = [p for _, p in complete_checkpoints(self.root) if p != keep]
         for p in done[: max(0, len(done) - (self.cfg.checkpoint.keep_last - 1))]:
-            remove_dir(p)
+            try:
+                remove_dir(p)
+            except OSError as e:  # an old checkpoint that stays is no reason to stop
+                log.warning("could not delete the old checkpoint %s (checkpoint.keep_last): %s", p, e)
 
     def _all_ok(self, ok: bool) -> bool:
         failed = torch.tensor([0.0 if ok else 1.0], device=self.dist.device)
@@ -321,9 +332,8 @@ class Checkpointer:
             lora = gather_lora_state(self.model)
             if self.dist.is_main:
                 c = self.cfg.lora
-                save_adapter(lora, self.cfg.run_dir / "adapter",
-                             dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora, targets=list(c.targets)),
-                             base_model=self.cfg.model.path)
+                meta = dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora, targets=list(c.targets))
+                save_adapter(lora, self.cfg.run_dir / "adapter", meta, base_model=self.cfg.model.path)
 
     def close(self) -> None:
         """Give the signal handlers back (matters when train() runs inside a longer-lived process)."""
@@ -365,10 +375,17 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop the records of steps after the checkpoint (a killed run logged them; the resumed run redoes them)."""
     if not path.is_file():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    lines = [ln for ln in path.read_text().splitlines() if _record_step(ln) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     write_synced(tmp, "".join(ln + "\n" for ln in lines))
     os.replace(tmp, path)
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:  # empty, or the torn last line of a killed process
+        return float("inf")
 
 
 def _root_cause(e: BaseException) -> str:

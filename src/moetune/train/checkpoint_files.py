@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -168,6 +169,17 @@ def publish(tmp: Path, final: Path) -> None:
     remove_dir(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+def set_aside(root: Path) -> Path | None:
+    """resume: none where an earlier run left checkpoints: keep them, but out of auto-resume's way (it would
+    otherwise take an old step_N over the new run's smaller ones after a crash)."""
+    if not complete_checkpoints(root):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = next(d for i in range(1000) if not (d := root.with_name(f"checkpoints.earlier-{stamp}-{i}")).exists())
+    os.replace(root, dest)
+    return dest
 
 
 def remove_debris(root: Path) -> None:

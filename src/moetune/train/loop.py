@@ -13,6 +13,7 @@ import torch
 
 from moetune.config import Config, config_to_yaml
 from moetune.model.lora import format_trainable_table
+from moetune import parallel
 from moetune.parallel import Dist, init_distributed
 from moetune.train.data_setup import setup_data
 from moetune.train.metrics import (MetricsWriter, Throughput, device_peak_flops, expert_load_stats, memory_gib,
@@ -148,12 +149,8 @@ def to_device(batch: dict, device) -> dict:
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Global gradient norm (DTensor-aware), clipped when max_norm > 0."""
-    grads = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    """Global gradient norm (DTensor-aware, expert parallelism included), clipped when max_norm > 0."""
+    return parallel.clip_grad_norm(params, max_norm)
 
 
 @torch.no_grad()
