@@ -67,7 +67,8 @@ def small_run_args(tmp_path, name, **over):
     args = {
         "run.output_dir": str(tmp_path / "runs"), "run.name": name, "data.train": str(data), "data.eval": str(data),
         "data.seq_len": 64, "model.num_hidden_layers": 2, "train.steps": 5, "train.micro_batch_size": 2,
-        "optim.warmup_steps": 0, "optim.lr": 1e-2, "eval.every": 0, "logging.progress_bar": False,
+        "optim.warmup_steps": 0, "optim.lr": 1e-2, "model.init_std": 0.02, "eval.every": 0,
+        "logging.progress_bar": False,
         "logging.expert_stats_every": 0, "lora.targets": "[q_proj,k_proj,v_proj,o_proj,shared_experts,experts]",
     }
     args.update(over)
