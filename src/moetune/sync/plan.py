@@ -1,0 +1,217 @@
+"""What a sync sends and in which buckets, from the model's names and shapes alone: every rank of the training group
+derives the same plan, hence takes part in the same gathers in the same order.
+
+Groups: the non-layer weights (embeddings, final norm, lm_head) first, then each decoder layer. A group is cut into
+buckets of at most `bucket` bytes (a tensor larger than that gets a bucket of its own); buckets never span groups.
+Units are whole tensors, or runs of `experts_per_unit` routed experts of one layer, so that a bucket's experts are
+consecutive and form one fused section (wire.py).
+
+Memory, by construction (the sender's allocations during a sync; L = wire bytes of the largest group, e = one
+expert's bf16 bytes, 3·I·H·2): a ring of two bucket buffers, the header, and the staging of one unit at a time (its
+gathered rows and, on the torch path, its fp32 merge/quantize scratch; the CUDA kernels need none). A bucket holds
+up to max(min(bucket_bytes, L/4), the largest tensor): the slots must hold the largest tensor anyway, so buckets fill
+them (fewer, larger broadcasts). For GLM shapes the largest tensor (lm_head) is ≤ L/2, so the ring is ≤ L (AIR,
+bf16: 2 × 1.16 GiB against L = 4.7 GiB). The staging budget is what remains of 1.25·L + e; it decides how many
+experts a unit holds and how many rows of a plain tensor are staged at once. So the total stays under 1.25·L + e
+whenever one expert's staging (≤ 16·I·H bytes: fp32 rows gathered + fp32 scratch) fits that remainder, as it does
+for any GLM-4.5 shape (tested; the plan reports its bound and the sender its tracked peak).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket, nbytes
+
+DEFAULT_BUCKET_BYTES = 512 << 20  # full link speed, fine pipelining (raised to the largest tensor, see above)
+MAX_EXPERTS_PER_UNIT = 32
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_KEEP_FP32 = ("e_score_correction_bias",)  # as the hub checkpoints store it
+
+
+@dataclass
+class TensorUnit:
+    name: str  # on the wire: the HF checkpoint name (format "adapter": the LoRA parameter's name)
+    src: str  # the parameter (or buffer) it is read from
+    shape: tuple
+    dtype: str  # wire dtype
+    lora: tuple | None = None  # (A name, B name, scaling): sent as W + scaling·B·A
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.shape, self.dtype)
+
+
+@dataclass
+class ExpertUnit:
+    prefix: str  # model.layers.N.mlp.experts
+    first: int
+    count: int
+    I: int
+    H: int
+    dtype: str  # wire dtype of the weights: bfloat16 or float8_e4m3fn
+    lora: dict | None = None  # {"gate_up": (A, B), "down": (A, B), "scaling": s}
+
+    @property
+    def nbytes(self) -> int:
+        return expert_nbytes(self.count, self.I, self.H, self.dtype, self.fp8)
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == "float8_e4m3fn"
+
+
+@dataclass
+class PlannedBucket:
+    meta: dict
+    units: list
+
+
+@dataclass
+class Plan:
+    header: dict
+    buckets: list[PlannedBucket]
+    largest_group: int  # L
+    expert_bf16: int  # e
+    bucket: int
+    staging_budget: int
+    experts_per_unit: int
+
+    @property
+    def bound(self) -> int:
+        """The sender's allocation bound for this plan: 1.25·L + e."""
+        return int(1.25 * self.largest_group) + self.expert_bf16
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(b.meta["nbytes"] for b in self.buckets)
+
+
+def lora_sources(model) -> tuple[dict, dict]:
+    """({linear weight name: (A, B, scaling)}, {experts prefix: {"gate_up": (A, B), "down": (A, B), "scaling"}})."""
+    from moetune.model.glm4_moe import Experts
+    from moetune.model.lora import LoRALinear
+
+    linear, experts = {}, {}
+    for mname, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            linear[f"{mname}.weight"] = (f"{mname}.lora_A", f"{mname}.lora_B", m.scaling)
+        elif isinstance(m, Experts) and m.lora is not None:
+            p = f"{mname}.lora"
+            experts[mname] = {"gate_up": (f"{p}.gate_up_A", f"{p}.gate_up_B"), "down": (f"{p}.down_A", f"{p}.down_B"),
+                              "scaling": m.lora.scaling}
+    return linear, experts
+
+
+def _group_key(name: str):
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, bucket_bytes: int | None = None,
+               max_experts_per_unit: int = MAX_EXPERTS_PER_UNIT) -> Plan:
+    """fmt: "bf16" | "fp8" (routed experts in fp8, the rest bf16); lora: "merge" | "adapter" | "base"."""
+    if fmt not in ("bf16", "fp8"):
+        raise ValueError(f"weight sync format {fmt!r}: choose bf16 or fp8")
+    if lora not in ("merge", "adapter", "base"):
+        raise ValueError(f"lora {lora!r}: choose merge (send W + s·B·A), adapter (only the LoRA tensors) or base")
+    linear_lora, expert_lora = lora_sources(model)
+    if lora == "adapter" and not (linear_lora or expert_lora):
+        raise ValueError("lora='adapter' but the model carries no LoRA")
+    merge = lora == "merge"
+
+    # pass 1: tensors by group, experts as (prefix, E, I, H) until the unit size is known
+    groups: dict = {}
+    for name, t in tensors.items():
+        is_lora = ".lora" in name
+        if is_lora != (lora == "adapter"):
+            continue
+        items = groups.setdefault(_group_key(name), [])
+        m = _EXPERTS_RE.match(name)
+        if m and not is_lora:
+            if m.group(2) == "gate_up_proj":
+                E, twoI, H = t.shape
+                items.append((m.group(1), E, twoI // 2, H))
+            continue
+        keep = name.endswith(_KEEP_FP32) or not t.is_floating_point() or is_lora
+        dtype = dtype_name(t.dtype) if keep else "bfloat16"
+        items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None))
+    expert_dtype = "float8_e4m3fn" if fmt == "fp8" else "bfloat16"
+
+    def size(item):
+        if isinstance(item, TensorUnit):
+            return item.nbytes
+        return expert_nbytes(item[1], item[2], item[3], expert_dtype, fmt == "fp8")
+
+    sizes = {k: sum(size(i) for i in items) for k, items in groups.items()}
+    L = max(sizes.values(), default=0)
+    expert_items = [i for items in groups.values() for i in items if isinstance(i, tuple)]
+    e = max((3 * I * H * 2 for _, _, I, H in expert_items), default=0)
+    largest_tensor = max((i.nbytes for items in groups.values() for i in items if isinstance(i, TensorUnit)), default=0)
+    bucket = max(min(bucket_bytes or DEFAULT_BUCKET_BYTES, L // 4), largest_tensor, 1)
+    ring = 2 * bucket
+    # the header: ~100 JSON bytes a tensor and ~200 a bucket, and there are at most as many buckets as units
+    header = 320 * (sum(len(items) for items in groups.values()) + sum(E for _, E, _, _ in expert_items))
+    budget = int(1.25 * L) + e - ring - header
+    per_expert = max((_expert_staging(tensors, p, I, H, expert_lora.get(p) if merge else None)
+                      for p, _, I, H in expert_items), default=1)
+    per_expert_wire = max((expert_nbytes(1, I, H, expert_dtype, fmt == "fp8") for _, _, I, H in expert_items), default=1)
+    c = max(1, min(max_experts_per_unit, budget // per_expert, bucket // per_expert_wire))
+
+    # pass 2: units, then buckets
+    buckets = []
+    for key in sorted(groups, key=lambda k: -1 if k is None else k):
+        units = [i for i in groups[key] if isinstance(i, TensorUnit)]
+        for prefix, E, I, H in (i for i in groups[key] if isinstance(i, tuple)):
+            el = expert_lora.get(prefix) if merge else None
+            units += [ExpertUnit(prefix, a, min(c, E - a), I, H, expert_dtype, el) for a in range(0, E, c)]
+        buckets += _bucketize(key, units, bucket)
+    header = {"version": VERSION, "format": "adapter" if lora == "adapter" else fmt,
+              "buckets": [b.meta for b in buckets]}
+    return Plan(header, buckets, L, e, bucket, budget, c)
+
+
+def _expert_staging(tensors, prefix, I, H, lora) -> int:
+    """Staging bytes per expert (gate_up, the larger projection): gathered rows in their own dtype + fp32 scratch
+    + the LoRA factors in fp32."""
+    W = tensors[f"{prefix}.gate_up_proj"]
+    r = tensors[lora["gate_up"][0]].shape[1] if lora else 0
+    return 2 * I * H * (W.element_size() + 4) + 2 * 4 * r * (2 * I + H)
+
+
+def _bucketize(layer, units, limit) -> list[PlannedBucket]:
+    out, current = [], []
+    for u in units:
+        if current and _layout(layer, current + [u])["nbytes"] > limit:
+            out.append(PlannedBucket(_layout(layer, current), current))
+            current = []
+        current.append(u)
+    if current:
+        out.append(PlannedBucket(_layout(layer, current), current))
+    return out
+
+
+def _layout(layer, units) -> dict:
+    plain = [(u.name, u.dtype, u.shape) for u in units if isinstance(u, TensorUnit)]
+    ex = [u for u in units if isinstance(u, ExpertUnit)]
+    section = None
+    if ex:
+        assert all(u.prefix == ex[0].prefix for u in ex)  # one layer's experts, consecutive
+        assert ex[-1].first + ex[-1].count - ex[0].first == sum(u.count for u in ex)
+        section = {"prefix": ex[0].prefix, "first": ex[0].first, "count": sum(u.count for u in ex),
+                   "I": ex[0].I, "H": ex[0].H, "dtype": ex[0].dtype}
+    return layout_bucket(layer, plain, section)
+
+
+def staging_rows(budget: int, row_elems: int, src_itemsize: int, rank: int = 0) -> int:
+    """Rows of a plain tensor merged at once: its gathered rows + fp32 scratch + B's rows in fp32 fit the budget."""
+    per_row = row_elems * (src_itemsize + 4) + 4 * rank
+    return max(1, budget // max(per_row, 1))
+
+
+__all__ = ["Plan", "PlannedBucket", "TensorUnit", "ExpertUnit", "build_plan", "lora_sources", "staging_rows",
+           "DEFAULT_BUCKET_BYTES"]

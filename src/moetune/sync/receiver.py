@@ -1,0 +1,102 @@
+"""The inference side of a weight sync: `receive` takes one sync off the group and hands each bucket to a consumer.
+
+    group = connect("tcp://trainer0:29600", rank=1, world_size=2)
+    receive(group, ModelUpdater(model))                       # a moetune or a transformers Glm4MoeForCausalLM
+    receive(group, lambda b: engine_model.load_weights(b.tensors()))   # what the vLLM extension does (vllm.py)
+
+The header (wire.py) arrives first; the receiver then allocates two bucket buffers and keeps the next bucket's
+receive posted while the consumer loads the current one, so loading overlaps the transfer as producing does on the
+sender. A bucket's tensors are views of the buffer, valid only during the consumer call: consumers copy.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from moetune.sync.fp8 import dequantize
+from moetune.sync.group import SyncGroup
+from moetune.sync.wire import Bucket
+
+
+def receive(group: SyncGroup, consume: Callable[[Bucket], None]) -> dict:
+    """Receive one sync and call consume(bucket) for each bucket, in order. Returns {"format", "bytes", "buckets",
+    "seconds"}."""
+    t0 = time.perf_counter()
+    header = group.recv_header()
+    metas = header["buckets"]
+    ring = [torch.empty(max(m["nbytes"] for m in metas), dtype=torch.uint8, device=group.device)
+            for _ in range(min(2, len(metas)))]
+    pending = {}
+
+    def post(k):
+        pending[k] = group.broadcast(ring[k % len(ring)][: metas[k]["nbytes"]])
+
+    for k in range(len(ring)):
+        post(k)
+    for k, meta in enumerate(metas):
+        pending.pop(k).wait()
+        consume(Bucket(meta, ring[k % len(ring)][: meta["nbytes"]], header["format"]))
+        if k + len(ring) < len(metas):
+            post(k + len(ring))  # on CUDA it waits, on its stream, for the copies consume() just queued
+    if group.device.type == "cuda":
+        torch.cuda.current_stream(group.device).synchronize()
+    return {"format": header["format"], "bytes": sum(m["nbytes"] for m in metas), "buckets": len(metas),
+            "seconds": time.perf_counter() - t0}
+
+
+class ModelUpdater:
+    """Copies received weights into a model in place. moetune's Glm4MoeForCausalLM and transformers' name every
+    tensor alike (experts fused as gate_up_proj [E, 2I, H] and down_proj [E, H, I]), so one updater serves both.
+
+    bf16 buckets: plain tensors by name, expert sections as one copy per projection. fp8 buckets: experts are
+    dequantized (q·s, fp8.py) one expert at a time into the model's dtype. Adapter buckets: LoRA tensors by name
+    (a moetune model with the same LoRA applied). A model that carries LoRA should receive merged weights only if
+    its LoRA is zero, or it would apply the update twice."""
+
+    def __init__(self, model):
+        self.targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.updated: set[str] = set()
+
+    def _target(self, name: str, shape) -> torch.Tensor:
+        t = self.targets.get(name)
+        if t is None:
+            raise KeyError(f"received {name}, which this model does not have")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"received {name} of shape {list(shape)}, the model's is {list(t.shape)}")
+        self.updated.add(name)
+        return t
+
+    @torch.no_grad()
+    def __call__(self, bucket: Bucket) -> None:
+        for name, t in bucket.plain():
+            self._target(name, t.shape).copy_(t)
+        ex = bucket.experts
+        if ex is None:
+            return
+        gate_up = self._target(f"{ex.prefix}.gate_up_proj", None)
+        down = self._target(f"{ex.prefix}.down_proj", None)
+        if gate_up.shape[1:] != ex.w13.shape[1:] or down.shape[1:] != ex.w2.shape[1:]:
+            raise ValueError(f"{ex.prefix}: received experts of shapes {list(ex.w13.shape[1:])}, {list(ex.w2.shape[1:])}; "
+                             f"the model's are {list(gate_up.shape[1:])}, {list(down.shape[1:])}")
+        rows = slice(ex.first, ex.first + ex.count)
+        if not ex.fp8:
+            gate_up[rows].copy_(ex.w13)
+            down[rows].copy_(ex.w2)
+            return
+        I, nI = ex.I, ex.w13_scale.shape[1] // 2
+        for i, e in enumerate(ex.experts):
+            gate_up[e, :I].copy_(dequantize(ex.w13[i, :I], ex.w13_scale[i, :nI]))
+            gate_up[e, I:].copy_(dequantize(ex.w13[i, I:], ex.w13_scale[i, nI:]))
+            down[e].copy_(dequantize(ex.w2[i], ex.w2_scale[i]))
+
+
+def receive_into(group: SyncGroup, model) -> dict:
+    """Receive one sync into `model` (moetune or transformers Glm4MoeForCausalLM) in place; the stats also list
+    which of the model's tensors were updated ("updated")."""
+    updater = ModelUpdater(model)
+    stats = receive(group, updater)
+    stats["updated"] = sorted(updater.updated)
+    return stats

@@ -1,0 +1,50 @@
+"""A vLLM worker extension that receives weight syncs into a running engine.
+
+    llm = LLM(model=..., worker_extension_cls="moetune.sync.vllm.WeightSyncExtension")
+    llm.collective_rpc("init_weight_sync", args=("tcp://trainer0:29600", 1, 1 + n_workers))
+    ...                                        # per sync, while the trainer runs sender.sync():
+    llm.collective_rpc("receive_weights")
+
+Every worker (each tensor-parallel rank) joins the sync group and receives every bucket; the model's own
+load_weights maps HF checkpoint names to its fused and sharded parameters (qkv_proj, gate_up_proj, FusedMoE w13/w2,
+fp8 `weight_scale_inv`), exactly as when it loads a checkpoint. The receive loop is receiver.receive, the same code
+the tested receivers run; only the consumer differs. For fp8 syncs the engine must have been started with a
+block-fp8 (128×128) quantization config for the routed experts and bf16 for the rest, like the wire.
+
+vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. vLLM cannot run on the
+machines this was written on, so this module is untested beyond `load_weights_consumer` with a stand-in model.
+"""
+
+from __future__ import annotations
+
+from moetune.sync.group import connect
+from moetune.sync.receiver import receive
+from moetune.sync.wire import Bucket
+
+
+def load_weights_consumer(model):
+    """consume(bucket) that hands the bucket's (HF name, tensor) pairs to model.load_weights."""
+
+    def consume(bucket: Bucket) -> None:
+        if bucket.format == "adapter":
+            raise ValueError("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync "
+                             "merged weights (lora='merge') or serve the adapter "
+                             "(`moetune export adapter --format vllm`)")
+        model.load_weights(weights=bucket.tensors())
+
+    return consume
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls): `self.device` and `self.model_runner` are the worker's."""
+
+    def init_weight_sync(self, address: str, rank_offset: int, world_size: int) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        self._moetune_sync = connect(address, rank_offset + get_world_group().rank, world_size, self.device)
+
+    def receive_weights(self) -> dict:
+        return receive(self._moetune_sync, load_weights_consumer(self.model_runner.model))
+
+    def close_weight_sync(self) -> None:
+        self._moetune_sync.close()
