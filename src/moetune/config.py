@@ -12,10 +12,11 @@ import json
 import re
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union, get_args
+from typing import Annotated, Any, Literal, Optional, Sequence, Union, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -114,8 +115,18 @@ class DataConfig(_Section):
     seq_len: int = Field(256, ge=8)
     pack: bool = True
     train_on: Literal["assistant", "all"] = "assistant"
+    # Reasoning (`reasoning_content` or a leading <think>…</think> block) is part of what the assistant writes: trained
+    # by default, as for distilling reasoning traces; false conditions on it without learning to produce it.
+    train_reasoning: bool = True
+    # GLM-4.5's template writes an empty <think></think> into turns without reasoning. Training it teaches the model to
+    # skip thinking whenever a data set has no reasoning, so by default it is context, not target.
+    train_empty_think: bool = False
     skip_malformed: bool = False
     shuffle: bool = True
+    # Tokenized data is cached (Arrow, via Hugging Face datasets) under a key of file content + tokenizer + these
+    # options, and reused across runs and ranks. null: $MOETUNE_CACHE_DIR or ~/.cache/moetune/datasets.
+    cache: bool = True
+    cache_dir: Optional[str] = None
 
 
 class TrainConfig(_Section):
@@ -151,11 +162,29 @@ class EvalConfig(_Section):
     max_batches: Optional[int] = Field(None, ge=1)
 
 
+# A callable discriminator, so that a bad list element is reported as `logging.report_to[0]` alone, not also as
+# "input should be 'auto'".
+_Trackers = Annotated[
+    Union[Annotated[Literal["auto"], Tag("auto")], Annotated[list[Literal["tensorboard", "wandb"]], Tag("list")]],
+    Discriminator(lambda v: "auto" if v == "auto" else "list"),
+]
+
+
 class LoggingConfig(_Section):
     every: int = Field(1, ge=1)
     expert_stats_every: int = Field(10, ge=0)  # 0 = off
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    # "auto": TensorBoard when it is installed, else nothing; or a list: [], [tensorboard], [tensorboard, wandb]
+    report_to: _Trackers = "auto"
     progress_bar: bool = True
+    # An alarm line in the log when an expert gets no token for this many expert-stats intervals in a row (0 = off)
+    # or when a layer's busiest expert gets more than this many times the mean load (0 = off).
+    alarm_dead_intervals: int = Field(3, ge=0)
+    alarm_max_over_mean: float = Field(4.0, ge=0)
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _single_tracker_is_a_list(cls, v):
+        return [v] if isinstance(v, str) and v != "auto" else v
 
 
 class CheckpointConfig(_Section):
@@ -410,8 +439,12 @@ def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ())
 
 
 def config_to_yaml(cfg: Config) -> str:
-    """The fully resolved config as YAML; load_config() on it gives back an equal Config."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+    """The fully resolved config as YAML; load_config() on it gives back an equal Config. A comment line names the
+    moetune version, so a run directory records what produced it even without a tracker."""
+    from moetune import __version__
+
+    header = f"# resolved config, written by moetune {__version__}\n"
+    return header + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
 
 
 def config_hash(cfg: Config, sections: Sequence[str] = ("model", "lora", "finetune")) -> str:

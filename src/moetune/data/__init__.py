@@ -1,17 +1,22 @@
 """The data pipeline: JSONL -> records -> (token ids, trained mask) -> fixed-length packs -> micro-batches.
 
     formats.py  read and validate JSONL (errors name file:line)
-    chat.py     render conversations with the tokenizer's chat template; which tokens are trained
+    cache.py    Parquet/Arrow/hub sources through HF datasets; tokenised documents cached on disk across runs and ranks
+    chat.py     render conversations with the tokenizer's chat template; which tokens are trained (reasoning too)
     packing.py  documents -> packs with position ids restarting per document and pre-shifted labels
     loader.py   deterministic, resumable, data-parallel micro-batches; eval batches
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from pathlib import Path
 
+from .cache import cached_documents, default_cache_dir, iter_source_records
 from .chat import tokenize_record
-from .formats import DataError, iter_records, read_records
+from .formats import DataError, read_records
 from .loader import PackedLoader, eval_batches
 from .packing import IGNORE_INDEX, pack_documents
 
@@ -19,20 +24,14 @@ DEMO_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokeni
 
 
 def build_packs(
-    path: str, tokenizer, seq_len: int, *, train_on: str = "assistant", pack: bool = True, skip_malformed: bool = False
+    path: str, tokenizer, seq_len: int, *, train_on: str = "assistant", pack: bool = True, skip_malformed: bool = False,
+    train_reasoning: bool = True, train_empty_think: bool = False, cache_dir: str | None = None, dist=None,
 ) -> tuple[list[dict], dict]:
-    """Read, tokenize and pack one JSONL file. Stats: those of pack_documents plus "skipped_malformed"."""
-    docs, skipped = [], 0
-    for lineno, record in iter_records(path, skip_malformed):
-        if record is None:
-            skipped += 1
-            continue
-        try:
-            docs.append(tokenize_record(record, tokenizer, train_on))
-        except DataError as e:  # e.g. the chat template rejects the conversation: say which line
-            if not skip_malformed:
-                raise DataError(f"{path}:{lineno}: {e}") from None
-            skipped += 1
+    """Read, tokenize and pack one data source (JSONL, Parquet, Arrow, hub name). Stats: those of pack_documents plus
+    "skipped_malformed", and "cache" ("hit", "miss" or "off"). ``cache_dir`` None tokenises in memory, every time."""
+    docs, skipped, cache = tokenized_documents(path, tokenizer, train_on=train_on, skip_malformed=skip_malformed,
+                                               train_reasoning=train_reasoning, train_empty_think=train_empty_think,
+                                               cache_dir=cache_dir, dist=dist)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError("the tokenizer has neither a pad nor an eos token to pad packs with")
@@ -42,7 +41,47 @@ def build_packs(
         suffix = f" ({skipped} malformed lines skipped)" if skipped else ""
         raise DataError(f"{path}: {e}{suffix}") from None
     stats["skipped_malformed"] = skipped
+    stats["cache"] = cache
     return packs, stats
+
+
+def tokenized_documents(path: str, tokenizer, *, train_on: str = "assistant", skip_malformed: bool = False,
+                        train_reasoning: bool = True, train_empty_think: bool = False, cache_dir: str | None = None,
+                        dist=None) -> tuple[list[tuple[list[int], list[bool]]], int, str]:
+    """(documents as (ids, trained mask), malformed records skipped, cache "hit" | "miss" | "off")."""
+    options = dict(train_on=train_on, train_reasoning=train_reasoning, train_empty_think=train_empty_think)
+
+    def tokenize(record):
+        return tokenize_record(record, tokenizer, **options)
+
+    if cache_dir is not None:
+        return cached_documents(path, tokenizer, tokenize, dict(options, skip_malformed=skip_malformed), cache_dir, dist)
+    docs, skipped = [], 0
+    for where, record in iter_source_records(path, skip_malformed):
+        if record is None:
+            skipped += 1
+            continue
+        try:
+            docs.append(tokenize(record))
+        except DataError as e:  # e.g. the chat template rejects the conversation: say which line
+            if not skip_malformed:
+                raise DataError(f"{where}: {e}") from None
+            skipped += 1
+    return docs, skipped, "off"
+
+
+def data_options(data_cfg) -> dict:
+    """build_packs' keyword arguments from the config's `data` section (the cache directory resolved)."""
+    cache_dir = None
+    if data_cfg.cache and importlib.util.find_spec("datasets") is None:
+        # JSONL needs no datasets: train uncached rather than fail (Parquet/Arrow/hub sources still say what to install)
+        logging.getLogger("moetune").info("data.cache: Hugging Face datasets is not installed, so tokenised data is "
+                                          "not cached (pip install datasets)")
+    elif data_cfg.cache:
+        cache_dir = os.path.expanduser(data_cfg.cache_dir) if data_cfg.cache_dir else default_cache_dir()
+    return dict(train_on=data_cfg.train_on, pack=data_cfg.pack, skip_malformed=data_cfg.skip_malformed,
+                train_reasoning=data_cfg.train_reasoning, train_empty_think=data_cfg.train_empty_think,
+                cache_dir=cache_dir)
 
 
 def load_tokenizer(name_or_path: str | None):
@@ -60,9 +99,11 @@ __all__ = [
     "IGNORE_INDEX",
     "PackedLoader",
     "build_packs",
+    "data_options",
     "eval_batches",
     "load_tokenizer",
     "pack_documents",
     "read_records",
     "tokenize_record",
+    "tokenized_documents",
 ]

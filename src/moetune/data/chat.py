@@ -10,6 +10,19 @@ Where a turn ends matters: the model must learn to stop. Some templates close ev
 assistant turn ends where the next role token (``<|user|>``, ``<|observation|>``) begins, and GLM stops generating on
 those tokens. For such "open" templates the first token after an assistant turn is trained as its end, and a
 conversation that ends with an assistant turn gets ``eos`` appended (trained), as GLM-4.5 fine-tuning recipes do.
+
+Reasoning. An assistant turn may carry reasoning as a ``reasoning_content`` field (GLM-4.5's and vLLM's name) or as a
+``<think>…</think>`` block at the start of its content. Templates that know ``reasoning_content`` get it as a field;
+for others it is folded into the content as ``<think>…</think>``. In the rendering, the think block (and the
+whitespace before it) that opens a trained assistant turn is then:
+  - a reasoning turn (non-empty reasoning in the data): trained when ``train_reasoning`` (the default), else context;
+  - any other turn: GLM-4.5's template writes an empty ``<think></think>`` there. It is context unless
+    ``train_empty_think``: trained, it would teach the model to skip thinking whenever the data has no reasoning.
+    The answer after it (from the newline that follows ``</think>``) is trained as usual.
+Only the turns located for their mask are looked at, so with ``train_on: all`` every token is trained, think blocks
+included. A template that drops the reasoning of earlier turns (GLM-4.5 keeps only the turns after the last user
+message) renders an empty block for them: such a turn is still a reasoning turn, and that empty block follows
+``train_reasoning``.
 """
 
 from __future__ import annotations
@@ -17,17 +30,20 @@ from __future__ import annotations
 from .formats import DataError
 
 TRAIN_ON = ("assistant", "all")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _PROBE_REPLY = "moetune probe reply 7"
 _open_template_cache: dict[tuple, bool] = {}
 
 
-def tokenize_record(record: dict, tokenizer, train_on: str = "assistant") -> tuple[list[int], list[bool]]:
+def tokenize_record(record: dict, tokenizer, train_on: str = "assistant", train_reasoning: bool = True,
+                    train_empty_think: bool = False) -> tuple[list[int], list[bool]]:
     """Token ids of a record and whether each token is a training target (True = loss is computed on it)."""
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     if "text" in record:
         return _tokenize_text(record["text"], tokenizer)
-    return _tokenize_messages(record["messages"], tokenizer, train_on)
+    think = (train_reasoning, train_empty_think)
+    return _tokenize_messages(record["messages"], tokenizer, train_on, think)
 
 
 def _tokenize_text(text: str, tokenizer) -> tuple[list[int], list[bool]]:
@@ -38,9 +54,11 @@ def _tokenize_text(text: str, tokenizer) -> tuple[list[int], list[bool]]:
     return ids, [True] * len(ids)
 
 
-def _tokenize_messages(messages: list[dict], tokenizer, train_on: str) -> tuple[list[int], list[bool]]:
-    turns = [{"role": m["role"], "content": m["content"]} for m in messages]  # only what a template knows about
+def _tokenize_messages(messages: list[dict], tokenizer, train_on: str,
+                       think: tuple[bool, bool] = (True, False)) -> tuple[list[int], list[bool]]:
+    turns = [_template_turn(m, tokenizer) for m in messages]  # only what a template knows about
     full = _render(tokenizer, turns)
+    n_rendered = len(full)
     open_turns = _leaves_turns_open(tokenizer)
     eos = tokenizer.eos_token_id
     if open_turns and turns[-1]["role"] == "assistant" and eos is not None and (not full or full[-1] != eos):
@@ -49,38 +67,96 @@ def _tokenize_messages(messages: list[dict], tokenizer, train_on: str) -> tuple[
     # Start from the mode's default and only locate the turns that differ from it: fewer renders per record.
     default = train_on == "all"
     mask = [default] * len(full)
+    think_turns = []  # (token where the turn starts, whether its think block is trained)
     for i, m in enumerate(messages):
         trained = m.get("train", default or m["role"] == "assistant")
         if trained != default:
             start, end = _turn_span(tokenizer, turns, i, full, open_turns)
             mask[start:end] = [trained] * (end - start)
+            if trained and m["role"] == "assistant":
+                train_block = think[0] if _has_reasoning(m) else think[1]
+                if not train_block:
+                    think_turns.append((start, end))
+    if think_turns:
+        _mask_think_blocks(tokenizer, turns, full[:n_rendered], mask, think_turns)
     return full, mask
+
+
+def _has_reasoning(m: dict) -> bool:
+    if (m.get("reasoning_content") or "").strip():
+        return True
+    content = m["content"].lstrip()
+    return content.startswith(THINK_OPEN) and THINK_CLOSE in content and bool(
+        content[len(THINK_OPEN): content.index(THINK_CLOSE)].strip())
+
+
+def _template_turn(m: dict, tokenizer) -> dict:
+    turn = {"role": m["role"], "content": m["content"]}
+    reasoning = m.get("reasoning_content")
+    if reasoning is None:
+        return turn
+    if not isinstance(reasoning, str):
+        raise DataError(f"reasoning_content must be a string, got {type(reasoning).__name__}")
+    if m["role"] != "assistant":
+        raise DataError(f"reasoning_content belongs to assistant turns, not {m['role']!r}")
+    if "reasoning_content" in (getattr(tokenizer, "chat_template", None) or ""):
+        turn["reasoning_content"] = reasoning
+    else:  # a template that does not know the field would drop it silently
+        turn["content"] = f"{THINK_OPEN}{reasoning}{THINK_CLOSE}{m['content']}"
+    return turn
+
+
+def _mask_think_blocks(tokenizer, turns, rendered: list[int], mask: list[bool], spans) -> None:
+    """Set the mask to False over the think block (and the whitespace before it) that opens each span [start, end).
+    Tokens are mapped to characters with the tokenizer's offsets, so this works whatever the block tokenizes to;
+    a token straddling the block's end is masked (under-training beats training context)."""
+    text = _render_text(tokenizer, turns)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    if list(enc["input_ids"]) != rendered:
+        raise DataError("the tokenizer does not give back the same tokens with offsets; cannot locate <think> blocks")
+    for start, end in spans:
+        if start >= min(end, len(offsets)):
+            continue
+        at = offsets[start][0]
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if not text.startswith(THINK_OPEN, at) or text.find(THINK_CLOSE, at) < 0:
+            continue  # this turn renders no think block
+        block_end = text.index(THINK_CLOSE, at) + len(THINK_CLOSE)
+        t = start
+        while t < min(end, len(offsets)) and offsets[t][0] < block_end:
+            mask[t] = False
+            t += 1
 
 
 def _turn_span(tokenizer, turns: list[dict], i: int, full: list[int], open_turns: bool) -> tuple[int, int]:
     """[start, end) of turn i in ``full``. An assistant turn starts after the header the template opens a reply with
     (the generation prompt), since the model is given that header at inference and never produces it."""
     is_assistant = turns[i]["role"] == "assistant"
-    start = _common_prefix(full, _render(tokenizer, turns[:i], add_generation_prompt=is_assistant))
-    end = _turn_end(tokenizer, turns, i, full)
+    start = _aligned_end(full, _render(tokenizer, turns[:i], add_generation_prompt=is_assistant))
+    end = _aligned_end(full, _render(tokenizer, turns[: i + 1]))
     if is_assistant and open_turns and end < len(full):
         end += 1  # the next role token (or the appended eos) is how this turn ends
     return start, max(start, end)
 
 
-def _turn_end(tokenizer, turns: list[dict], i: int, full: list[int]) -> int:
-    alone = _render(tokenizer, turns[: i + 1])
-    end = _common_prefix(full, alone)
-    if end == len(alone):
-        return end  # the usual case: the turn renders the same whether or not later turns follow
-    # Some templates render a turn differently once later turns follow it: GLM-4.5 drops the <think> reasoning of
-    # assistant turns before the last user message. Then the turn ends where the tail of its stand-alone rendering best
-    # matches the full one, searched up to the end of the next turn (earliest position on ties). No match at all:
-    # stop at the divergence, which under-trains rather than training prompt tokens.
-    limit = _common_prefix(full, _render(tokenizer, turns[: i + 2])) if i + 2 <= len(turns) else len(full)
-    tail, best_end, best_len = alone[end:], end, 0
-    for cand in range(end + 1, max(limit, end) + 1):
-        k = _common_suffix(full[end:cand], tail)
+def _aligned_end(full: list[int], part: list[int]) -> int:
+    """Where the rendering of the first turns, ``part``, ends inside the rendering of all of them, ``full``.
+
+    Usually ``part`` is a prefix of ``full``. Some templates render a turn differently once later turns follow it:
+    GLM-4.5 drops the <think> reasoning of assistant turns before the last user message, so the turns rendered alone
+    show reasoning that the full conversation drops. Then ``part`` ends where its tail (after the divergence) best
+    matches, as a suffix, the full rendering (earliest position on ties). No match at all: the divergence, which
+    under-trains rather than training prompt tokens."""
+    cp = _common_prefix(full, part)
+    if cp == len(part):
+        return cp
+    tail, best_end, best_len = part[cp:], cp, 0
+    for cand in range(cp + 1, len(full) + 1):
+        k = 0  # common suffix of full[cp:cand] and tail, without copying slices (most candidates stop at once)
+        while k < len(tail) and k < cand - cp and full[cand - 1 - k] == tail[-1 - k]:
+            k += 1
         if k > best_len:
             best_end, best_len = cand, k
     return best_end
@@ -140,12 +216,4 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     for k in range(n):
         if a[k] != b[k]:
             return k
-    return n
-
-
-def _common_suffix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for k in range(1, n + 1):
-        if a[-k] != b[-k]:
-            return k - 1
     return n

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from moetune.data import PackedLoader, build_packs, eval_batches, load_tokenizer
+from moetune.data import PackedLoader, build_packs, data_options, eval_batches, load_tokenizer
 from moetune.parallel import Dist
 
 log = logging.getLogger("moetune")
@@ -36,7 +36,7 @@ def setup_data(cfg, dist: Dist) -> RunData:
     tok_src = cfg.data.tokenizer or cfg.model.path  # None for both: the embedded demo tokenizer
     tokenizer = load_tokenizer(tok_src)
     train_path, eval_path = resolve_data_paths(cfg, dist)
-    kw = dict(train_on=cfg.data.train_on, pack=cfg.data.pack, skip_malformed=cfg.data.skip_malformed)
+    kw = dict(data_options(cfg.data), dist=dist)
     packs, stats = build_packs(train_path, tokenizer, cfg.data.seq_len, **kw)
     if dist.is_main:
         log.info("train data %s: %s", train_path, stats)

@@ -20,6 +20,7 @@ from moetune.train.metrics import (MetricsWriter, Throughput, device_peak_flops,
                                    mfu)
 from moetune.train.optim import build_optimizer, build_scheduler
 from moetune.train.setup import setup_model
+from moetune.train.trackers import check_trackers
 
 log = logging.getLogger("moetune")
 
@@ -41,6 +42,7 @@ def train(cfg: Config) -> TrainState:
     torch.manual_seed(cfg.run.seed)
 
     # Inputs first: bad data or a bad checkpoint stops the run before anything in the run dir is touched.
+    check_trackers(cfg)  # a missing tracker package fails now, not after minutes of model building
     data = setup_data(cfg, dist)
     model = setup_model(cfg, dist)
     if dist.is_main:
@@ -60,7 +62,7 @@ def train(cfg: Config) -> TrainState:
 
     ckpt = Checkpointer(cfg, dist, model, optimizer, scheduler, data.loader)
     state = ckpt.resume(TrainState())
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", dist.is_main, append=state.step > 0)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", dist.is_main, append=state.step > 0, cfg=cfg)
     ckpt.metrics = metrics  # each save logs {"step", "checkpoint_s", "checkpoint_bytes"}
     peak = device_peak_flops(dist.device)
     expert_counts = torch.zeros(len(moe_layers), model.config.n_routed_experts, device=dist.device, dtype=torch.long)

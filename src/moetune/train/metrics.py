@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 
 from moetune.model.config import ModelConfig
+
+log = logging.getLogger("moetune")
 
 # Dense bf16 peak of the datasheet (MFU's denominator, as in ../shared/reference); None = unknown device.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -57,7 +61,17 @@ def memory_gib(device: torch.device) -> float | None:
 
 
 def expert_load_stats(counts: torch.Tensor) -> dict:
-    """Per-layer statistics of tokens-per-expert counts [L, E] summed over a logging interval."""
+    """Per-layer statistics of tokens-per-expert counts [L, E] (MoE layers only) summed over a logging interval.
+
+    expert_counts        tokens (token-expert assignments) each expert received
+    expert_max_over_mean the busiest expert's load over the mean load (1.0 = perfectly balanced)
+    expert_cv            coefficient of variation of the loads (std / mean, population std)
+    expert_dead          experts that received no token in the interval
+    expert_load_entropy  entropy of the load distribution over the experts, normalised by log E (1.0 = uniform,
+                         0.0 = everything to one expert). This is *not* the per-token router entropy (how sure the
+                         router is of each choice): that needs the router's scores, which the MoE layer does not
+                         hand to the trainer; a balanced load with confident routing scores 1.0 here.
+    """
     c = counts.double()
     mean = c.mean(-1)
     std = c.std(-1, unbiased=False)
@@ -73,22 +87,174 @@ def expert_load_stats(counts: torch.Tensor) -> dict:
     }
 
 
+def moe_layer_ids(cfg) -> list[int] | None:
+    """Decoder-layer index of each row of expert_counts (the dense layers come first), or None if the model's config
+    cannot be resolved (e.g. a checkpoint path that is not on this machine)."""
+    from moetune.model.config import resolve_model_config
+
+    try:
+        m = resolve_model_config(cfg.model.path, cfg.model.effective_config, cfg.model.num_hidden_layers)
+    except (OSError, ValueError):
+        return None
+    return [i for i in range(m.num_hidden_layers) if m.is_moe_layer(i)]
+
+
+class ExpertLoadMonitor:
+    """Alarms on expert load: an expert that gets no token for `dead_intervals` intervals in a row, or a layer whose
+    busiest expert gets more than `max_over_mean` times the mean load. Each condition is reported once when it
+    starts (and again only after it has cleared), so a persistent problem is one line, not one line per interval."""
+
+    def __init__(self, dead_intervals: int, max_over_mean: float, layer_ids: list[int] | None = None):
+        self.dead_intervals, self.max_over_mean, self.layer_ids = dead_intervals, max_over_mean, layer_ids
+        self.dead_streak: list[list[int]] | None = None
+        self.imbalanced: list[bool] | None = None
+
+    def _name(self, i: int) -> str:
+        return f"layer {self.layer_ids[i]}" if self.layer_ids and i < len(self.layer_ids) else f"MoE layer {i}"
+
+    def update(self, record: dict) -> str | None:
+        """The alarm text for this interval's record, or None."""
+        counts = record.get("expert_counts")
+        if not counts:
+            return None
+        if self.dead_streak is None or len(self.dead_streak) != len(counts):
+            self.dead_streak = [[0] * len(row) for row in counts]
+            self.imbalanced = [False] * len(counts)
+        dead, hot = [], []
+        for i, row in enumerate(counts):
+            streak = self.dead_streak[i]
+            newly = []
+            for e, c in enumerate(row):
+                streak[e] = streak[e] + 1 if c == 0 else 0
+                if self.dead_intervals and streak[e] == self.dead_intervals:
+                    newly.append(e)
+            if newly:
+                dead.append(f"{self._name(i)} {_short_list(newly)}")
+            mom = record["expert_max_over_mean"][i]
+            over = bool(self.max_over_mean) and mom > self.max_over_mean
+            if over and not self.imbalanced[i]:
+                hot.append(f"{self._name(i)} ({mom:.1f}x, expert {max(range(len(row)), key=row.__getitem__)})")
+            self.imbalanced[i] = over
+        parts = []
+        if dead:
+            parts.append(f"experts with no token for {self.dead_intervals} intervals: " + _short_join(dead))
+        if hot:
+            parts.append(f"busiest expert above {self.max_over_mean:g}x the mean load: " + _short_join(hot))
+        return "; ".join(parts) or None
+
+
+def _short_list(xs: list[int], n: int = 8) -> str:
+    return "[" + ", ".join(map(str, xs[:n])) + (f", +{len(xs) - n} more" if len(xs) > n else "") + "]"
+
+
+def _short_join(items: list[str], n: int = 6) -> str:
+    return ", ".join(items[:n]) + (f" (+{len(items) - n} more layers)" if len(items) > n else "")
+
+
+# metrics.jsonl key -> tracker tag; other numeric keys go under "other/"
+SCALAR_TAGS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
+    "aux_loss": "train/aux_loss", "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
+    "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu", "mfu": "perf/mfu", "mem_gib": "perf/mem_gib",
+    "checkpoint_s": "checkpoint/seconds", "checkpoint_bytes": "checkpoint/bytes",
+}
+EXPERT_LISTS = {"expert_max_over_mean": "max_over_mean", "expert_cv": "cv", "expert_dead": "dead",
+                "expert_load_entropy": "load_entropy"}
+
+
+def tracker_scalars(record: dict, layer_ids: list[int] | None = None) -> dict:
+    """Flatten one metrics.jsonl record into tracker scalars: per-step values, per-layer expert statistics
+    (experts_by_layer/<stat>/layer_NN) and their summaries over layers (experts/<summary>)."""
+    out = {}
+    for k, v in record.items():
+        if k == "step" or isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, (int, float)):
+            out[SCALAR_TAGS.get(k, f"other/{k}")] = v
+        elif k in EXPERT_LISTS and v:
+            for i, x in enumerate(v):
+                layer = layer_ids[i] if layer_ids and i < len(layer_ids) else i
+                out[f"experts_by_layer/{EXPERT_LISTS[k]}/layer_{layer:02d}"] = x
+    if record.get("expert_max_over_mean"):
+        out["experts/max_over_mean_worst_layer"] = max(record["expert_max_over_mean"])
+        out["experts/cv_mean_over_layers"] = sum(record["expert_cv"]) / len(record["expert_cv"])
+        out["experts/dead_total"] = sum(record["expert_dead"])
+        out["experts/load_entropy_worst_layer"] = min(record["expert_load_entropy"])
+    return out
+
+
+def load_heatmap_image(counts: list[list[int]], width: int = 512):
+    """An RGB uint8 image [H, W, 3] of load / mean load per (MoE layer row, expert column), log2 scale clipped to
+    [1/4, 4]: blue under-loaded, white balanced, red over-loaded; black = no token. For a TensorBoard image slider."""
+    import numpy as np
+
+    c = np.asarray(counts, dtype=np.float64)
+    ratio = c / np.maximum(c.mean(-1, keepdims=True), 1e-9)
+    x = (np.clip(np.log2(np.maximum(ratio, 1e-9)), -2, 2) + 2) / 4  # 0 = 1/4 of the mean, 0.5 = mean, 1 = 4x
+    rgb = np.stack([np.minimum(1, 2 * x), 1 - 2 * np.abs(x - 0.5), np.minimum(1, 2 - 2 * x)], -1)  # blue-white-red
+    rgb[c == 0] = 0
+    L, E = c.shape
+    pw, ph = max(1, width // E), max(1, (width // 2) // max(L, 1))
+    img = np.repeat(np.repeat(rgb, ph, axis=0), pw, axis=1)
+    return (img * 255).astype(np.uint8)
+
+
 class MetricsWriter:
     """metrics.jsonl, one JSON object per line, written by rank 0 only and flushed each line, so that
-    `moetune plot` and `tail -f` work on a run that is still going."""
+    `moetune plot` and `tail -f` work on a run that is still going.
 
-    def __init__(self, path: str | os.PathLike, enabled: bool, append: bool = False):
+    Given the run's config it also feeds the trackers of `logging.report_to` (TensorBoard, W&B: see trackers.py)
+    and raises the expert-load alarms of `logging.alarm_*` as warning lines in the log."""
+
+    def __init__(self, path: str | os.PathLike, enabled: bool, append: bool = False, cfg=None):
         self.enabled = enabled
         self._f = open(path, "a" if append else "w") if enabled else None
+        self.cfg, self.append, self.run_dir = cfg, append, Path(path).parent
+        self._trackers: list | None = None if (enabled and cfg is not None) else []
+        self._monitor = None
+        self.layer_ids = None
+        if enabled and cfg is not None:
+            from moetune.train.trackers import check_trackers
+
+            check_trackers(cfg)  # a tracker asked for and not installed fails now, not at the first step
+            self.layer_ids = moe_layer_ids(cfg)
+            self._monitor = ExpertLoadMonitor(cfg.logging.alarm_dead_intervals, cfg.logging.alarm_max_over_mean,
+                                              self.layer_ids)
 
     def write(self, record: dict) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
+        if self._f is None:
+            return
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._monitor is not None and "expert_counts" in record:
+            alarm = self._monitor.update(record)
+            if alarm:
+                log.warning("step %s: expert load: %s", record.get("step"), alarm)
+        self._to_trackers(record)
+
+    def _to_trackers(self, record: dict) -> None:
+        if self._trackers is None:  # created at the first record: a resumed run knows from which step to purge
+            from moetune.train.trackers import build_trackers
+
+            self._trackers = build_trackers(self.cfg, self.run_dir, self.append, int(record.get("step", 0)))
+        if not self._trackers or "step" not in record:
+            return
+        scalars = tracker_scalars(record, self.layer_ids)
+        images = {"experts/load_heatmap": load_heatmap_image(record["expert_counts"])} if record.get("expert_counts") else None
+        for t in list(self._trackers):
+            try:
+                t.log(int(record["step"]), scalars, images)
+            except Exception as e:  # a dashboard hiccup must not end a training run; metrics.jsonl has it all
+                log.warning("tracker %s failed (%s): no longer logging to it", type(t).__name__, e)
+                self._trackers.remove(t)
 
     def close(self):
         if self._f is not None:
             self._f.close()
+            self._f = None
+        for t in self._trackers or []:
+            t.close()
+        self._trackers = []
 
 
 class Throughput:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Full-size GLM-4.5-Air-shaped LoRA run (46 layers, 128 experts, vocab 151552, random bf16 weights materialised
+# shard by shard on the GPUs), seq 4096 packed: 30 steps with checkpoints, a resume for 10 more, an adapter export.
+#   NPROC=8 bash benchmarks/air_full_size.sh            (the 8 x H200 run of the issue)
+#   NPROC=2 bash benchmarks/air_full_size.sh            (what fits on 2 GPUs: FSDP2 over both, full AC)
+#   MODEL=tiny NPROC=2 DEVICE=cpu bash benchmarks/air_full_size.sh   (a CPU rehearsal of the same commands)
+set -euo pipefail
+NPROC=${NPROC:-8}
+MODEL=${MODEL:-glm45-air}
+OUTDIR=${OUT:-/tmp/air_full}
+RUN=${RUN_DIR:-/tmp/air_runs}
+TARGETS=${TARGETS:-[q_proj,k_proj,v_proj,o_proj]}
+SEQ=${SEQ:-4096}
+AC=${AC:-full}
+COMPILE=${COMPILE:-true}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --model.init_std 0.02
+        --model.dtype bfloat16 --data.train null --data.eval null --data.seq_len "$SEQ" --lora.targets "$TARGETS"
+        --train.micro_batch_size 1 --train.grad_accum 1 --train.activation_checkpointing "$AC"
+        --train.compile "$COMPILE" --eval.every 0 --eval.max_batches 2 --logging.expert_stats_every 10
+        --logging.progress_bar false --checkpoint.every 15 --checkpoint.keep_last 2 --optim.warmup_steps 5
+        --run.output_dir "$RUN" --run.name air)
+launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29611 -m moetune train)
+rm -rf "$RUN"
+t0=$(date +%s.%N)
+"${launch[@]}" "${common[@]}" --train.steps 30 --resume none 2>&1 | tail -n 25
+t1=$(date +%s.%N)
+"${launch[@]}" "${common[@]}" --train.steps 40 --resume auto 2>&1 | grep -Ei "resum|done|error" | tail -n 5
+t2=$(date +%s.%N)
+python3 -m moetune export adapter --checkpoint "$RUN/air" --out "$OUTDIR/peft_adapter" --format peft
+t3=$(date +%s.%N)
+mkdir -p "$OUTDIR"
+cp "$RUN/air/metrics.jsonl" "$OUTDIR/air_metrics.jsonl"
+du -sb "$RUN/air/checkpoints/"* "$OUTDIR/peft_adapter" | tee "$OUTDIR/sizes.txt"
+python3 - "$RUN/air/metrics.jsonl" "$t0" "$t1" "$t2" "$t3" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in rows if "tokens_per_s_per_gpu" in r]
+t0, t1, t2, t3 = map(float, sys.argv[2:6])
+later = [r for r in steps if r["step"] > 5 and r["step"] not in (30, 31)]  # past compile / warm-up and the resume step
+ck = [r for r in rows if "checkpoint_s" in r]
+print(json.dumps({
+    "steps": len(steps), "median_tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in later),
+    "median_mfu": statistics.median(r.get("mfu") or 0 for r in later), "peak_mem_gib": max(r["mem_gib"] for r in steps),
+    "checkpoints": ck, "first_run_s": round(t1 - t0, 1), "resume_run_s": round(t2 - t1, 1), "export_s": round(t3 - t2, 1),
+    "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]]}, indent=1))
+PY

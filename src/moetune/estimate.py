@@ -1,0 +1,229 @@
+"""Peak GPU memory of a training step, estimated from the config (for `moetune inspect`; nothing is allocated).
+
+Notation: P parameters (P_t trainable), S = dp_shard × ep ranks over which FSDP2 shards (1 without a launcher),
+b bytes of the compute dtype (2 for bf16), T = micro_batch_size × seq_len tokens per micro-batch, H hidden,
+nH/nKV heads, D head_dim, I dense intermediate, Im expert intermediate, k experts per token, Is shared intermediate,
+E routed experts, V vocabulary, c = min(T, 2048) tokens per loss chunk.
+
+Static (per GPU)
+  weights    LoRA: frozen base b·P/S.  Full, sharded: fp32 master 4·P/S.  Full, one process: b·P (no master copy).
+  LoRA       fp32 adapter weights and gradients: (4 + 4)·P_lora/S.
+  optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full, one process: 2b·P_t).
+  gradients  full mode: 4·P_t/S sharded (b·P_t in one process); they exist at the end of backward.
+  gathered   FSDP2 (S > 1): the root unit (embeddings, lm_head, final norm) stays unsharded the whole step, plus two
+             units in flight (the one running and the one prefetched), each the larger of a layer's routed experts
+             (÷ ep) or the rest of a layer, in the compute dtype (full mode: + their unsharded b + fp32 gradients).
+  cpu_offload moves weights, gradients and optimizer state to host memory: only "gathered" stays on the GPU.
+
+Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
+against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
+  attention  4H (fp32 RMSNorm input) + b·H (normed input, when q/k/v have LoRA or in full mode)
+             + b·D·(2nH + 2nKV) (q, k, v after RoPE, attention output) + 4·nH (log-sum-exp)
+  dense MLP  4H (norm) + 3b·I (gate, up, silu(gate)) [+ b·H + b·I in full mode or with LoRA on it]
+  MoE        4H (norm) + k·Im·(2b + b + 4) (gate_up output, silu(gate), the fp32 SwiGLU the routing weight
+             multiplies) + 3b·Is (shared expert) + 8E + 32k (router scores, indices)
+             [+ b·k·H + b·k·Im (expert inputs) in full mode or with LoRA on the experts]
+  final      4H (norm) + b·H (the loss's saved input gradient) + 2b·rotary_dim (RoPE cos/sin, once)
+  full mode  also b·H per RMSNorm (the input its weight's gradient needs)
+  Layer 0 of a LoRA run saves nothing for its input norm (no gradient flows into the embeddings).
+  torch.compile (per layer) recomputes the element-wise chains instead of saving them: per layer it keeps
+             2b·H (layer input, residual after attention) + b·D·(2nH + 2nKV) + 4nH + [2b·I dense |
+             2b·k·Im + 2b·Is + 8E + 32k MoE] (+ the same full-mode/LoRA expert inputs).
+  selective activation checkpointing keeps the GEMM and attention outputs: b·H + b·D(2nH + 2nKV) + 4nH + b·H
+             (o_proj) + [3b·I dense | k·(2b·Im + b·H) + 3b·Is + 4E MoE].
+  full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time.
+Working set on top of the saved activations, at the start of backward: one MoE layer's backward
+  (2b·k·H + 10·k·Im per token: gradients of the permuted rows, of the expert output and of the fp32 SwiGLU) and the
+  loss: 2b·c·V (one chunk's logits and their gradient); when lm_head trains, the larger of that plus its fp32
+  gradient kept from the forward (4VH) and, at the start of backward, that gradient with the backward's fp32 product
+  and bf16 cast (10VH). Layer and loss working sets are added, which leaves a margin for the
+  transients that are not modelled one by one (allocator rounding, attention backward buffers).
+Peak = static + max(saved activations + working set [+ gradients when grad_accum > 1], gradients).
+
+Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1 H200, torch max_memory_allocated):
+  LoRA q,k,v,o, torch.compile:   measured 39.2 GiB, estimated 39.2 GiB (+0.1 %)
+  LoRA q,k,v,o, eager:           measured 43.4 GiB, estimated 41.9 GiB (-3.4 %)
+  full fine-tuning, 2 layers:    measured 29.5 GiB, estimated 29.6 GiB compiled (+0.4 %), 30.3 GiB eager (+2.6 %)
+Weights are 33.3 of the 39.2 GiB (LoRA) and 21.4 of the 29.5 GiB (full, with the optimizer), so these figures test
+the activation terms much less than the totals suggest: the activation + working-set part alone is 5.9 GiB measured
+vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %). The compiled formula was written knowing the compiled
+figure. tests/unit/test_observability_inspect.py pins these and checks the eager per-layer formula against a
+census of the tensors autograd saves. Multi-GPU sharding, expert parallelism, checkpointing and offload follow the
+same formulas but have not been compared with a measurement yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 2**30
+LOSS_CHUNK = 2048  # Glm4MoeForCausalLM.loss_chunk_tokens
+
+
+@dataclass
+class ParamCounts:
+    total: int
+    trainable: int
+    lora: int
+    root: int  # embeddings, lm_head, final norm: FSDP's root unit
+    max_expert_unit: int  # one layer's routed experts
+    max_layer_rest: int  # the rest of one layer
+    lm_head_trains: bool
+
+
+@dataclass
+class Estimate:
+    rows: list[tuple[str, float, str]]  # (component, GiB, how it was counted)
+    total_gib: float
+    phase: str  # which phase is the peak
+    notes: list[str] = field(default_factory=list)
+
+
+def count_params(model) -> ParamCounts:
+    """Parameter counts of a built model (meta device is fine), LoRA applied or trainability set."""
+    total = trainable = lora = root = 0
+    expert_units, rests = [0], [0]
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+        lora += n if ".lora" in name else 0
+        if not name.startswith("model.layers."):
+            root += n
+    for layer in model.model.layers:
+        ex = getattr(layer.mlp, "experts", None)
+        e = sum(p.numel() for p in ex.parameters()) if ex is not None else 0
+        expert_units.append(e)
+        rests.append(sum(p.numel() for p in layer.parameters()) - e)
+    return ParamCounts(total, trainable, lora, root, max(expert_units), max(rests), model.lm_head.weight.requires_grad)
+
+
+def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
+                               rank: int = 16) -> float:
+    """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective."""
+    H, D, nH, nKV = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
+    k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
+    Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
+    # LoRA's rank-sized intermediates (x·Aᵀ), one per adapted linear; the experts' rank is padded to 16 bytes
+    linears = len(lora & {"q_proj", "k_proj", "v_proj", "o_proj"}) + 3 * (
+        "shared_experts" in lora if moe else "dense_mlp" in lora)
+    r_pad = -(-rank * b // 16) * 16 // b
+    lora_small = b * rank * linears + (2 * b * k * r_pad if moe and "experts" in lora else 0)
+    attn_core = b * D * (2 * nH + 2 * nKV) + 4 * nH + lora_small
+    qkv_input = bool(full or lora & {"q_proj", "k_proj", "v_proj"})
+    expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
+    mlp_inputs = (b * H + b * I) if (full or "dense_mlp" in lora) else 0
+    shared_inputs = (b * H + b * Is) if (full or "shared_experts" in lora) else 0
+    router = 8 * E + 32 * k
+    if mode == "selective":
+        ffn = (k * (2 * b * Im + b * H) + 3 * b * Is + 4 * E) if moe else 3 * b * I
+        return b * H + attn_core + b * H + b * H + ffn + (expert_inputs if moe else 0)
+    if mode == "compiled":
+        ffn = (2 * b * k * Im + 2 * b * Is + router + expert_inputs + shared_inputs) if moe else 2 * b * I + mlp_inputs
+        return 2 * b * H + attn_core + ffn - (b * H if first and not full else 0)
+    norm = 4 * H + 4 + (b * H if full else 0)  # fp32 input and rstd (+ the bf16 cast the norm weight's gradient needs)
+    attn = (0 if first and not full else norm) + (b * H if qkv_input else 0) + attn_core
+    if moe:
+        ffn = norm + k * Im * (3 * b + 4) + 3 * b * Is + router + expert_inputs + shared_inputs
+    else:
+        ffn = norm + 3 * b * I + mlp_inputs
+    return attn + ffn
+
+
+def estimate_memory(cfg, m, counts: ParamCounts, world_size: int) -> Estimate:
+    """Peak memory per GPU of `cfg` (Config) on `world_size` GPUs for the model config `m`."""
+    b = 2 if cfg.model.dtype == "bfloat16" else 4
+    full = cfg.finetune.mode == "full"
+    ep = cfg.parallel.ep
+    dp_shard = cfg.parallel.dp_shard if cfg.parallel.dp_shard != -1 else max(1, world_size // ep)
+    S = dp_shard * ep if world_size > 1 else 1
+    offload = cfg.parallel.cpu_offload and world_size > 1
+    T = cfg.train.micro_batch_size * cfg.data.seq_len
+    c = min(T, LOSS_CHUNK)
+    V, H = m.vocab_size, m.hidden_size
+    lora = set(cfg.lora.targets) if not full else set()
+    rows, notes = [], []
+
+    def add(name, nbytes, how):
+        rows.append((name, nbytes / GIB, how))
+        return nbytes
+
+    # ---- static
+    if full and S == 1:
+        w = add("weights", b * counts.total, f"{b}·P, one process: the {cfg.model.dtype} weights are the master copy")
+        grads = b * counts.trainable
+        opt = add("optimizer", 2 * b * counts.trainable, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable")
+    elif full:
+        w = add("weights", 4 * counts.total / S, f"fp32 master weights sharded: 4·P/{S}")
+        grads = 4 * counts.trainable / S
+        opt = add("optimizer", 8 * counts.trainable / S, f"AdamW moments fp32: 8·P_trainable/{S}")
+    else:
+        w = add("weights", b * (counts.total - counts.lora) / S, f"frozen base: {b}·P/{S}")
+        add("LoRA", 8 * counts.lora / S, f"fp32 adapter weights + gradients: 8·{counts.lora:,}/{S}")
+        grads = 0
+        opt = add("optimizer", 8 * counts.lora / S, f"AdamW moments fp32: 8·P_lora/{S}")
+    static = sum(r[1] for r in rows) * GIB
+    if offload:
+        static = 0
+        notes.append("parallel.cpu_offload: weights, gradients and optimizer state live in host memory "
+                     f"(~{(w + opt + grads) / GIB:.1f} GiB per rank)")
+    gathered = 0
+    if S > 1:
+        # experts gather over dp_shard only (ep already split them): with dp_shard 1 they are never gathered
+        unit = max(counts.max_expert_unit / ep if dp_shard > 1 else 0, counts.max_layer_rest)
+        per_param = b + ((b + 4) if full else 0)
+        gathered = add("FSDP gathered", b * counts.root + 2 * unit * per_param,
+                       "root unit (embeddings, lm_head) + 2 layer units in flight, unsharded")
+    if full:
+        add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
+
+    # ---- activations of one micro-batch
+    ac = cfg.train.activation_checkpointing
+    mode = "compiled" if cfg.train.compile else "eager"
+    per_layer = [activation_bytes_per_token(m, m.is_moe_layer(i), mode, b, lora, full, i == 0, cfg.lora.rank)
+                 for i in range(m.num_hidden_layers)]
+    if ac == "full":
+        saved = T * (b * H * m.num_hidden_layers + max(per_layer))
+        how = f"full checkpointing: layer inputs {b}·H·T·L + one layer recomputed"
+    elif ac == "selective":
+        sel = [activation_bytes_per_token(m, m.is_moe_layer(i), "selective", b, lora, full, i == 0, cfg.lora.rank)
+               for i in range(m.num_hidden_layers)]
+        saved = T * sum(sel)
+        how = f"selective checkpointing: GEMM/attention outputs, {sum(sel) / m.num_hidden_layers / (b * H):.1f}·{b}H per token·layer"
+    else:
+        saved = T * sum(per_layer)
+        how = f"{mode}: {sum(per_layer) / m.num_hidden_layers / (b * H):.1f}·{b}H bytes per token·layer × T={T:,}"
+    # final norm (+ its weight's input in full mode), the loss's input gradient, RoPE's cos/sin (shared by the layers)
+    saved += T * (4 * H + (b * H if full else 0) + b * H + 2 * b * m.rotary_dim)
+    add("activations", saved, how)
+    k, Im = m.num_experts_per_tok, m.moe_intermediate_size
+    layer_ws = T * (2 * b * k * H + 10 * k * Im) if m.n_routed_experts else T * 4 * b * m.intermediate_size
+    if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
+        logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
+        how = f"lm_head trains: max(chunk 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"
+    else:
+        logits = 2 * b * c * V
+        how = f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V"
+    add("logits / loss", logits, how)
+    add("backward working set", layer_ws, "one MoE layer's backward: 2b·k·H + 10·k·Im per token")
+
+    forward = static + gathered + saved + logits + layer_ws + (grads if cfg.train.grad_accum > 1 else 0)
+    end = static + gathered + grads
+    total, phase = (forward, "start of backward") if forward >= end else (end, "end of backward (gradients)")
+    if not full:
+        rows = [r for r in rows if r[0] != "gradients"]
+    return Estimate(rows, total / GIB, phase, notes)
+
+
+def format_estimate(e: Estimate) -> str:
+    lines = [f"  {'component':<22}{'GiB':>9}  how"]
+    lines += [f"  {name:<22}{gib:>9.2f}  {how}" for name, gib, how in e.rows]
+    lines.append(f"  {'peak (estimate)':<22}{e.total_gib:>9.2f}  at the {e.phase}; as torch.cuda.max_memory_allocated: "
+                 "without the CUDA context (~0.5-1 GiB) and allocator fragmentation")
+    if abs(sum(r[1] for r in e.rows) - e.total_gib) > 0.01:
+        lines.append("  (not the sum of the components: gradients and activations are not held at the same time)")
+    fits = ", ".join(f"{name} {cap} GiB: {'fits' if e.total_gib < 0.92 * cap else 'does NOT fit'}"
+                     for name, cap in (("H100", 80), ("H200", 141)))
+    lines.append(f"  {fits} (with 8% headroom)")
+    lines += [f"  note: {n}" for n in e.notes]
+    return "\n".join(lines)

@@ -1,0 +1,253 @@
+"""`moetune inspect CONFIG.yaml [--world-size N] [--section.key value ...]`: a preflight that needs no GPU.
+
+Prints the resolved config; the architecture and its parameter counts (total, active per token, trainable by
+module kind: the model is built on the meta device, LoRA applied there, nothing allocated); an estimate of peak
+memory per GPU at the given world size (estimate.py says how it is computed); the data: statistics of the train
+and eval sets and the first packed sample with its trained tokens marked. Parts whose inputs do not exist
+(placeholder paths in the shipped configs) are skipped with a note instead of failing, so that a config can be
+checked before the checkpoint and data are on the machine. Data problems (a malformed line, nothing left to train)
+are reported and make the exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+from moetune.config import ConfigError, config_to_yaml, load_config
+
+TRAINED_ANSI = ("\x1b[1;32m", "\x1b[0m")  # bold green
+CONTEXT_ANSI = ("\x1b[2m", "\x1b[0m")  # dim
+TRAINED_PLAIN = ("[[", "]]")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="moetune inspect", allow_abbrev=False, usage="moetune inspect [CONFIG.yaml] [options] [--section.key VALUE ...]",
+                                description=__doc__.split("\n\n")[1],
+                                epilog="CONFIG.yaml: none means the embedded demo. Other --section.key VALUE arguments "
+                                       "override the config, as for `moetune train`.")
+    p.add_argument("--world-size", type=int, default=1, help="GPUs the run will use, for the memory estimate (default 1)")
+    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                   help="mark trained tokens with ANSI colour (auto: on a terminal) or with [[brackets]]")
+    p.add_argument("--sample-tokens", type=int, default=512, help="show at most this many tokens of the sample")
+    # the config is the first argument when it is not an option (as `moetune train`); the rest are ours or overrides
+    config = argv[0] if argv and not argv[0].startswith("-") else None
+    a, overrides = p.parse_known_args(argv[1:] if config else argv)
+    a.config = config
+    return a, overrides
+
+
+def main(argv=None) -> int:
+    a, overrides = _parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = load_config(a.config, overrides)
+    except ConfigError as e:
+        print(f"moetune inspect: {e}", file=sys.stderr)
+        return 2
+    color = a.color == "always" or (a.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    _section("resolved config")
+    print(config_to_yaml(cfg).rstrip())
+    model_info = inspect_model(cfg, a.world_size)
+    ok = inspect_data(cfg, a.world_size, color, a.sample_tokens)
+    if model_info is None:
+        print("\n(model sections skipped: see the note above)")
+    return 0 if ok else 1
+
+
+def _section(title: str) -> None:
+    print(f"\n=== {title} " + "=" * max(0, 72 - len(title)))
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,.0f}"
+
+
+# ------------------------------------------------------------------------------------------------ model
+def resolve_model(cfg):
+    """(ModelConfig, note); for a placeholder model.path without model.config, the builtin shape its name says."""
+    from moetune.model.config import BUILTIN, resolve_model_config
+    from moetune.train.setup import model_config_for
+
+    try:
+        return model_config_for(cfg), None
+    except FileNotFoundError as e:
+        guess = _builtin_from_name(cfg.model.path or "")
+        if guess is None:
+            return None, f"{e}; pass --model.config (one of {', '.join(BUILTIN)} or a config.json) to inspect the model"
+        m = resolve_model_config(None, guess, cfg.model.num_hidden_layers)
+        return m, (f"model.path {cfg.model.path} has no config.json (a placeholder?): showing the builtin {guess!r} "
+                   f"that its name matches")
+
+
+def _builtin_from_name(path: str) -> str | None:
+    name = os.path.basename(os.path.normpath(path)).lower()
+    if re.search(r"glm-?4\.?[567]", name):
+        return "glm45-air" if "air" in name else "glm45"
+    return None
+
+
+def build_meta_model(cfg, m):
+    """The model as `train` builds it (meta device, no memory): LoRA applied, or full-mode trainability set."""
+    from moetune.model.hf_io import build_model
+    from moetune.model.lora import apply_lora
+
+    model = build_model(m, "meta")
+    if cfg.finetune.mode == "full":
+        for name, p in model.named_parameters():
+            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+    else:
+        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+    return model
+
+
+def inspect_model(cfg, world_size: int):
+    from moetune.estimate import count_params, estimate_memory, format_estimate
+    from moetune.model.lora import format_trainable_table
+    from moetune.train.metrics import active_matmul_params
+
+    _section("model")
+    m, note = resolve_model(cfg)
+    if note:
+        print(f"note: {note}")
+    if m is None:
+        return None
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    print(f"GLM-4.5 MoE: {m.num_hidden_layers} layers ({m.num_hidden_layers - n_moe} dense + {n_moe} MoE), hidden "
+          f"{m.hidden_size}, {m.num_attention_heads} heads / {m.num_key_value_heads} KV × {m.head_dim}, "
+          f"{m.n_routed_experts} experts top-{m.num_experts_per_tok} + {m.n_shared_experts} shared "
+          f"(intermediate {m.moe_intermediate_size}), vocab {m.vocab_size:,}")
+    model = build_meta_model(cfg, m)
+    counts = count_params(model)
+    base = counts.total - counts.lora
+    active = active_matmul_params(m)
+    mtp = (f"; the checkpoint's {m.num_nextn_predict_layers} MTP layer(s) are not loaded and not counted"
+           if m.num_nextn_predict_layers else "")
+    print(f"parameters, total:        {base:>18,}  ({_b(base)}{mtp})")
+    print(f"active per token:         {active:>18,}  ({_b(active)}: matmul weights a token passes through — attention,"
+          f" dense MLP or top-{m.num_experts_per_tok} + shared experts, router, lm_head)")
+    print(f"trainable ({cfg.finetune.mode}):" + " " * max(1, 17 - len(cfg.finetune.mode)) + f"{counts.trainable:>18,}  "
+          f"({_b(counts.trainable)})")
+    print(format_trainable_table(model))
+
+    _section(f"memory estimate per GPU, world size {world_size}")
+    dp_shard = cfg.parallel.dp_shard if cfg.parallel.dp_shard != -1 else max(1, world_size // cfg.parallel.ep)
+    gb = cfg.train.micro_batch_size * cfg.train.grad_accum * world_size
+    print(f"world size {world_size} (--world-size), ep {cfg.parallel.ep}, dp_shard {dp_shard}; micro-batch "
+          f"{cfg.train.micro_batch_size} × seq_len {cfg.data.seq_len}, grad_accum {cfg.train.grad_accum}: global batch "
+          f"{gb} sequences = {gb * cfg.data.seq_len:,} tokens per step")
+    print(f"{cfg.model.dtype}, activation checkpointing: {cfg.train.activation_checkpointing}, compile: "
+          f"{cfg.train.compile}, cpu_offload: {cfg.parallel.cpu_offload}, reshard_after_forward: "
+          f"{cfg.parallel.reshard_after_forward}")
+    if world_size > 1 and (dp_shard * cfg.parallel.ep > world_size or world_size % (dp_shard * cfg.parallel.ep)):
+        print(f"warning: dp_shard {dp_shard} × ep {cfg.parallel.ep} does not divide the world size {world_size}: "
+              "train would refuse this layout")
+    est = estimate_memory(cfg, m, counts, world_size)
+    print(format_estimate(est))
+    return m
+
+
+# ------------------------------------------------------------------------------------------------ data
+def inspect_data(cfg, world_size: int, color: bool, max_tokens: int) -> bool:
+    from moetune.data import DataError, build_packs, data_options, load_tokenizer
+    from moetune.data.cache import _looks_like_hub_name
+
+    _section("data")
+    tok_src = cfg.data.tokenizer or cfg.model.path
+    if tok_src is not None and not os.path.exists(tok_src):
+        print(f"tokenizer: {tok_src} does not exist (a placeholder?): skipping the data statistics and sample "
+              "(pass --data.tokenizer DIR)")
+        return True
+    try:
+        tokenizer = load_tokenizer(tok_src)
+    except Exception as e:  # a directory without tokenizer files, a broken tokenizer.json
+        print(f"tokenizer: cannot load {tok_src}: {e}")
+        return False
+    print(f"tokenizer: {tok_src or 'the embedded demo tokenizer'} ({len(tokenizer):,} tokens)")
+    opts = data_options(cfg.data)
+    print(f"masking: train_on {cfg.data.train_on}, train_reasoning {cfg.data.train_reasoning}, train_empty_think "
+          f"{cfg.data.train_empty_think}; cache: {opts['cache_dir'] or 'off'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        train_path, eval_path = cfg.data.train, cfg.data.eval
+        if train_path is None:
+            from moetune.assets.demo_data import write_demo_dataset
+
+            write_demo_dataset(tmp, seed=cfg.run.seed)
+            train_path, eval_path = os.path.join(tmp, "train.jsonl"), eval_path or os.path.join(tmp, "eval.jsonl")
+            print("data.train is null: the embedded demo dataset")
+        ok, first_pack = True, None
+        for label, path in (("train", train_path), ("eval", eval_path)):
+            if path is None:
+                continue
+            if not os.path.exists(path) and not _looks_like_hub_name(path):
+                print(f"{label}: {path} does not exist (a placeholder?): skipped")
+                continue
+            try:
+                packs, stats = build_packs(path, tokenizer, cfg.data.seq_len, **opts)
+            except DataError as e:
+                print(f"{label}: error: {e}")
+                ok = False
+                continue
+            print(format_stats(label, path, stats, cfg, world_size))
+            if label == "train":
+                first_pack = packs[0]
+        if first_pack is not None:
+            _section("first packed sample (train)")
+            print(render_pack(first_pack, tokenizer, color, max_tokens))
+    return ok
+
+
+def format_stats(label: str, path: str, s: dict, cfg, world_size: int) -> str:
+    capacity = s["packs"] * cfg.data.seq_len
+    lines = [f"{label}: {path} (cache: {s.get('cache', 'off')})",
+             f"  documents kept {s['documents']:,}; dropped: {s['dropped_too_long']:,} longer than seq_len "
+             f"{cfg.data.seq_len} (never truncated), {s['dropped_no_targets']:,} without a trained token, "
+             f"{s.get('skipped_malformed', 0):,} malformed (data.skip_malformed)",
+             f"  tokens {s['tokens']:,}, trained {s['targets']:,} ({100 * s['targets'] / max(s['tokens'], 1):.1f}%); "
+             f"{s['packs']:,} packs of {cfg.data.seq_len}, padding {100 * (1 - s['tokens'] / max(capacity, 1)):.1f}%"]
+    if label == "train":
+        per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * world_size
+        # as PackedLoader: whole global micro-batches per epoch (the tail is dropped; too few packs repeat)
+        batches = max(1, s["packs"] // (cfg.train.micro_batch_size * world_size))
+        lines.append(f"  {per_step} packs per step at world size {world_size}: {batches / cfg.train.grad_accum:,.1f} "
+                     f"steps per epoch; train.steps {cfg.train.steps:,} = "
+                     f"{cfg.train.steps * cfg.train.grad_accum / batches:,.2f} epochs")
+    return "\n".join(lines)
+
+
+def render_pack(pack: dict, tokenizer, color: bool, max_tokens: int) -> str:
+    """The pack as text, documents separated, trained tokens (those the loss is computed on) marked."""
+    from moetune.data import IGNORE_INDEX
+
+    ids, labels, pos = pack["input_ids"], pack["labels"], pack["position_ids"]
+    # labels are pre-shifted: token t is trained when labels[t-1] (the prediction made at t-1) is not ignored
+    trained = [False] + [lab != IGNORE_INDEX for lab in labels[:-1]]
+    starts = [t for t in range(len(ids)) if pos[t] == 0] + [len(ids)]
+    on, off = TRAINED_ANSI if color else TRAINED_PLAIN
+    ctx_on, ctx_off = CONTEXT_ANSI if color else ("", "")
+    legend = ("trained tokens in bold green, context dimmed" if color
+              else "trained tokens (the loss is computed on them) are [[in double brackets]]")
+    legend += "; a document's first token is never trained: nothing before it predicts it"
+    out, shown = [f"({legend}; {len(starts) - 1} document(s) in {len(ids)} positions)"], 0
+    for d, (a, b) in enumerate(zip(starts, starts[1:])):
+        if not any(trained[a:b]) and all(i == ids[a] for i in ids[a:b]) and d == len(starts) - 2 and d > 0:
+            out.append(f"--- padding: {b - a} tokens ---")
+            break
+        out.append(f"--- document {d + 1}: {b - a} tokens, {sum(trained[a:b])} trained ---")
+        if shown >= max_tokens:
+            out.append("(not shown: --sample-tokens reached)")
+            continue
+        end = min(b, a + max_tokens - shown)
+        text, t = [], a
+        while t < end:  # decode runs of equal trained-ness together, so multi-byte characters stay whole
+            u = t
+            while u < end and trained[u] == trained[t]:
+                u += 1
+            piece = tokenizer.decode(ids[t:u], skip_special_tokens=False)
+            text.append(f"{on}{piece}{off}" if trained[t] else f"{ctx_on}{piece}{ctx_off}")
+            t = u
+        shown += end - a
+        out.append("".join(text) + (f" … ({b - end} more tokens)" if end < b else ""))
+    return "\n".join(out)

@@ -1,0 +1,162 @@
+"""`moetune inspect`: parameter counts of the real architectures, the masked sample, placeholder paths, and the memory
+estimate (its activation formula against what autograd saves; its totals against GPU measurements)."""
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetune.cli import main
+from moetune.config import load_config
+from moetune.data import DEMO_TOKENIZER_DIR
+from moetune.estimate import activation_bytes_per_token, count_params, estimate_memory
+from moetune.inspect import build_meta_model, render_pack
+from moetune.model.config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def chat_jsonl(path):
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "upper: ab"},
+                          {"role": "assistant", "content": "AB"}]},
+            {"messages": [{"role": "user", "content": "upper: cd"}, {"role": "assistant", "content": "CD"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_inspect_glm45_air_counts_and_masked_sample(tmp_path, capsys):
+    data = chat_jsonl(tmp_path / "d.jsonl")
+    rc = main(["inspect", str(CONFIGS / "glm45-air-lora.yaml"), "--world-size", "8", "--color", "never",
+               "--data.train", data, "--data.tokenizer", str(DEMO_TOKENIZER_DIR), "--data.cache", "false"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "106,852,245,504" in out  # GLM-4.5-Air without its MTP layer
+    assert "12,802,326,528" in out  # active matmul parameters per token
+    assert "31,653,888" in out  # LoRA r16 on q, k, v, o of 46 layers
+    assert "showing the builtin 'glm45-air'" in out  # model.path is a placeholder
+    assert "eval: /path/to/eval.jsonl does not exist" in out
+    assert "peak (estimate)" in out and "world size 8" in out
+    sample = out.split("first packed sample")[1]
+    assert "<|user|>\nupper: ab<|assistant|>\n[[AB<|endoftext|>]]" in sample  # only the reply (and its end) trained
+    assert "--- document 2:" in sample and "--- padding:" in sample
+    assert "documents kept 2" in out
+
+
+def test_inspect_placeholders_are_skipped_not_fatal(capsys):
+    assert main(["inspect", str(CONFIGS / "glm45-lora.yaml"), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "builtin 'glm45'" in out and "tokenizer: /path/to/GLM-4.5 does not exist" in out
+    assert "352,797,814,784" in out  # GLM-4.5 ("355B") without its MTP layer
+
+
+def test_inspect_reports_bad_data_with_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n{"messages": 3}\n')
+    assert main(["inspect", "--data.train", str(bad), "--data.cache", "false", "--data.eval", "null"]) == 1
+    assert "bad.jsonl:2:" in capsys.readouterr().out
+
+
+def test_inspect_demo_and_config_errors(capsys):
+    assert main(["inspect", "--data.cache", "false", "--color", "always"]) == 0
+    out = capsys.readouterr().out
+    assert "embedded demo dataset" in out and "\x1b[1;32m" in out
+    assert main(["inspect", "--optim.lrr", "1"]) == 2
+    assert "did you mean 'optim.lr'" in capsys.readouterr().err
+
+
+def test_render_pack_marks_trained_tokens():
+    from moetune.data import load_tokenizer
+
+    tok = load_tokenizer(None)
+    ids = tok("abcd", add_special_tokens=False)["input_ids"]
+    pack = {"input_ids": ids + [0, 0], "position_ids": [0, 1, 2, 3, 0, 1],
+            "labels": [-100, ids[2], ids[3], -100, -100, -100]}  # c and d trained
+    text = render_pack(pack, tok, color=False, max_tokens=100)
+    assert "ab[[cd]]" in text and "--- padding: 2 tokens ---" in text
+
+
+# ------------------------------------------------------------------------------------------ memory estimate
+def air8(*over):
+    from moetune.train.setup import model_config_for
+
+    cfg = load_config(None, ["--model.config", "glm45-air-8layers", "--model.dtype", "bfloat16", "--data.seq_len",
+                             "1024", "--train.micro_batch_size", "4", *over])
+    m = model_config_for(cfg)
+    return estimate_memory(cfg, m, count_params(build_meta_model(cfg, m)), world_size=1).total_gib
+
+
+@pytest.mark.parametrize("over, measured", [
+    (["--train.compile", "true"], 39.2),  # LoRA q,k,v,o, 4 x 1024 tokens, one H200
+    ([], 43.4),  # the same without torch.compile
+    (["--finetune.mode", "full", "--model.num_hidden_layers", "2", "--train.compile", "true"], 29.5),
+])
+def test_memory_estimate_against_gpu_measurements(over, measured):
+    assert air8(*over) == pytest.approx(measured, rel=0.05)
+
+
+def test_memory_estimate_shards_with_world_size():
+    cfg = load_config(CONFIGS / "glm45-air-lora.yaml", ["--model.config", "glm45-air"])
+    from moetune.train.setup import model_config_for
+
+    m = model_config_for(cfg)
+    counts = count_params(build_meta_model(cfg, m))
+    one, eight = (estimate_memory(cfg, m, counts, w) for w in (1, 8))
+    weights = {w: dict((r[0], r[1]) for r in e.rows)["weights"] for w, e in ((1, one), (8, eight))}
+    assert weights[1] == pytest.approx(8 * weights[8]) and weights[1] == pytest.approx(2 * 106.85e9 / 2**30, rel=1e-3)
+    assert 30 < eight.total_gib < 60 < one.total_gib
+
+
+def saved_bytes_by_layer(model, T):
+    """Bytes of the tensors autograd saves for backward, by decoder layer (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, where = {}, ["embed"]
+    hooks = [layer.register_forward_pre_hook(lambda mod, a, i=i: where.__setitem__(0, i))
+             for i, layer in enumerate(model.model.layers)]
+    hooks.append(model.model.norm.register_forward_pre_hook(lambda mod, a: where.__setitem__(0, "final")))
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params and key not in seen:
+            seen[key] = (t.untyped_storage().nbytes(), where[0])
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, None, labels=ids)
+    for h in hooks:
+        h.remove()
+    out = collections.Counter()
+    for nbytes, layer in seen.values():
+        out[layer] += nbytes
+    return out
+
+
+@pytest.mark.parametrize("mode, targets", [
+    ("lora", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("lora", ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]),
+    ("full", []),
+])
+def test_eager_activation_formula_matches_what_autograd_saves(mode, targets):
+    from moetune.model.hf_io import build_model, cast_model, init_weights
+    from moetune.model.lora import apply_lora
+
+    m = ModelConfig.from_hf_dict(dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1))
+    model = build_model(m, "cpu")
+    cast_model(model, torch.bfloat16)
+    init_weights(model, 0.1, seed=0)
+    full = mode == "full"
+    if full:
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.endswith("mlp.gate.weight"))
+    else:
+        apply_lora(model, targets, 4, 8)
+    # two lengths: the difference is what grows with the tokens (weight-sized casts drop out)
+    small, big = saved_bytes_by_layer(model, 64), saved_bytes_by_layer(model, 128)
+    for i in range(m.num_hidden_layers):
+        measured = (big[i] - small[i]) / 64
+        formula = activation_bytes_per_token(m, m.is_moe_layer(i), "eager", 2, set(targets), full, i == 0, 4)
+        assert formula == pytest.approx(measured, rel=0.03), (i, formula, measured)
