@@ -50,3 +50,17 @@ def test_packed_documents_get_their_own_logits(tmp_path):
     with torch.no_grad():
         unmasked = model(packed)
     assert not torch.allclose(unmasked[:, 11:], alone_b, rtol=1e-3, atol=1e-4)
+
+
+def test_aux_loss_is_logged_and_changes_training(tmp_path):
+    """The load-balancing loss enters the objective (the step losses differ once its gradient has acted)
+    and its value is logged."""
+    from helpers import read_metrics
+
+    base = run_inprocess(small_run_args(tmp_path, "noaux", **{"train.steps": 3}))
+    aux = run_inprocess(small_run_args(tmp_path, "aux", **{"train.steps": 3, "train.aux_loss_coef": 1.0}))
+    rows = [r for r in read_metrics(aux) if "loss" in r]
+    assert all(r["aux_loss"] > 0.5 for r in rows)  # ~1.0 for balanced routing
+    la, lb = step_losses(base), step_losses(aux)
+    assert la[0] == pytest.approx(lb[0], rel=1e-6)  # the CE before any update is the same
+    assert la[-1] != pytest.approx(lb[-1], rel=1e-6)
