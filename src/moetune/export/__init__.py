@@ -11,6 +11,7 @@ import sys
 
 from moetune.export.adapter import ExportError, convert_adapter, export_adapter, resolve_adapter_dir
 from moetune.export.merged import export_merged
+from moetune.model.hf_io import CheckpointError
 
 __all__ = ["ExportError", "convert_adapter", "export_adapter", "export_merged", "resolve_adapter_dir", "cli_export"]
 
@@ -28,7 +29,7 @@ def cli_export(a) -> int:
             if not base:
                 raise ExportError("the adapter names no base model: pass --base")
             report = export_merged(base, adapter, a.out, dtype=a.dtype, verify=a.verify)
-    except (ExportError, FileNotFoundError) as e:
+    except (ExportError, CheckpointError, FileNotFoundError) as e:
         print(f"moetune: error: {e}", file=sys.stderr)
         return 1
     print(f"exported {a.what} to {report['out_dir']}" + (f" ({a.format})" if a.what == "adapter" else ""))

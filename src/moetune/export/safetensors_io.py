@@ -53,17 +53,11 @@ class Reader:
     """The tensors of a checkpoint directory (sharded with an index, or bare *.safetensors files)."""
 
     def __init__(self, path: str):
+        from moetune.model.hf_io import shard_files
+
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors files")
         self.entries: dict[str, Entry] = {}
-        for name in files:
+        for name in shard_files(path):
             self.entries.update(read_header(os.path.join(path, name))[0])
 
     def __contains__(self, name):

@@ -86,6 +86,18 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
 
 
 # ---------------------------------------------------------------------------------------------- reading
+def shard_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory: those its index names, else every *.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+    return files
+
+
 @dataclass
 class _Stored:
     file: str
@@ -99,14 +111,7 @@ class _Reader:
     def __init__(self, path: str):
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not files:
-                raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+        files = shard_files(path)
         self._handles = {}
         self.tensors: dict[str, _Stored] = {}
         for fname in files:
