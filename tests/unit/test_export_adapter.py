@@ -158,5 +158,5 @@ def test_input_errors(tmp_path, base):
         export_adapter(tmp_path / "peft", tmp_path / "x")
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(b"")
-    with pytest.raises(ExportError, match="DCP"):
+    with pytest.raises(ExportError, match="not a complete moetune checkpoint"):
         export_adapter(tmp_path / "dcp", tmp_path / "x")

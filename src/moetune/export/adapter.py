@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
@@ -23,8 +24,18 @@ class ExportError(ValueError):
 
 
 def resolve_adapter_dir(path: str) -> str:
-    """A moetune adapter dir from what a user may pass: the adapter dir itself or the run dir holding `adapter/`."""
+    """A moetune adapter dir from what a user may pass: the adapter dir itself, a run dir holding `adapter/`,
+    a training checkpoint (DCP, `checkpoints/step_XXXXXX`), or a run dir with checkpoints but no adapter yet
+    (a run still going or stopped early: its newest complete checkpoint)."""
+    from moetune.train.checkpoint_files import latest_checkpoint
+
     path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return adapter_from_checkpoint(path)
+    if not os.path.isdir(os.path.join(path, "adapter")):
+        newest = latest_checkpoint(Path(path) / "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else None
+        if newest is not None:
+            return adapter_from_checkpoint(str(newest))
     for cand in (path, os.path.join(path, "adapter")):
         cfg = os.path.join(cand, "adapter_config.json")
         if os.path.isfile(cfg):
@@ -34,11 +45,30 @@ def resolve_adapter_dir(path: str) -> str:
                 return cand
             if cand == path:
                 raise ExportError(f"{cfg}: not a moetune adapter (format {fmt!r}); it looks already exported")
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        raise ExportError(f"{path} is a training checkpoint (DCP); export reads the run's adapter/ directory, "
-                          "which training writes at the end of a LoRA run")
     raise ExportError(f"{path}: no moetune adapter here (expected adapter_config.json with format "
                       f"{ADAPTER_FORMAT!r}, or a run directory containing adapter/)")
+
+
+def adapter_from_checkpoint(ckpt: str) -> str:
+    """Write the LoRA tensors of a DCP training checkpoint as a native adapter (in a temporary directory), with
+    the LoRA settings of the config.yaml saved beside them, and return that directory."""
+    import tempfile
+
+    from moetune.config import load_config
+    from moetune.model.adapter_io import save_adapter
+    from moetune.train.checkpoint_files import load_model_state
+
+    if not os.path.isfile(os.path.join(ckpt, "config.yaml")):
+        raise ExportError(f"{ckpt}: a DCP directory without config.yaml is not a complete moetune checkpoint")
+    cfg = load_config(os.path.join(ckpt, "config.yaml"))
+    if cfg.finetune.mode != "lora":
+        raise ExportError(f"{ckpt} is a full fine-tuning checkpoint: it has no adapter to export")
+    state = {k: v.float() for k, v in load_model_state(ckpt).items() if ".lora" in k}
+    c = cfg.lora
+    out = tempfile.mkdtemp(prefix="moetune-adapter-")
+    save_adapter(state, out, dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora,
+                                  targets=list(c.targets)), base_model=cfg.model.path)
+    return out
 
 
 def read_native_adapter(adapter_dir: str) -> tuple[dict, dict]:
