@@ -64,3 +64,14 @@ def test_aux_loss_is_logged_and_changes_training(tmp_path):
     la, lb = step_losses(base), step_losses(aux)
     assert la[0] == pytest.approx(lb[0], rel=1e-6)  # the CE before any update is the same
     assert la[-1] != pytest.approx(lb[-1], rel=1e-6)
+
+
+def test_router_entropy_is_logged_per_layer(tmp_path):
+    from helpers import read_metrics
+
+    run = run_inprocess(small_run_args(tmp_path, "ent", **{"train.steps": 2, "logging.expert_stats_every": 2}))
+    rec = [r for r in read_metrics(run) if "router_entropy" in r]
+    assert len(rec) == 1
+    ent = rec[0]["router_entropy"]
+    assert len(ent) == len(rec[0]["expert_counts"]) == 1  # 2 layers, the first dense
+    assert 0.5 < ent[0] <= 1.0  # sigmoid scores of a random router are close to uniform, never above log E

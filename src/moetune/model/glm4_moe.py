@@ -11,6 +11,8 @@ Module and parameter names mirror transformers v5's `Glm4MoeForCausalLM`, expert
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -157,7 +159,9 @@ class MoE(nn.Module):
         # Side outputs of the last forward, read by the trainer (expert-load metrics, auxiliary loss).
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
+        self.last_router_entropy: torch.Tensor | None = None
         self.compute_aux_loss = False
+        self.track_router_entropy = False
 
     def forward(self, x):
         shape = x.shape
@@ -167,7 +171,15 @@ class MoE(nn.Module):
         self.last_counts = counts.detach()
         if self.compute_aux_loss:
             self.last_aux_loss = load_balancing_loss(scores, counts, idx.shape[-1])
+        if self.track_router_entropy:
+            self.last_router_entropy = router_entropy(scores.detach())
         return routed.view(shape) + self.shared_experts(x)
+
+
+def router_entropy(scores):
+    """Mean over tokens of the entropy of the router's (normalised) scores, in units of log E: 1 = undecided."""
+    p = scores / scores.sum(-1, keepdim=True)
+    return -(p * p.clamp(min=1e-30).log()).sum(-1).mean() / math.log(scores.shape[-1])
 
 
 def load_balancing_loss(scores, counts, top_k):

@@ -57,6 +57,7 @@ def train(cfg: Config) -> TrainState:
     moe_layers = model.moe_layers()
     for moe in moe_layers:
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
+        moe.track_router_entropy = cfg.logging.expert_stats_every > 0
 
     from moetune.train.checkpoint import Checkpointer
 
@@ -66,6 +67,7 @@ def train(cfg: Config) -> TrainState:
     ckpt.metrics = metrics  # each save logs {"step", "checkpoint_s", "checkpoint_bytes"}
     peak = device_peak_flops(dist.device)
     expert_counts = torch.zeros(len(moe_layers), model.config.n_routed_experts, device=dist.device, dtype=torch.long)
+    entropy_sum = torch.zeros(len(moe_layers) + 1, device=dist.device, dtype=torch.float64)  # per layer + count
     bar = progress_bar(cfg, dist, state.step)
     timer = Throughput()
     t_start = time.time()
@@ -89,6 +91,9 @@ def train(cfg: Config) -> TrainState:
             loss_sum += ce.detach()
             for i, m in enumerate(moe_layers):
                 expert_counts[i] += m.last_counts
+                if m.track_router_entropy:
+                    entropy_sum[i] += m.last_router_entropy
+            entropy_sum[-1] += 1
         grad_norm = clip_grad_norm(params, cfg.train.max_grad_norm)
         loss_val = (dist.all_reduce_sum(loss_sum) / n_targets.clamp(min=1)).item()
         if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):
@@ -118,7 +123,10 @@ def train(cfg: Config) -> TrainState:
             record["aux_loss"] = round(dist.all_reduce_sum(aux_total).item() / dist.world_size, 6)
         if cfg.logging.expert_stats_every and state.step % cfg.logging.expert_stats_every == 0 and moe_layers:
             record.update(expert_load_stats(dist.all_reduce_sum(expert_counts).cpu()))
+            ent = dist.all_reduce_sum(entropy_sum).cpu()
+            record["router_entropy"] = [round(float(x), 4) for x in ent[:-1] / ent[-1].clamp(min=1)]
             expert_counts.zero_()
+            entropy_sum.zero_()
         if state.step % cfg.logging.every == 0 or state.step == cfg.train.steps:
             metrics.write(record)
         bar.update(1, loss=loss_val, tps=tps)

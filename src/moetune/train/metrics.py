@@ -68,9 +68,9 @@ def expert_load_stats(counts: torch.Tensor) -> dict:
     expert_cv            coefficient of variation of the loads (std / mean, population std)
     expert_dead          experts that received no token in the interval
     expert_load_entropy  entropy of the load distribution over the experts, normalised by log E (1.0 = uniform,
-                         0.0 = everything to one expert). This is *not* the per-token router entropy (how sure the
-                         router is of each choice): that needs the router's scores, which the MoE layer does not
-                         hand to the trainer; a balanced load with confident routing scores 1.0 here.
+                         0.0 = everything to one expert). Not the per-token router entropy (how sure the router
+                         is of each choice): the loop logs that beside these as `router_entropy`, from the
+                         router's normalised scores (MoE.last_router_entropy).
     """
     c = counts.double()
     mean = c.mean(-1)
@@ -159,7 +159,7 @@ SCALAR_TAGS = {
     "checkpoint_s": "checkpoint/seconds", "checkpoint_bytes": "checkpoint/bytes",
 }
 EXPERT_LISTS = {"expert_max_over_mean": "max_over_mean", "expert_cv": "cv", "expert_dead": "dead",
-                "expert_load_entropy": "load_entropy"}
+                "expert_load_entropy": "load_entropy", "router_entropy": "router_entropy"}
 
 
 def tracker_scalars(record: dict, layer_ids: list[int] | None = None) -> dict:
