@@ -137,7 +137,10 @@ def ours_step_fn(model, full: bool):
 
 BUCKETS = [  # (bucket, substrings of CUDA kernel names), first match wins
     ("attention", ["flash", "fmha", "attention", "flex", "sdpa", "triton_tem_fused"]),
-    ("experts_grouped_gemm", ["grouped", "group_gemm", "GroupedGemm", "gemm_grouped", "cutlass3x_sm90_gemm_grouped"]),
+    # torch's grouped_mm is its own CUTLASS 3.x kernel (at::cuda::detail ... enable_3x_kernel_for_sm9x); dense
+    # GEMMs come from cuBLAS (nvjet / xmma)
+    ("experts_grouped_gemm", ["grouped", "group_gemm", "GroupedGemm", "gemm_grouped", "enable_3x_kernel_for_sm9x",
+                              "4cuda6detail"]),
     ("optimizer", ["adam", "Adam", "multi_tensor"]),
     ("communication", ["nccl", "ncclDevKernel"]),
     ("loss_softmax", ["logsumexp", "softmax", "log_softmax", "nll", "cross_entropy"]),
