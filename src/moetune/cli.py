@@ -37,7 +37,7 @@ def _train(argv):
 def _export(argv):
     p = argparse.ArgumentParser(prog="moetune export")
     p.add_argument("what", choices=["adapter", "merged"])
-    p.add_argument("--checkpoint", required=True, help="a run's adapter/ directory or a run directory")
+X
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=["peft", "vllm"], default="peft")
     p.add_argument("--base", default=None, help="base HF checkpoint (default: the adapter's base_model)")

@@ -43,6 +43,11 @@ def _order_key(name: str):
     return group, _natural_key(name)
 
 
+def lora_delta(A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """scaling·B·A in fp32: what LoRA adds to W [out, in] (A [r, in], B [out, r]). Shared with merged_sources."""
+    return (B.float() @ A.float()) * scaling
+
+
 class _Merger:
     """Produces each output tensor; knows which LoRA factors touch which base weight."""
 
@@ -60,7 +65,7 @@ class _Merger:
         if A.shape[1] != W.shape[1] or B.shape[0] != W.shape[0] or A.shape[0] != B.shape[1]:
             raise ExportError(f"LoRA for {what}: A {list(A.shape)}, B {list(B.shape)} do not fit the base weight "
                               f"{list(W.shape)}; is this adapter for this base model?")
-        return (B.float() @ A.float()) * self.scaling
+        return lora_delta(A, B, self.scaling)
 
     def linear(self, name: str) -> torch.Tensor:
         W = self.base.read(name)
@@ -149,6 +154,12 @@ def _write_config(base_path: str, out_dir: str, dtype: torch.dtype) -> None:
     if cfg.get("quantization_config"):
         raise ExportError(f"{base_path} is a quantized checkpoint ({cfg['quantization_config'].get('quant_method')}); "
                           "merge into the unquantized base and quantize afterwards")
+    write_config_dict(cfg, out_dir, dtype)
+
+
+def write_config_dict(cfg: dict, out_dir: str, dtype: torch.dtype) -> None:
+    """config.json of `cfg` with its dtype set to what the export writes."""
+    cfg = dict(cfg)
     name = str(dtype).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
     for k in keys:
