@@ -37,7 +37,9 @@ def _train(argv):
 def _export(argv):
     p = argparse.ArgumentParser(prog="moetune export")
     p.add_argument("what", choices=["adapter", "merged"])
-X
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory, its adapter/, or a training checkpoint (checkpoints/step_XXXXXX); "
+                        "full fine-tuning runs export merged from their checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=["peft", "vllm"], default="peft")
     p.add_argument("--base", default=None, help="base HF checkpoint (default: the adapter's base_model)")
