@@ -6,7 +6,6 @@
   losses, eval losses and the trained adapter (LoRA on attention + experts) or weights (full fine-tuning).
 """
 
-import copy
 import os
 
 import pytest

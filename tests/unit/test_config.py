@@ -301,6 +301,7 @@ def test_configs_are_shipped():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_loads(path):
     cfg = load_config(path)
+    assert cfg.lora.targets and cfg.data.seq_len >= 256
     assert load_config(path, ["--optim.lr", "1e-5"]).optim.lr == 1e-5
 
 

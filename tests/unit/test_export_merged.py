@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import moetune
 from moetune.export import ExportError, export_merged
 from moetune.model.adapter_io import save_adapter
 from moetune.model.config import ModelConfig
