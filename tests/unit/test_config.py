@@ -315,7 +315,9 @@ def test_big_recipes():
         assert cfg.model.dtype == "bfloat16" and cfg.data.seq_len == 4096
         assert (cfg.lora.rank, cfg.lora.alpha, cfg.optim.lr) == (16, 32, 2e-4)
         assert cfg.train.micro_batch_size * cfg.train.grad_accum * 8 == 64
-        assert cfg.train.activation_checkpointing == "full"
+        # Air fits an H200 without recompute (compiled); the 355B recipe recomputes
+        want = ("none", True) if name.startswith("glm45-air") else ("full", False)
+        assert (cfg.train.activation_checkpointing, cfg.train.compile) == want
         assert (cfg.eval.every, cfg.checkpoint.every) == (50, 100)
     experts = load_config(CONFIGS[0].parent / "glm45-air-lora-experts.yaml").lora.targets
     assert {"experts", "shared_experts", "q_proj", "o_proj"} <= set(experts)
