@@ -27,11 +27,25 @@ def _train(argv):
         print(f"moetune: error: {e}", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        _shutdown_distributed()
     return 0
+
+
+def _shutdown_distributed():
+    """Free the (sharded) model while its process groups still exist, then destroy them. FSDP/DTensor modules
+    sit in reference cycles, so without the collect they outlive the groups and gloo aborts at interpreter exit
+    ("terminate called without an active exception"), seen with expert parallelism."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # a failed run: other ranks may be gone; still tear down
+            pass
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _export(argv):
