@@ -136,3 +136,17 @@ def random_adapter(base_path, adapter_dir, targets, rank=4, alpha=8.0, rslora=Fa
     save_adapter(lora_state_dict(model), str(adapter_dir),
                  dict(rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, targets=list(targets)), base_model=str(base_path))
     return model
+
+
+def trained_text(tokenizer, ids, mask):
+    """The trained tokens of a tokenised conversation, each run of consecutive trained tokens as one string."""
+    runs, current = [], []
+    for tok, trained in zip(ids, mask):
+        if trained:
+            current.append(tok)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from helpers import trained_text
 from moetune.data import DataError, build_packs, load_tokenizer, tokenize_record
 
 # GLM-4.5's template, reduced: every assistant turn opens with "\n<think>…</think>" (empty when the turn has no
@@ -45,19 +46,6 @@ def glm():
 @pytest.fixture(scope="module")
 def demo():
     return load_tokenizer(None)
-
-
-def trained_text(tokenizer, ids, mask):
-    runs, current = [], []
-    for tok, trained in zip(ids, mask):
-        if trained:
-            current.append(tok)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    if current:
-        runs.append(tokenizer.decode(current))
-    return runs
 
 
 def msgs(*turns):

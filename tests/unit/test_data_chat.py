@@ -2,26 +2,13 @@
 
 import pytest
 
+from helpers import trained_text
 from moetune.data import load_tokenizer, tokenize_record
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(None)
-
-
-def trained_text(tokenizer, ids, mask):
-    """The trained tokens, with each run of consecutive trained tokens as one string."""
-    runs, current = [], []
-    for tok, trained in zip(ids, mask):
-        if trained:
-            current.append(tok)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    if current:
-        runs.append(tokenizer.decode(current))
-    return runs
 
 
 def chat(*turns):

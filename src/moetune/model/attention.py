@@ -7,6 +7,7 @@ diagonal of each document are computed), SDPA with a dense boolean mask elsewher
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,16 +36,11 @@ def is_packed(position_ids) -> bool:
     return bool((position_ids[:, 1:] == 0).any())
 
 
-_flex = None
-
-
+@functools.cache
 def _compiled_flex():
-    global _flex
-    if _flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _flex = torch.compile(flex_attention, dynamic=False)
-    return _flex
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:

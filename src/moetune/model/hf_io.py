@@ -79,10 +79,18 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
         elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
             local.zero_()
         else:
-            g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
-            full = torch.empty(shape, dtype=torch.float32, device=local.device).normal_(0.0, std, generator=g)
-            local.copy_(full[idx])
-            del full
+            fill_seeded(p, name, seed, lambda t, g: t.normal_(0.0, std, generator=g))
+
+
+@torch.no_grad()
+def fill_seeded(p: torch.Tensor, name: str, seed: int, draw) -> None:
+    """Draw the whole tensor `name` from a generator seeded by (seed, name) on its device, keep this rank's
+    slice: the same values at any world size or sharding. `draw(tensor, generator)` fills in place."""
+    local = _local(p)
+    idx, shape = _local_index(p)
+    g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
+    full = draw(torch.empty(shape, dtype=torch.float32, device=local.device), g)
+    local.copy_(full[idx])
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -168,31 +176,19 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     parts = []
     for e in range(e_slice.start, e_slice.stop):
         if which == "down_proj":
-            parts.append(_read_expert(reader, f"{prefix}.{e}.down_proj.weight", rest, shape[1:], name, consumed))
+            parts.append(reader.read(f"{prefix}.{e}.down_proj.weight", rest))
             continue
         I = shape[1] // 2
         row, col = rest
         pieces = []
         if row.start < I:  # gate rows
-            pieces.append(_read_expert(reader, f"{prefix}.{e}.gate_proj.weight",
-                                       (slice(row.start, min(row.stop, I)), col), (I, shape[2]), name, consumed))
+            pieces.append(reader.read(f"{prefix}.{e}.gate_proj.weight", (slice(row.start, min(row.stop, I)), col)))
         if row.stop > I:  # up rows
-            pieces.append(_read_expert(reader, f"{prefix}.{e}.up_proj.weight",
-                                       (slice(max(row.start, I) - I, row.stop - I), col), (I, shape[2]), name, consumed))
+            pieces.append(reader.read(f"{prefix}.{e}.up_proj.weight", (slice(max(row.start, I) - I, row.stop - I), col)))
         parts.append(torch.cat(pieces, 0))
     if E and not parts:
         return torch.empty(0, *[s.stop - s.start for s in rest])
     return torch.stack(parts, 0)
-
-
-def _read_expert(reader, key, idx, want_shape, name, consumed):
-    st = reader.tensors.get(key)
-    if st is None:
-        raise CheckpointError(f"tensor {key} (part of {name}) is missing from the checkpoint at {reader.path}")
-    if tuple(st.shape) != tuple(want_shape):
-        raise _expected_shape_error(name, st, want_shape)
-    consumed.add(key)
-    return reader.read(key, idx)
 
 
 def _ignored(key: str, cfg: ModelConfig) -> bool:

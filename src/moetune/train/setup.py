@@ -10,7 +10,7 @@ import torch
 from moetune.model.config import ModelConfig, resolve_model_config
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import as_dtype, build_model, cast_model, init_weights, load_hf_weights
-from moetune.model.lora import ExpertLoRA, LoRALinear, apply_lora
+from moetune.model.lora import apply_lora
 from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp
 
 log = logging.getLogger("moetune")
@@ -57,21 +57,15 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
 @torch.no_grad()
 def init_lora(model, seed: int) -> None:
     """LoRA A from a generator seeded per tensor name, B = 0: the same adapter at any world size."""
-    from moetune.model.hf_io import _local, _local_index, _param_seed
+    from moetune.model.hf_io import _local, fill_seeded
 
     for name, p in model.named_parameters():
         if ".lora" not in name:
             continue
-        local = _local(p)
         if name.endswith("lora_B") or name.endswith("_B"):
-            local.zero_()
+            _local(p).zero_()
             continue
-        idx, shape = _local_index(p)
-        fan_in = shape[-1]
-        bound = 1.0 / fan_in**0.5  # kaiming_uniform(a=√5) on [r, in], as PEFT
-        g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
-        full = torch.empty(shape, dtype=torch.float32, device=local.device).uniform_(-bound, bound, generator=g)
-        local.copy_(full[idx])
+        bound = 1.0 / p.shape[-1] ** 0.5  # kaiming_uniform(a=√5) on [r, in], as PEFT
+        fill_seeded(p, name, seed, lambda t, g: t.uniform_(-bound, bound, generator=g))
 
 
-__all__ = ["setup_model", "model_config_for", "init_lora", "LoRALinear", "ExpertLoRA"]
