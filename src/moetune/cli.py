@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moetune.errors import MoetuneError
+
 
 def _train(argv):
     from moetune.config import ConfigError, load_config
@@ -17,15 +19,13 @@ def _train(argv):
     except ConfigError as e:
         print(f"moetune: {e}", file=sys.stderr)
         return 2
-    from moetune.data import DataError
-    from moetune.model.hf_io import CheckpointError
     from moetune.train.loop import train
 
     try:
         train(cfg)
-    except (DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except MoetuneError as e:
         print(f"moetune: error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     finally:
         _shutdown_distributed()
     return 0

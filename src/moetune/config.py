@@ -18,9 +18,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
                       model_validator)
 
+from moetune.errors import ConfigError  # noqa: F401  (re-exported)
 
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message is meant to be printed as is."""
+
 
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45")

@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from moetune.errors import DataError  # noqa: F401  (re-exported)
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class DataError(ValueError):
-    """A problem with the training data; the message starts with ``path:line: `` when one line is at fault."""
 
 
 def read_records(path: str, skip_malformed: bool = False) -> tuple[list[dict], int]:

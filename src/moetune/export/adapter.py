@@ -15,12 +15,11 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from moetune.model.adapter_io import ADAPTER_FORMAT, read_adapter_config
+from moetune.errors import ExportError  # noqa: F401  (re-exported)
 
 FORMATS = ("peft", "vllm")
 
 
-class ExportError(ValueError):
-    pass
 
 
 def resolve_adapter_dir(path: str) -> str:

@@ -22,13 +22,12 @@ from safetensors import safe_open
 
 from moetune.model.config import ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
+from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class CheckpointError(ValueError):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------- building

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import CheckpointException
 import moetune
 from moetune.config import config_hash, config_to_yaml
 from moetune.model.adapter_io import gather_lora_state, save_adapter
-from moetune.model.hf_io import CheckpointError
+from moetune.errors import CheckpointError, CheckpointWriteError, NumericalFault  # noqa: F401
 from moetune.train.checkpoint_files import (CONFIG, TRAINER_STATE, check_config, complete_checkpoints, dir_bytes,
                                             publish, remove_debris, remove_dir, resolve_resume, set_aside,
                                             step_dir_name, verify_checkpoint, write_synced)
@@ -52,14 +52,6 @@ PAUSE_ENV = "MOETUNE_TEST_PAUSE_BEFORE_RENAME"
 
 
 _ERRORS = (Exception, CheckpointException)  # DCP's collective error derives from BaseException, not Exception
-
-
-class CheckpointWriteError(CheckpointError):
-    """A save failed (disk full, permission denied...): the run stops, the previous checkpoint is untouched."""
-
-
-class NumericalFault(ValueError):
-    """checkpoint.max_bad_steps consecutive steps had a non-finite loss or gradient norm."""
 
 
 @dataclass

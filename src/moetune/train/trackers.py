@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
+from moetune.errors import TrackerError  # noqa: F401  (re-exported)
 
 log = logging.getLogger("moetune")
 
@@ -24,8 +25,6 @@ TENSORBOARD_MISSING = ("logging.report_to includes tensorboard, but tensorboard 
                        "pip install tensorboard, or drop it from logging.report_to")
 
 
-class TrackerError(ValueError):
-    """A tracker was asked for and cannot be used; the message says how to fix it."""
 
 
 def tensorboard_available() -> bool:
