@@ -105,17 +105,20 @@ def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None)
     return Dist(rank, world, local, dev, mesh, ep)
 
 
-def apply_ep(model, ep_mesh) -> None:
+def apply_ep(model, ep_mesh, overlap_chunks: int = 2) -> None:
     """Expert parallelism: shard every MoE layer's routed experts by expert over `ep_mesh` (see shard_experts).
-    The router and the shared expert stay whole on every rank, so routing is local."""
+    The router and the shared expert stay whole on every rank, so routing is local. `overlap_chunks` pipeline
+    chunks per exchange (1: no communication/computation overlap)."""
     for moe in model.moe_layers():
-        shard_experts(moe.experts, ep_mesh)
+        shard_experts(moe.experts, ep_mesh, overlap_chunks)
 
 
-def shard_experts(experts, ep_mesh) -> None:
+def shard_experts(experts, ep_mesh, overlap_chunks: int = 2) -> None:
     """Split stacked experts (base and LoRA tensors) by expert into DTensors Shard(0) over `ep_mesh` — so init
-    and loading by global offset, DCP and export keep working — and let `Experts` exchange rows by all-to-all."""
+    and loading by global offset, DCP and export keep working — and give `Experts` the all-to-all dispatcher."""
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    from moetune.model.moe import AllToAllDispatcher
 
     if experts.num_experts % ep_mesh.size():
         raise ValueError(f"parallel.ep ({ep_mesh.size()}) must divide the number of routed experts "
@@ -127,7 +130,7 @@ def shard_experts(experts, ep_mesh) -> None:
             # src_data_rank=None: each rank keeps its own slice, no scatter (the model is normally still on meta)
             shard = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, torch.nn.Parameter(shard, requires_grad=p.requires_grad))
-    experts.ep_group = ep_mesh.get_group()
+    experts.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), overlap_chunks)
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
@@ -158,10 +161,20 @@ def apply_ac(model, mode: str) -> None:
         layer.activation_checkpointing = mode
 
 
-def apply_compile(model) -> None:
-    """torch.compile per decoder layer: one graph per layer type, no recompiles across layers."""
+def apply_compile(model, backend: str = "inductor") -> None:
+    """torch.compile per decoder layer: one graph per layer type, no recompiles across layers. Under expert
+    parallelism the exchange is a graph break (moe.AllToAllDispatcher); what surrounds it stays compiled."""
     for layer in model.model.layers:
-        layer.compile(dynamic=False)
+        layer.compile(dynamic=False, backend=backend)
+
+
+def place_buffers(model, device) -> None:
+    """Move every buffer (the router's e_score_correction_bias) to the compute device. FSDP2's CPU offload
+    manages parameters only: a model materialised in host memory for it would keep its buffers there."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != torch.device(device):
+                module._buffers[name] = buf.to(device)
 
 
 def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
@@ -181,7 +194,7 @@ def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype 
     n = len(model.model.layers)
     for i, layer in enumerate(model.model.layers):
         experts = getattr(layer.mlp, "experts", None)
-        if experts is not None and experts.ep_group is not None:
+        if experts is not None and experts.dispatcher is not None:
             fully_shard(experts, mesh=mesh["dp_shard"], reshard_after_forward=reshard_after_forward, **kw)
             # The all-to-all's backward already sums an expert's gradient over its ep group; dividing by the
             # world (not dp_shard) makes it the same all-rank mean as every other gradient.

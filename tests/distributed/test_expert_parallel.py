@@ -56,9 +56,11 @@ def _dispatch_combine_worker(rank, port):
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
     # skewed: rank 0 routes anywhere, rank 1 only to rank 0's experts; then everything to rank 0 (rank 1
     # receives no rows: its grouped GEMMs run on zero rows, it still joins every collective)
-    for routes in ([list(range(E)), list(range(E // 2))], [list(range(E // 2))] * WORLD):
+    cases = [(routes, chunks) for routes in ([list(range(E)), list(range(E // 2))], [list(range(E // 2))] * WORLD)
+             for chunks in (1, 2, 3)]  # 1: no overlap; 2, 3: pipelined exchange (a chunk may hold no token)
+    for routes, chunks in cases:
         ref, ep = _experts(), _experts()
-        shard_experts(ep, mesh)
+        shard_experts(ep, mesh, overlap_chunks=chunks)
         inputs = [_inputs(r, routes[r]) for r in range(WORLD)]
         # reference: every rank's tokens through the whole experts, one loss summed over ranks
         ref_x = [(x.clone().requires_grad_(), idx, w.clone().requires_grad_(), g) for x, idx, w, g in inputs]
@@ -67,7 +69,7 @@ def _dispatch_combine_worker(rank, port):
         # expert parallel: this rank's tokens only
         x, idx, w, g = inputs[rank]
         x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y, counts = ep(x, idx, w)
+        y, counts, _ = ep(x, idx, w)
         (y * g).sum().backward()
 
         torch.testing.assert_close(y, ref_y[rank])

@@ -84,7 +84,7 @@ def test_expert_lora_any_rank_matches_per_expert_products():
             idx = torch.randint(0, 4, (10, 1))
             p = permute(idx, 4)
             xe, e = x[p.token_idx], idx.reshape(-1)[p.order]
-            got = lora.delta_gate_up(xe, p.offs)
+            got = lora.delta(xe, lora.gate_up_A, lora.gate_up_B, p.offs)
             want = torch.stack([lora.gate_up_B[j].to(dt) @ (lora.gate_up_A[j].to(dt) @ xe[i])
                                 for i, j in enumerate(e)]) * lora.scaling
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2 if dt == torch.bfloat16 else 1e-5,

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from moetune.model.attention import AttnMeta, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
-from moetune.model.moe import ep_combine, ep_dispatch, experts_forward, permute, unpermute
+from moetune.model.moe import experts_forward, permute, unpermute
 
 
 class RMSNorm(nn.Module):
@@ -126,8 +126,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Routed experts as stacked weights; `lora` (an ExpertLoRA) is attached by `apply_lora` when targeted.
 
-    Under expert parallelism (`parallel.apply_ep`) the weights are sharded by expert over `ep_group` and each
-    rank's rows travel to the rank holding their expert and back (all-to-all); routing stays local."""
+    Under expert parallelism `parallel.apply_ep` shards the weights by expert and injects a `dispatcher`
+    (moe.AllToAllDispatcher) that moves each rank's rows to the rank holding their expert and back; routing
+    stays local."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -136,18 +137,27 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # gate rows first, then up
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.lora = None
-        self.ep_group = None  # set by parallel.apply_ep
+        self.dispatcher = None
 
-    def forward(self, x, topk_idx, topk_weights):
+    def forward(self, x, topk_idx, topk_weights, side_work=None, recompute: str = "none"):
+        """(sum of each token's weighted expert outputs [T, H], rows per expert [E], side_work()'s result).
+        `side_work` is independent work (the shared expert) the dispatcher runs under its communication;
+        `recompute` is the layer's activation checkpointing, applied here around the local expert work only."""
+        if self.dispatcher is not None:
+            return self.dispatcher(x, topk_idx, topk_weights, self._weights(), self._compute, self.num_experts,
+                                   side_work, recompute)
         perm = permute(topk_idx, self.num_experts)
-        if self.ep_group is None:
-            rows, row_weights, offs = x[perm.token_idx], topk_weights.reshape(-1)[perm.order], perm.offs
-        else:
-            rows, row_weights, offs, plan = ep_dispatch(x, topk_weights, perm, self.ep_group)
-        y = experts_forward(rows, offs, row_weights, self.gate_up_proj, self.down_proj, self.lora)
-        if self.ep_group is not None:
-            y = ep_combine(y, plan)
-        return unpermute(y, perm, x.shape[0]), perm.counts
+        rows, row_weights = x[perm.token_idx], topk_weights.reshape(-1)[perm.order]
+        y = experts_forward(rows, perm.offs, row_weights, self.gate_up_proj, self.down_proj, self.lora)
+        return unpermute(y, perm, x.shape[0]), perm.counts, side_work() if side_work is not None else None
+
+    def _weights(self):
+        lora = self.lora
+        extra = () if lora is None else (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        return (self.gate_up_proj, self.down_proj, *extra)
+
+    def _compute(self, rows, offs, row_weights, gate_up, down, *lora_weights):
+        return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, lora_weights or None)
 
 
 class MoE(nn.Module):
@@ -163,17 +173,24 @@ class MoE(nn.Module):
         self.compute_aux_loss = False
         self.track_router_entropy = False
 
-    def forward(self, x):
+    def forward(self, x, recompute: str = "none"):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores, weights, idx = self.gate(flat)
-        routed, counts = self.experts(flat, idx, weights)
+        routed, counts, shared = self.experts(flat, idx, weights, side_work=lambda: self._shared(x, recompute),
+                                              recompute=recompute)
         self.last_counts = counts.detach()
         if self.compute_aux_loss:
             self.last_aux_loss = load_balancing_loss(scores, counts, idx.shape[-1])
         if self.track_router_entropy:
             self.last_router_entropy = router_entropy(scores.detach())
-        return routed.view(shape) + self.shared_experts(x)
+        return routed.view(shape) + shared
+
+    def _shared(self, x, recompute):
+        if recompute == "none":
+            return self.shared_experts(x)
+        kw = {"context_fn": selective_checkpoint_context} if recompute == "selective" else {}
+        return checkpoint(self.shared_experts, x, use_reentrant=False, **kw)
 
 
 def router_entropy(scores):
@@ -200,15 +217,24 @@ class DecoderLayer(nn.Module):
         self.activation_checkpointing = "none"  # "none" | "full" | "selective", set by parallel.apply_ac
 
     def _forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        x = x + self._attention(x, cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def _attention(self, x, cos, sin, attn):
+        return self.self_attn(self.input_layernorm(x), cos, sin, attn)
+
     def forward(self, x, cos, sin, attn):
-        if self.activation_checkpointing != "none" and torch.is_grad_enabled():
-            # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-            kw = {"context_fn": selective_checkpoint_context} if self.activation_checkpointing == "selective" else {}
-            return checkpoint(self._forward, x, cos, sin, attn, use_reentrant=False, **kw)
-        return self._forward(x, cos, sin, attn)
+        mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
+        if mode == "none":
+            return self._forward(x, cos, sin, attn)
+        kw = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
+        if isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
+            # Expert parallelism: recomputing the whole layer would repeat the all-to-all. Recompute attention
+            # and the local expert work; the routing and the rows the exchange delivered are kept.
+            x = x + checkpoint(self._attention, x, cos, sin, attn, use_reentrant=False, **kw)
+            return x + self.mlp(self.post_attention_layernorm(x), recompute=mode)
+        # Routing is a deterministic function of the input, so the recompute chooses the same experts.
+        return checkpoint(self._forward, x, cos, sin, attn, use_reentrant=False, **kw)
 
 
 _SAVE_OPS = None

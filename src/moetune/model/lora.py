@@ -80,14 +80,10 @@ class ExpertLoRA(nn.Module):
         nn.init.zeros_(self.gate_up_B)
         nn.init.zeros_(self.down_B)
 
-    def delta_gate_up(self, x, offs):
-        return self._delta(x, self.gate_up_A, self.gate_up_B, offs)
-
-    def delta_down(self, a, offs):
-        return self._delta(a, self.down_A, self.down_B, offs)
-
-    def _delta(self, x, A, B, offs):
-        A, B = _pad_rank(local_experts(A).to(x.dtype), local_experts(B).to(x.dtype))  # EP: this rank's experts
+    def delta(self, x, A, B, offs):
+        """scaling · B(A x) per expert for rows x sorted by expert; A, B are this module's gate_up or down pair
+        (under expert parallelism: this rank's experts)."""
+        A, B = _pad_rank(local_experts(A).to(x.dtype), local_experts(B).to(x.dtype))
         return grouped_linear(grouped_linear(self.dropout(x), A, offs), B, offs) * self.scaling
 
 

@@ -5,9 +5,10 @@ Tokens are sorted by expert once per MoE layer; every expert's rows are then con
 experts, no host synchronisation. Expert LoRA runs on the same permuted tokens (x·Aᵀ then ·Bᵀ, each a grouped
 GEMM), so W + BA is never built.
 
-Expert parallelism (`ep_dispatch` / `ep_combine`): each rank holds E/ep experts (DTensor Shard(0) over the ep
-group, set up by `parallel.apply_ep`). Rows sorted by global expert are already grouped by destination rank,
-so one all-to-all sends every row to the rank holding its expert and a second one brings the results back.
+Expert parallelism (`AllToAllDispatcher`, injected into `Experts` by `parallel.apply_ep`): each rank holds E/ep
+experts (DTensor Shard(0) over the ep group). Rows sorted by global expert are already grouped by destination
+rank, so one all-to-all sends every row to the rank holding its expert and a second one brings the results back;
+the exchange is pipelined in chunks so that communication runs under expert computation, forward and backward.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.utils.checkpoint import checkpoint
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -85,63 +86,210 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None) -> torch.Tensor:
+def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None) -> torch.Tensor:
     """Run rows x [N, H] sorted by expert (group ends `offs`) through stacked experts (gate_up [E, 2I, H],
-    down [E, H, I]).
+    down [E, H, I]); `lora` (an ExpertLoRA) adds its deltas, with `lora_weights` (gate_up A, B, down A, B) in
+    place of its own parameters when given (the expert-parallel path passes this rank's local tensors).
 
     The routing weight of each row scales the SwiGLU output, before down_proj: the same product (down_proj
     is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum."""
+    if lora is not None and lora_weights is None:
+        lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
     h = grouped_linear(x, gate_up_proj, offs)
     if lora is not None:
-        h = h + lora.delta_gate_up(x, offs)
+        h = h + lora.delta(x, lora_weights[0], lora_weights[1], offs)
     a = (swiglu(h).float() * row_weights.unsqueeze(-1)).to(x.dtype)
     y = grouped_linear(a, down_proj, offs)
     if lora is not None:
-        y = y + lora.delta_down(a, offs)
+        y = y + lora.delta(a, lora_weights[2], lora_weights[3], offs)
     return y
 
 
 # ------------------------------------------------------------------------------------- expert parallelism
 @dataclass
-class EPPlan:
-    """What `ep_combine` needs to send the expert outputs back where `ep_dispatch` took the rows from."""
+class _Chunk:
+    """One pipeline chunk's exchange: which of this rank's rows go where, and what it receives."""
 
-    group: dist.ProcessGroup
+    perm: Permutation  # this chunk's tokens sorted by global expert (= grouped by destination rank)
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
-    unsort: torch.Tensor  # received row (source-major order) -> its position in expert-major order
+    order: torch.Tensor  # received rows (source-major) -> expert-major, for the grouped GEMM
+    unsort: torch.Tensor  # the inverse of `order`
+    offs: torch.Tensor  # int32 group ends of this rank's experts over the received rows
+
+    @property
+    def n_send(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def n_recv(self) -> int:
+        return sum(self.recv_splits)
 
 
-def ep_dispatch(x, topk_weights, perm: Permutation, group):
-    """Send each (token, slot) row and its routing weight to the rank that holds its expert.
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """Asynchronous all-to-all of rows (dim 0); returns (output, work). With NCCL, `work.wait()` only orders the
+    current stream after the transfer, so compute queued before the wait runs under it."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, work
 
-    Returns (rows, row_weights, offs, plan): the rows this rank's experts must process, sorted by local expert,
-    the grouped GEMM's group ends, and the plan for `ep_combine`. Every rank takes part in every call, whatever
-    its tokens route to (split sizes may be 0), so uneven routing cannot desynchronise the collectives.
+
+def _run_compute(compute, recompute: str, *args):
+    if recompute == "none":
+        return compute(*args)
+    kw = {}
+    if recompute == "selective":
+        from moetune.model.glm4_moe import selective_checkpoint_context
+
+        kw["context_fn"] = selective_checkpoint_context
+    return checkpoint(compute, *args, use_reentrant=False, **kw)
+
+
+class _ExchangeAndCompute(torch.autograd.Function):
+    """Dispatch → expert compute → combine, pipelined over chunks, forward and backward.
+
+    Forward: every chunk's dispatch is issued at once; chunk c's experts run while chunk c+1's rows are still in
+    flight, and chunk c's results travel back while chunk c+1 computes. Backward mirrors it: the output
+    gradients of every chunk are sent at once, chunk c's expert backward runs under chunk c+1's transfer, and
+    the row gradients of chunk c travel back under chunk c+1's expert backward. The expert computation of each
+    chunk is its own small autograd graph (built in forward, differentiated in backward with autograd.grad), so
+    the order of communication and compute is ours, not the autograd engine's. The received rows are kept for
+    backward, so activation checkpointing (`recompute`) recomputes only the local expert work, never the
+    exchange.
     """
-    ep = group.size()
-    n_local = perm.counts.numel() // ep
-    # Routing metadata first, asynchronously: with NCCL the gathers below are queued behind it on the GPU, so
-    # the one host sync (.tolist(), split sizes must be Python ints) waits while the GPU still has work.
-    recv_counts = torch.empty_like(perm.counts)
-    work = dist.all_to_all_single(recv_counts, perm.counts, group=group, async_op=True)
-    rows = x[perm.token_idx]
-    row_weights = topk_weights.reshape(-1)[perm.order]
-    work.wait()
-    recv_counts = recv_counts.view(ep, n_local)  # [source rank, local expert]
-    send_splits, recv_splits = torch.stack([perm.counts.view(ep, n_local).sum(1), recv_counts.sum(1)]).tolist()
-    rows = all_to_all_single_autograd(rows, recv_splits, send_splits, group)
-    row_weights = all_to_all_single_autograd(row_weights, recv_splits, send_splits, group)
-    # Received rows come grouped by source rank, then by local expert; the grouped GEMM wants them by expert.
-    expert_of_row = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(
-        recv_counts.reshape(-1), output_size=sum(recv_splits))
-    order = torch.argsort(expert_of_row, stable=True)
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(order.numel(), device=order.device)
-    offs = recv_counts.sum(0).cumsum(0).to(torch.int32)
-    return rows[order], row_weights[order], offs, EPPlan(group, send_splits, recv_splits, unsort)
+
+    @staticmethod
+    def forward(ctx, dispatcher, chunks, compute, recompute, rows, row_weights, *weights):
+        group = dispatcher.group
+        grad = dispatcher.grad_enabled
+        starts = [0]
+        for ch in chunks:
+            starts.append(starts[-1] + ch.n_send)
+        sent = [(_all_to_all(rows[a:b], ch.recv_splits, ch.send_splits, group),
+                 _all_to_all(row_weights[a:b], ch.recv_splits, ch.send_splits, group))
+                for ch, a, b in zip(chunks, starts, starts[1:])]
+        back, graphs = [], []
+        for ch, ((r, w_r), (w, w_w)) in zip(chunks, sent):
+            w_r.wait()
+            w_w.wait()
+            with torch.enable_grad() if grad else torch.no_grad():
+                r_in = r[ch.order].detach().requires_grad_(grad and rows.requires_grad)
+                w_in = w[ch.order].detach().requires_grad_(grad and row_weights.requires_grad)
+                local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
+                y = _run_compute(compute, recompute, r_in, ch.offs, w_in, *local)
+            graphs.append((y, r_in, w_in, local))
+            back.append(_all_to_all(y.detach()[ch.unsort], ch.send_splits, ch.recv_splits, group))
+        for _, work in back:
+            work.wait()
+        ctx.dispatcher, ctx.chunks, ctx.starts, ctx.graphs = dispatcher, chunks, starts, graphs
+        ctx.weights_need_grad = [t.requires_grad for t in weights]
+        return torch.cat([out for out, _ in back]) if len(back) > 1 else back[0][0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group, chunks, starts = ctx.dispatcher.group, ctx.chunks, ctx.starts
+        incoming = [_all_to_all(grad_out[a:b], ch.recv_splits, ch.send_splits, group)
+                    for ch, a, b in zip(chunks, starts, starts[1:])]
+        going, weight_grads = [], None
+        for ch, (g, work), (y, r_in, w_in, local) in zip(chunks, incoming, ctx.graphs):
+            work.wait()
+            inputs = [t for t in (r_in, w_in, *local) if t.requires_grad]
+            grads = list(torch.autograd.grad(y, inputs, g[ch.order], allow_unused=True)) if inputs else []
+            g_rows = grads.pop(0) if r_in.requires_grad else None
+            g_w = grads.pop(0) if w_in.requires_grad else None
+            g_rows = torch.zeros_like(r_in) if g_rows is None and r_in.requires_grad else g_rows
+            g_w = torch.zeros_like(w_in) if g_w is None and w_in.requires_grad else g_w
+            going.append((None if g_rows is None else _all_to_all(g_rows[ch.unsort], ch.send_splits, ch.recv_splits, group),
+                          None if g_w is None else _all_to_all(g_w[ch.unsort], ch.send_splits, ch.recv_splits, group)))
+            if grads:
+                grads = [torch.zeros_like(t) if gr is None else gr for gr, t in zip(grads, [t for t in local if t.requires_grad])]
+                weight_grads = grads if weight_grads is None else [a + b for a, b in zip(weight_grads, grads)]
+        ctx.graphs = None
+
+        def gather(i):
+            parts = [sent[i] for sent in going]
+            if parts[0] is None:
+                return None
+            for _, work in parts:
+                work.wait()
+            return torch.cat([out for out, _ in parts]) if len(parts) > 1 else parts[0][0]
+
+        grad_rows, grad_row_weights = gather(0), gather(1)
+        it = iter(weight_grads or [])
+        grad_weights = [next(it) if need else None for need in ctx.weights_need_grad]
+        return (None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
 
 
-def ep_combine(y: torch.Tensor, plan: EPPlan) -> torch.Tensor:
-    """The inverse of `ep_dispatch`: expert outputs back to the ranks (and the row order) they came from."""
-    return all_to_all_single_autograd(y[plan.unsort], plan.send_splits, plan.recv_splits, plan.group)
+class AllToAllDispatcher:
+    """Expert parallelism, injected into `Experts` by `parallel.apply_ep`: this rank holds experts
+    [rank·E/ep, (rank+1)·E/ep) of every MoE layer, and every (token, slot) row travels to the rank holding its
+    expert and back (all-to-all over `group`).
+
+    `chunks` > 1 splits each rank's tokens into that many pipeline chunks so that the exchange overlaps the
+    expert computation (1: no overlap, the plain exchange). Every rank takes part in every collective whatever
+    its tokens route to (split sizes may be 0), so uneven routing cannot desynchronise them. Split sizes must be
+    host integers: one device→host copy per layer, taken while the GPU runs the shared expert (`side_work`).
+    """
+
+    def __init__(self, group, chunks: int = 2):
+        self.group, self.chunks = group, max(1, int(chunks))
+        self.grad_enabled = False
+        self._copy_stream = None
+
+    @torch.compiler.disable  # collectives with data-dependent sizes: a graph break, the layer's rest stays compiled
+    def __call__(self, x, topk_idx, topk_weights, weights, compute, num_experts: int, side_work=None,
+                 recompute: str = "none"):
+        """x [T, H] this rank's tokens, topk_idx/topk_weights [T, k]; `weights` the local expert tensors
+        `compute(rows, offs, row_weights, *weights)` takes. Returns (sum of each token's weighted expert
+        outputs [T, H], global rows per expert [E], side_work's result)."""
+        ep = self.group.size()
+        T = topk_idx.shape[0]
+        weights = [local_experts(w) for w in weights]
+        n_local = num_experts // ep
+        bounds = [T * c // self.chunks for c in range(self.chunks + 1)]
+        perms = [permute(topk_idx[a:b], num_experts) for a, b in zip(bounds, bounds[1:])]
+        send_counts = torch.stack([p.counts for p in perms])  # [chunks, E]
+        # what each rank receives: [source rank, chunk, local expert]
+        recv_counts = torch.empty(ep, self.chunks, n_local, dtype=send_counts.dtype, device=send_counts.device)
+        routed = torch.cuda.current_stream().record_event() if x.is_cuda else None
+        work = dist.all_to_all_single(recv_counts, send_counts.view(self.chunks, ep, n_local).transpose(0, 1).contiguous(),
+                                      group=self.group, async_op=True)
+        side = side_work() if side_work is not None else None  # queued on the GPU while we wait for the counts
+        rows = torch.cat([x[a:][p.token_idx] for a, p in zip(bounds, perms)])
+        row_weights = torch.cat([topk_weights[a:b].reshape(-1)[p.order] for a, b, p in zip(bounds, bounds[1:], perms)])
+        host = self._to_host(lambda: torch.cat([send_counts.view(self.chunks, ep, n_local).sum(-1).flatten(),
+                                                recv_counts.sum(-1).flatten()]), work, routed)
+        work.wait()  # on a GPU: the compute stream reads recv_counts below (long since arrived)
+        send_splits = torch.tensor(host[: self.chunks * ep]).view(self.chunks, ep).tolist()
+        recv_splits = torch.tensor(host[self.chunks * ep:]).view(ep, self.chunks).t().tolist()
+        chunks = []
+        local_expert = torch.arange(n_local, device=x.device).repeat(ep)
+        for c, p in enumerate(perms):
+            per_source = recv_counts[:, c, :]  # [source, local expert]
+            expert_of_row = local_expert.repeat_interleave(per_source.reshape(-1), output_size=sum(recv_splits[c]))
+            order = torch.argsort(expert_of_row, stable=True)
+            unsort = torch.empty_like(order)
+            unsort[order] = torch.arange(order.numel(), device=order.device)
+            offs = per_source.sum(0).cumsum(0).to(torch.int32)
+            chunks.append(_Chunk(p, send_splits[c], recv_splits[c], order, unsort, offs))
+        self.grad_enabled = torch.is_grad_enabled()
+        y = _ExchangeAndCompute.apply(self, chunks, compute, recompute, rows, row_weights, *weights)
+        out, start = [], 0
+        for (a, b), ch in zip(zip(bounds, bounds[1:]), chunks):
+            out.append(unpermute(y[start:start + ch.n_send], ch.perm, b - a))
+            start += ch.n_send
+        return torch.cat(out), send_counts.sum(0), side
+
+    def _to_host(self, make, work, routed) -> list[int]:
+        """`make()` (the split sizes, computed once the counts exchange `work` is done) on the host. On a GPU this
+        runs on a side stream that waits for the routing and the exchange only, so the compute stream keeps
+        running what was queued after them (the shared expert) while the host waits."""
+        if routed is None:
+            work.wait()
+            return make().tolist()
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(routed)
+            work.wait()
+            return make().to("cpu").tolist()

@@ -11,7 +11,7 @@ from moetune.model.config import ModelConfig, resolve_model_config
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import as_dtype, build_model, cast_model, init_weights, load_hf_weights
 from moetune.model.lora import apply_lora
-from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp
+from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp, place_buffers
 
 log = logging.getLogger("moetune")
 
@@ -51,6 +51,8 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
         else:
             init_weights(model, cfg.model.init_std, seed=cfg.run.seed)
         init_lora(model, seed=cfg.run.seed)
+    if cfg.parallel.cpu_offload:
+        place_buffers(model, dist.device)
     return model
 
 
