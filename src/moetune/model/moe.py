@@ -126,12 +126,17 @@ class _Chunk:
         return sum(self.recv_splits)
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
-    """Asynchronous all-to-all of rows (dim 0); returns (output, work). With NCCL, `work.wait()` only orders the
-    current stream after the transfer, so compute queued before the wait runs under it."""
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, out=None):
+    """Asynchronous all-to-all of rows (dim 0) into `out` (new if None); returns (output, work). With NCCL,
+    `work.wait()` only orders the current stream after the transfer, so compute queued before it runs under it."""
+    if out is None:
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
     return out, work
+
+
+def _slices(total: torch.Tensor, starts: list[int]) -> list[torch.Tensor]:
+    return [total[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _run_compute(compute, recompute: str, *args):
@@ -169,7 +174,8 @@ class _ExchangeAndCompute(torch.autograd.Function):
                  _all_to_all(row_weights[a:b], ch.recv_splits, ch.send_splits, group))
                 for ch, a, b in zip(chunks, starts, starts[1:])]
         back, graphs = [], []
-        for ch, ((r, w_r), (w, w_w)) in zip(chunks, sent):
+        result = rows.new_empty((starts[-1], rows.shape[1]))  # expert outputs have the hidden width too
+        for ch, ((r, w_r), (w, w_w)), part in zip(chunks, sent, _slices(result, starts)):
             w_r.wait()
             w_w.wait()
             with torch.enable_grad() if grad else torch.no_grad():
@@ -178,12 +184,14 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
                 y = _run_compute(compute, recompute, r_in, ch.offs, w_in, *local)
             graphs.append((y, r_in, w_in, local))
-            back.append(_all_to_all(y.detach()[ch.unsort], ch.send_splits, ch.recv_splits, group))
+            back.append(_all_to_all(y.detach()[ch.unsort], ch.send_splits, ch.recv_splits, group, out=part))
         for _, work in back:
             work.wait()
         ctx.dispatcher, ctx.chunks, ctx.starts, ctx.graphs = dispatcher, chunks, starts, graphs
         ctx.weights_need_grad = [t.requires_grad for t in weights]
-        return torch.cat([out for out, _ in back]) if len(back) > 1 else back[0][0]
+        ctx.rows_shape, ctx.rows_need_grad = rows.shape, rows.requires_grad
+        ctx.weights_dtype, ctx.row_weights_need_grad = row_weights.dtype, row_weights.requires_grad
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -191,7 +199,11 @@ class _ExchangeAndCompute(torch.autograd.Function):
         incoming = [_all_to_all(grad_out[a:b], ch.recv_splits, ch.send_splits, group)
                     for ch, a, b in zip(chunks, starts, starts[1:])]
         going, weight_grads = [], None
-        for ch, (g, work), (y, r_in, w_in, local) in zip(chunks, incoming, ctx.graphs):
+        grad_rows = grad_out.new_empty((starts[-1],) + ctx.rows_shape[1:]) if ctx.rows_need_grad else None
+        grad_row_weights = grad_out.new_empty(starts[-1], dtype=ctx.weights_dtype) if ctx.row_weights_need_grad else None
+        parts = zip(_slices(grad_rows, starts) if grad_rows is not None else [None] * len(chunks),
+                    _slices(grad_row_weights, starts) if grad_row_weights is not None else [None] * len(chunks))
+        for ch, (g, work), (y, r_in, w_in, local), (out_r, out_w) in zip(chunks, incoming, ctx.graphs, parts):
             work.wait()
             inputs = [t for t in (r_in, w_in, *local) if t.requires_grad]
             grads = list(torch.autograd.grad(y, inputs, g[ch.order], allow_unused=True)) if inputs else []
@@ -199,22 +211,16 @@ class _ExchangeAndCompute(torch.autograd.Function):
             g_w = grads.pop(0) if w_in.requires_grad else None
             g_rows = torch.zeros_like(r_in) if g_rows is None and r_in.requires_grad else g_rows
             g_w = torch.zeros_like(w_in) if g_w is None and w_in.requires_grad else g_w
-            going.append((None if g_rows is None else _all_to_all(g_rows[ch.unsort], ch.send_splits, ch.recv_splits, group),
-                          None if g_w is None else _all_to_all(g_w[ch.unsort], ch.send_splits, ch.recv_splits, group)))
+            if g_rows is not None:
+                going.append(_all_to_all(g_rows[ch.unsort], ch.send_splits, ch.recv_splits, group, out=out_r)[1])
+            if g_w is not None:
+                going.append(_all_to_all(g_w[ch.unsort], ch.send_splits, ch.recv_splits, group, out=out_w)[1])
             if grads:
                 grads = [torch.zeros_like(t) if gr is None else gr for gr, t in zip(grads, [t for t in local if t.requires_grad])]
                 weight_grads = grads if weight_grads is None else [a + b for a, b in zip(weight_grads, grads)]
         ctx.graphs = None
-
-        def gather(i):
-            parts = [sent[i] for sent in going]
-            if parts[0] is None:
-                return None
-            for _, work in parts:
-                work.wait()
-            return torch.cat([out for out, _ in parts]) if len(parts) > 1 else parts[0][0]
-
-        grad_rows, grad_row_weights = gather(0), gather(1)
+        for work in going:
+            work.wait()
         it = iter(weight_grads or [])
         grad_weights = [next(it) if need else None for need in ctx.weights_need_grad]
         return (None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
@@ -255,8 +261,9 @@ class AllToAllDispatcher:
         work = dist.all_to_all_single(recv_counts, send_counts.view(self.chunks, ep, n_local).transpose(0, 1).contiguous(),
                                       group=self.group, async_op=True)
         side = side_work() if side_work is not None else None  # queued on the GPU while we wait for the counts
-        rows = torch.cat([x[a:][p.token_idx] for a, p in zip(bounds, perms)])
-        row_weights = torch.cat([topk_weights[a:b].reshape(-1)[p.order] for a, b, p in zip(bounds, bounds[1:], perms)])
+        k = topk_idx.shape[1]
+        rows = x[torch.cat([p.token_idx + a for a, p in zip(bounds, perms)])]
+        row_weights = topk_weights.reshape(-1)[torch.cat([p.order + a * k for a, p in zip(bounds, perms)])]
         host = self._to_host(lambda: torch.cat([send_counts.view(self.chunks, ep, n_local).sum(-1).flatten(),
                                                 recv_counts.sum(-1).flatten()]), work, routed)
         work.wait()  # on a GPU: the compute stream reads recv_counts below (long since arrived)
@@ -274,11 +281,12 @@ class AllToAllDispatcher:
             chunks.append(_Chunk(p, send_splits[c], recv_splits[c], order, unsort, offs))
         self.grad_enabled = torch.is_grad_enabled()
         y = _ExchangeAndCompute.apply(self, chunks, compute, recompute, rows, row_weights, *weights)
-        out, start = [], 0
-        for (a, b), ch in zip(zip(bounds, bounds[1:]), chunks):
-            out.append(unpermute(y[start:start + ch.n_send], ch.perm, b - a))
-            start += ch.n_send
-        return torch.cat(out), send_counts.sum(0), side
+        # each chunk's rows sit after the previous chunks' in y: one gather brings every (token, slot) back
+        starts = [0]
+        for ch in chunks:
+            starts.append(starts[-1] + ch.n_send)
+        inverse = torch.cat([ch.perm.inverse + s for ch, s in zip(chunks, starts)])
+        return y[inverse].view(T, k, y.shape[-1]).sum(dim=1), send_counts.sum(0), side
 
     def _to_host(self, make, work, routed) -> list[int]:
         """`make()` (the split sizes, computed once the counts exchange `work` is done) on the host. On a GPU this
