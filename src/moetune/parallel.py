@@ -207,3 +207,35 @@ def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype 
         # the last layer's parameters are needed again at once by backward: keep them gathered
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < n - 1, **kw)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **kw)
+    _set_prefetch(model.model.layers)
+
+
+def _fsdp_units(layer) -> list:
+    """A decoder layer's FSDP units in the order its forward uses them (the layer, then its routed experts)."""
+    experts = getattr(layer.mlp, "experts", None)
+    return [layer] + ([experts] if experts is not None and hasattr(experts, "unshard") else [])
+
+
+def _set_prefetch(layers) -> None:
+    """Explicit prefetch: each layer's forward starts the all-gather of the next layer's units, each layer's
+    backward that of the previous layer's, so the gathers are queued before the host reaches that layer (the
+    implicit schedule issues them only when the layer's hook runs, which a host-bound step delays)."""
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch(_fsdp_units(layers[i + 1]))
+        if i > 0:
+            layer.set_modules_to_backward_prefetch(_fsdp_units(layers[i - 1]))
+
+
+def fsdp_micro_batch(model, last: bool, keep_gathered: bool, defer_reduce: bool) -> None:
+    """Call before each micro-batch of a step. `keep_gathered` (the parameters already stay gathered from forward
+    to backward: reshard_after_forward false) keeps them gathered after backward too until the last
+    micro-batch, so an accumulated step gathers the base once instead of once per micro-batch. `defer_reduce`
+    (LoRA: the trainable gradients are small) reduces gradients once, after the last micro-batch, instead of
+    after each."""
+    if not hasattr(model, "set_requires_gradient_sync"):  # not FSDP-wrapped (one process)
+        return
+    if keep_gathered:
+        model.set_reshard_after_backward(last, recurse=True)
+    if defer_reduce:
+        model.set_requires_gradient_sync(last, recurse=True)

@@ -80,7 +80,9 @@ def train(cfg: Config) -> TrainState:
         n_targets = dist.all_reduce_sum(sum((b["labels"] != -100).sum() for b in batches).float())
         loss_sum = torch.zeros((), device=dist.device)
         aux_total = torch.zeros((), device=dist.device)
-        for b in batches:
+        for i, b in enumerate(batches):
+            parallel.fsdp_micro_batch(model, last=i == len(batches) - 1, defer_reduce=not full,
+                                      keep_gathered=not cfg.parallel.reshard_after_forward)
             ce = model(b["input_ids"], b["position_ids"], labels=b["labels"])
             loss = ce * dist.dp_size / n_targets.clamp(min=1)  # FSDP averages gradients over dp ranks
             if cfg.train.aux_loss_coef > 0:
