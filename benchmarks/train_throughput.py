@@ -45,7 +45,22 @@ VARIANTS = {
     "ours_fsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2}),
     "ours_fsdp2_keep_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "reshard": False}),
     "ours_hsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "dp_shard": 1}),
-    "ours_ep2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": False, "nproc": 2, "ep": 2}),
+    "ours_ep2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2}),
+    "ours_ep2_eager_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": False, "nproc": 2, "ep": 2}),
+    "ours_ep2_nooverlap_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2, "chunks": 1}),
+    "ours_ep2_skew_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2, "skew": 1.2}),
+    "ours_ep2_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "nproc": 2, "ep": 2}),
+    "ours_hsdp2_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "nproc": 2, "dp_shard": 1}),
+    # full fine-tuning, 2 layers, FSDP2 over 2 GPUs, without and with CPU offload (fp32 master + AdamW on the host)
+    "ours_fsdp2_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2, "compile": True, "nproc": 2}),
+    "ours_fsdp2_full_offload_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2, "compile": True, "nproc": 2,
+                                                                         "offload": True}),
+    # one rank of EP=8 over full-size Air, on one GPU: 46 layers, 16 local experts, each token's 8 rows among
+    # them (as many rows per rank as EP=8 delivers under balanced routing); the exchange is costed separately
+    "ours_ep8rank_qkvo_1x4096": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True}),
+    "ours_ep8rank_qkvo_2x4096": ("ours", 2, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True}),
+    "ours_ep8rank_experts_1x4096": ("ours", 1, 4096, QKVO + ["experts"], {"layers": 46, "experts": 16,
+                                                                          "compile": True}),
 }
 for _k, _v in list(VARIANTS.items()):
     if _v[0] == "ours" and "nproc" not in _v[4] and not _k.endswith("_compile"):
@@ -55,10 +70,13 @@ DEFAULT = ["hf_qkvo_4x1024", "ours_qkvo_4x1024", "ours_qkvo_1x4096", "ours_qkvo_
 PEAK = 989e12
 
 
-def air8(layers=8) -> dict:
+def air8(layers=8, experts=None) -> dict:
     from moetune.model.config import BUILTIN
 
-    return dict(BUILTIN["glm45-air"], num_hidden_layers=layers)
+    cfg = dict(BUILTIN["glm45-air"], num_hidden_layers=layers)
+    if experts:
+        cfg["n_routed_experts"] = experts
+    return cfg
 
 
 def active_params(cfg: dict) -> int:
@@ -94,7 +112,8 @@ def build_ours(cfg: dict, targets, extra, device):
     mcfg = ModelConfig.from_hf_dict(cfg)
     model = build_model(mcfg, "meta")
     full = targets is None
-    cast_model(model, torch.bfloat16)
+    # full fine-tuning under FSDP keeps fp32 master weights (bf16 compute), as `moetune train` does
+    cast_model(model, torch.float32 if full and extra.get("nproc", 1) > 1 else torch.bfloat16)
     if not full:
         apply_lora(model, targets, 16, 32)
     apply_ac(model, extra.get("ac", "none"))
@@ -107,11 +126,16 @@ def build_ours(cfg: dict, targets, extra, device):
         if extra.get("ep", 1) > 1:
             from moetune.parallel import apply_ep
 
-            apply_ep(model, dist.mesh["ep"])
-        apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True))
-    model.to_empty(device=device)
+            apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 2))
+        apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True),
+                   cpu_offload=extra.get("offload", False))
+    model.to_empty(device="cpu" if extra.get("offload") else device)
     init_weights(model, 0.02, seed=0)
     init_lora(model, seed=0)
+    if extra.get("offload"):
+        from moetune.parallel import place_buffers
+
+        place_buffers(model, device)
     if extra.get("skew"):  # Zipf-distributed correction bias: a few experts take most tokens, as trained routers do
         E = mcfg.n_routed_experts
         zipf = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** extra["skew"]
@@ -121,9 +145,9 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
-def ours_step_fn(model, full: bool):
+def ours_step_fn(model, full: bool, offload: bool = False):
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=not (offload or CPU_DRY_RUN))  # offload: steps on the host
 
     def step(ids, labels, pos):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()
@@ -174,11 +198,24 @@ def breakdown(step, batch):
     return out
 
 
+CPU_DRY_RUN = bool(os.environ.get("BENCH_CPU"))  # the same code paths on the tiny model, gloo: a rehearsal
+
+
 def worker(name: str) -> dict:
     stack, B, S, targets, extra = VARIANTS[name]
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(dev)
-    cfg = air8(extra.get("layers", 8))
+    if CPU_DRY_RUN:
+        from moetune.model.config import BUILTIN
+
+        dev, B, S = torch.device("cpu"), 2, 64
+        cfg = dict(BUILTIN["tiny"], num_hidden_layers=min(extra.get("layers", 3), 3))
+        extra = {k: v for k, v in extra.items() if k not in ("compile", "offload")}
+        for f in ("synchronize", "reset_peak_memory_stats"):
+            setattr(torch.cuda, f, lambda *a, **k: None)
+        torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = lambda *a, **k: 0
+    else:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+        cfg = air8(extra.get("layers", 8), extra.get("experts"))
     docs = extra.get("docs", 1)
     if stack == "hf":
         from hf_reference import build_hf, hf_step_fn
@@ -187,8 +224,8 @@ def worker(name: str) -> dict:
         step = hf_step_fn(model)
     else:
         model = build_ours(cfg, targets, extra, dev)
-        step = ours_step_fn(model, targets is None)
-    batch = make_batch(B, S, cfg["vocab_size"], docs, dev)
+        step = ours_step_fn(model, targets is None, extra.get("offload", False))
+    batch = make_batch(B, S, cfg["vocab_size"], docs, dev, seed=int(os.environ.get("RANK", 0)))  # own data per rank
     if stack == "hf":
         batch = (batch[0], torch.roll(batch[1], 1, 1), batch[2] if docs > 1 else None)  # HF shifts itself
     for _ in range(3):

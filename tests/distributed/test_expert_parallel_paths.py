@@ -1,7 +1,8 @@
 """Expert parallelism on 2 gloo processes, model level: every execution path of the EP layer computes what the
 plain single-process model computes — torch.compile (dynamo traces the layer; the exchange is a graph break) in
 training and in evaluation (no_grad), activation checkpointing that keeps the dispatched rows, with and without
-the pipelined (overlapped) exchange — for LoRA (attention + shared + routed experts) and full fine-tuning."""
+the pipelined (overlapped) exchange — for LoRA (attention + shared + routed experts; attention only, where the
+exchange frees the rows it received) and full fine-tuning."""
 
 import os
 
@@ -18,7 +19,9 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediat
             n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True)
 
 
-def _model(full: bool):
+def _model(full):
+    """full: False (LoRA on attention, shared and routed experts), True (full fine-tuning) or "attention" (LoRA
+    on attention only: the experts are frozen and the received rows need not be kept)."""
     from moetune.model.config import ModelConfig
     from moetune.model.hf_io import build_model, init_weights
     from moetune.model.lora import apply_lora
@@ -27,8 +30,10 @@ def _model(full: bool):
     torch.manual_seed(0)  # the same LoRA B on every rank and for every variant
     model = build_model(ModelConfig.from_hf_dict(TINY), "cpu")
     init_weights(model, 0.1, seed=0)
-    if not full:
-        apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "shared_experts", "experts"], 4, 8)
+    if full is not True:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        targets += [] if full == "attention" else ["shared_experts", "experts"]
+        apply_lora(model, targets, 4, 8)
         init_lora(model, seed=0)
         with torch.no_grad():  # B != 0, so expert LoRA changes the output and its A gets gradients
             for name, p in model.named_parameters():
@@ -96,7 +101,7 @@ PLAIN = [(1, "none", None), (2, "none", None), (2, "full", None), (3, "selective
 COMPILED = [(2, "none", "aot_eager"), (2, "full", "eager")]
 
 
-@pytest.mark.parametrize("full,variants", [(False, PLAIN + COMPILED), (True, PLAIN + COMPILED[1:])],
-                         ids=["lora", "full_ft"])
+@pytest.mark.parametrize("full,variants", [(False, PLAIN + COMPILED), (True, PLAIN + COMPILED[1:]),
+                                           ("attention", PLAIN[:3])], ids=["lora", "full_ft", "lora_attention"])
 def test_ep_paths_equal_plain_model(full, variants):
     mp.spawn(_worker, args=(free_port(), full, variants), nprocs=WORLD)
