@@ -4,6 +4,7 @@
 #   NPROC=8 bash benchmarks/air_full_size.sh            (the 8 x H200 run of the issue)
 #   NPROC=2 bash benchmarks/air_full_size.sh            (what fits on 2 GPUs: FSDP2 over both, full AC)
 #   MODEL=tiny NPROC=2 DEVICE=cpu bash benchmarks/air_full_size.sh   (a CPU rehearsal of the same commands)
+#   EP=2 AC=none SPEED_ONLY=1 STEPS=14 NPROC=2 bash benchmarks/air_full_size.sh   (throughput only: no resume/export)
 set -euo pipefail
 NPROC=${NPROC:-8}
 MODEL=${MODEL:-glm45-air}
@@ -13,18 +14,37 @@ TARGETS=${TARGETS:-[q_proj,k_proj,v_proj,o_proj]}
 SEQ=${SEQ:-4096}
 AC=${AC:-full}
 COMPILE=${COMPILE:-true}
+EP=${EP:-1}
+MICRO=${MICRO:-1}
+STEPS=${STEPS:-30}
+LAYOUT=()
+[ -n "${LAYOUT_AUTO:-}" ] || LAYOUT=(--parallel.ep "$EP")
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --model.init_std 0.02
         --model.dtype bfloat16 --data.train null --data.eval null --data.seq_len "$SEQ" --lora.targets "$TARGETS"
-        --train.micro_batch_size 1 --train.grad_accum 1 --train.activation_checkpointing "$AC"
+        --train.micro_batch_size "$MICRO" --train.grad_accum 1 --train.activation_checkpointing "$AC"
         --train.compile "$COMPILE" --eval.every 0 --eval.max_batches 2 --logging.expert_stats_every 10
         --logging.progress_bar false --checkpoint.every 15 --checkpoint.keep_last 2 --optim.warmup_steps 5
-        --run.output_dir "$RUN" --run.name air)
+        --run.output_dir "$RUN" --run.name air "${LAYOUT[@]}")
 launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29611 -m moetune train)
 rm -rf "$RUN"
 t0=$(date +%s.%N)
-"${launch[@]}" "${common[@]}" --train.steps 30 --resume none 2>&1 | tail -n 25
+"${launch[@]}" "${common[@]}" --train.steps "$STEPS" --resume none 2>&1 | tail -n 25
 t1=$(date +%s.%N)
+if [ -n "${SPEED_ONLY:-}" ]; then
+  mkdir -p "$OUTDIR"
+  python3 - "$RUN/air/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in rows if "tokens_per_s_per_gpu" in r]
+later = [r for r in steps if r["step"] > 4]  # past compile and warm-up
+print("AIR_RESULT " + json.dumps({"steps": len(steps),
+      "median_tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in later),
+      "median_mfu": statistics.median(r.get("mfu") or 0 for r in later),
+      "peak_mem_gib": max(r["mem_gib"] for r in steps), "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]]}))
+PY
+  exit 0
+fi
 "${launch[@]}" "${common[@]}" --train.steps 40 --resume auto 2>&1 | grep -Ei "resum|done|error" | tail -n 5
 t2=$(date +%s.%N)
 python3 -m moetune export adapter --checkpoint "$RUN/air" --out "$OUTDIR/peft_adapter" --format peft
