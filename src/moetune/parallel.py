@@ -29,6 +29,14 @@ class Dist:
     # None in a single process without a launcher
     mesh: object | None = None
     ep: int = 1
+    dp_shard: int = 1  # FSDP shard size; 1: nothing is FSDP-sharded (replicas all-reduce their gradients)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 shards the model. With dp_shard 1 every rank holds the whole model (the routed experts
+        still split by expert under EP): no per-layer all-gathers, no parameter copies, one all-reduce of the
+        gradients per step (`sync_replicated_grads`) — the fast layout for a LoRA base that fits."""
+        return self.dp_shard > 1
 
     @property
     def is_main(self) -> bool:
@@ -102,7 +110,7 @@ def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None)
         mesh._flatten("dp")  # the whole world as one dimension: FSDP of everything but the routed experts
     else:
         mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_shard",))
-    return Dist(rank, world, local, dev, mesh, ep)
+    return Dist(rank, world, local, dev, mesh, ep, dp_shard)
 
 
 def apply_ep(model, ep_mesh, overlap_chunks: int = 2) -> None:
@@ -131,6 +139,34 @@ def shard_experts(experts, ep_mesh, overlap_chunks: int = 2) -> None:
             shard = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, torch.nn.Parameter(shard, requires_grad=p.requires_grad))
     experts.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), overlap_chunks)
+
+
+def sync_replicated_grads(params, dist: Dist) -> None:
+    """Make the gradients FSDP does not manage the same all-rank mean FSDP's are: parameters held whole on every
+    rank are all-reduced (one flat bucket: LoRA gradients are small) and divided by the world; routed experts
+    split by EP alone already hold the sum over every rank's tokens (the all-to-all's backward) and are divided.
+    Called once per step, after the last micro-batch's backward."""
+    if not dist.initialized or dist.world_size == 1:
+        return
+    whole, ep_only = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            whole.append(p.grad)
+        elif mesh.mesh_dim_names == ("ep",):
+            ep_only.append(p.grad.to_local())
+    if whole:
+        flat = torch.cat([g.reshape(-1) for g in whole])
+        dist.all_reduce_sum(flat)
+        flat.div_(dist.world_size)
+        offset = 0
+        for g in whole:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    for g in ep_only:
+        g.div_(dist.world_size)
 
 
 def clip_grad_norm(params, max_norm: float) -> float:

@@ -96,6 +96,7 @@ def train(cfg: Config) -> TrainState:
                 if m.track_router_entropy:
                     entropy_sum[i] += m.last_router_entropy
             entropy_sum[-1] += 1
+        parallel.sync_replicated_grads(params, dist)
         grad_norm = clip_grad_norm(params, cfg.train.max_grad_norm)
         loss_val = (dist.all_reduce_sum(loss_sum) / n_targets.clamp(min=1)).item()
         if not (math.isfinite(loss_val) and math.isfinite(grad_norm)):

@@ -38,11 +38,11 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
     apply_ac(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model)
-    if dist.initialized:
+    if dist.initialized and (dist.fsdp or cfg.parallel.cpu_offload):
         apply_fsdp(model, dist.mesh, param_dtype=compute_dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
                    cpu_offload=cfg.parallel.cpu_offload)
     elif full and compute_dtype != torch.float32:
-        cast_model(model, compute_dtype)  # one process without FSDP: no separate master copy
+        cast_model(model, compute_dtype)  # no FSDP (one process, replicas): no separate master copy
     # with CPU offload FSDP2 keeps the sharded parameters in host memory and moves each unit in for its compute
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
     with torch.no_grad():
