@@ -45,9 +45,9 @@ VARIANTS = {
     "ours_fsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2}),
     "ours_fsdp2_keep_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "reshard": False}),
     "ours_hsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "dp_shard": 1}),
+    "ours_ep2_overlap_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2, "chunks": 2}),
     "ours_ep2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2}),
     "ours_ep2_eager_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": False, "nproc": 2, "ep": 2}),
-    "ours_ep2_nooverlap_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2, "chunks": 1}),
     "ours_ep2_skew_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "ep": 2, "skew": 1.2}),
     "ours_ep2_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "nproc": 2, "ep": 2}),
     "ours_hsdp2_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "nproc": 2, "dp_shard": 1}),
@@ -126,9 +126,11 @@ def build_ours(cfg: dict, targets, extra, device):
         if extra.get("ep", 1) > 1:
             from moetune.parallel import apply_ep
 
-            apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 2))
-        apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True),
-                   cpu_offload=extra.get("offload", False))
+            apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 1))
+        if dist.fsdp or extra.get("offload"):
+            apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True),
+                       cpu_offload=extra.get("offload", False))
+        model.dist = dist  # the step all-reduces what FSDP does not manage (replicas, EP-only experts)
     model.to_empty(device="cpu" if extra.get("offload") else device)
     init_weights(model, 0.02, seed=0)
     init_lora(model, seed=0)
@@ -152,6 +154,10 @@ def ours_step_fn(model, full: bool, offload: bool = False):
     def step(ids, labels, pos):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()
         loss.backward()
+        if hasattr(model, "dist"):
+            from moetune.parallel import sync_replicated_grads
+
+            sync_replicated_grads(params, model.dist)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss

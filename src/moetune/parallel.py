@@ -113,15 +113,16 @@ def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None)
     return Dist(rank, world, local, dev, mesh, ep, dp_shard)
 
 
-def apply_ep(model, ep_mesh, overlap_chunks: int = 2) -> None:
+def apply_ep(model, ep_mesh, overlap_chunks: int = 1) -> None:
     """Expert parallelism: shard every MoE layer's routed experts by expert over `ep_mesh` (see shard_experts).
     The router and the shared expert stay whole on every rank, so routing is local. `overlap_chunks` pipeline
-    chunks per exchange (1: no communication/computation overlap)."""
+    chunks per exchange. 1 by default: on H200 the all-to-all does not run beside the grouped GEMMs (measured,
+    BENCHMARKS.md), so splitting only makes the GEMMs smaller."""
     for moe in model.moe_layers():
         shard_experts(moe.experts, ep_mesh, overlap_chunks)
 
 
-def shard_experts(experts, ep_mesh, overlap_chunks: int = 2) -> None:
+def shard_experts(experts, ep_mesh, overlap_chunks: int = 1) -> None:
     """Split stacked experts (base and LoRA tensors) by expert into DTensors Shard(0) over `ep_mesh` — so init
     and loading by global offset, DCP and export keep working — and give `Experts` the all-to-all dispatcher."""
     from torch.distributed.tensor import Shard, distribute_tensor

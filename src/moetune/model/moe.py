@@ -251,7 +251,7 @@ class AllToAllDispatcher:
     host integers: one device→host copy per layer, taken while the GPU runs the shared expert (`side_work`).
     """
 
-    def __init__(self, group, chunks: int = 2):
+    def __init__(self, group, chunks: int = 1):
         self.group, self.chunks = group, max(1, int(chunks))
         self.grad_enabled = False
         self._copy_stream = None
