@@ -29,7 +29,10 @@ common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --
 launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29611 -m moetune train)
 rm -rf "$RUN"
 t0=$(date +%s.%N)
-"${launch[@]}" "${common[@]}" --train.steps "$STEPS" --resume none 2>&1 | tail -n 25
+mkdir -p "$OUTDIR"
+"${launch[@]}" "${common[@]}" --train.steps "$STEPS" --resume none > "$OUTDIR/train.log" 2>&1 || {
+  grep -E "Error|error:|OutOfMemory" "$OUTDIR/train.log" | grep -v "^\s*File" | head -n 8; exit 1; }
+tail -n 8 "$OUTDIR/train.log"
 t1=$(date +%s.%N)
 if [ -n "${SPEED_ONLY:-}" ]; then
   mkdir -p "$OUTDIR"

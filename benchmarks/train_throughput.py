@@ -283,7 +283,9 @@ def run_variant(name: str, timeout: int) -> dict:
             r = json.loads(line[7:])
             r["wall_s"] = round(time.time() - t, 1)
             return r
-    return {"variant": name, "error": (p.stderr or p.stdout)[-1500:]}
+    # the worker's own exception, not the launcher's summary that follows it
+    cause = [line for line in (p.stderr or "").splitlines() if "Error" in line and "ChildFailedError" not in line]
+    return {"variant": name, "error": " | ".join(cause[-4:])[-1500:] or (p.stderr or p.stdout)[-1500:]}
 
 
 def table(results):
