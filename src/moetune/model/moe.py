@@ -86,6 +86,34 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """swiglu(h) scaled by each row's routing weight in fp32, back in h's dtype. Compiled, Inductor fuses it and
+    keeps only h; in eager mode (the expert-parallel exchange is a graph break) `_WeightedSwiGLU` does the same by
+    hand instead of autograd keeping silu(gate), the product and its fp32 copy (2.5× the memory of h)."""
+    if torch.compiler.is_compiling():
+        return (swiglu(h).float() * row_weights.unsqueeze(-1)).to(h.dtype)
+    return _WeightedSwiGLU.apply(h, row_weights)
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, row_weights):
+        ctx.save_for_backward(h, row_weights)
+        return (swiglu(h).float() * row_weights.unsqueeze(-1)).to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the same operations autograd would run on the recomputed silu(gate) and product
+        h, row_weights = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        silu = F.silu(gate)
+        grad = grad.float()
+        grad_weights = (silu * up).float().mul(grad).sum(-1) if ctx.needs_input_grad[1] else None
+        grad_product = (grad * row_weights.unsqueeze(-1)).to(h.dtype)
+        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
+        return torch.cat([grad_gate, grad_product * silu], dim=-1), grad_weights
+
+
 def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None) -> torch.Tensor:
     """Run rows x [N, H] sorted by expert (group ends `offs`) through stacked experts (gate_up [E, 2I, H],
     down [E, H, I]); `lora` (an ExpertLoRA) adds its deltas, with `lora_weights` (gate_up A, B, down A, B) in
@@ -98,7 +126,7 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     h = grouped_linear(x, gate_up_proj, offs)
     if lora is not None:
         h = h + lora.delta(x, lora_weights[0], lora_weights[1], offs)
-    a = (swiglu(h).float() * row_weights.unsqueeze(-1)).to(x.dtype)
+    a = weighted_swiglu(h, row_weights)
     y = grouped_linear(a, down_proj, offs)
     if lora is not None:
         y = y + lora.delta(a, lora_weights[2], lora_weights[3], offs)

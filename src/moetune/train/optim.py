@@ -12,13 +12,15 @@ def build_optimizer(params, cfg_optim, device: torch.device) -> torch.optim.Opti
     if not params:
         raise ValueError("nothing to train: no parameter requires grad (check finetune.mode and lora.targets)")
     fused = cfg_optim.fused if cfg_optim.fused is not None else device.type == "cuda"
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]  # biases and norms, as usual
-    groups = [{"params": decay, "weight_decay": cfg_optim.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=cfg_optim.lr, betas=tuple(cfg_optim.betas), eps=cfg_optim.eps,
-                             fused=fused or None)
+    # Biases and norms get no weight decay, as usual. Expert-parallel experts outside FSDP are DTensors beside
+    # plain replicated tensors, and the fused/foreach kernels cannot take both in one call: one group per kind.
+    groups: dict[tuple[bool, bool], list] = {}
+    for p in params:
+        groups.setdefault((p.ndim >= 2, hasattr(p, "device_mesh")), []).append(p)
+    return torch.optim.AdamW(
+        [{"params": ps, "weight_decay": cfg_optim.weight_decay if decay else 0.0}
+         for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
+        lr=cfg_optim.lr, betas=tuple(cfg_optim.betas), eps=cfg_optim.eps, fused=fused or None)
 
 
 def lr_lambda(step: int, total: int, warmup: int, kind: str, min_ratio: float) -> float:
