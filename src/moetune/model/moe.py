@@ -210,6 +210,11 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 for ch, a, b in zip(chunks, starts, starts[1:])]
         back, graphs = [], []
         result = rows.new_empty((starts[-1], rows.shape[1]))  # expert outputs have the hidden width too
+        trainable = any(t.requires_grad for t in weights)
+        # Recomputing frozen experts would keep their input rows (64 KB per token and layer for Air) to save
+        # their GEMM output (45 KB): worse than keeping the output. Only trainable experts, whose backward needs
+        # the rows anyway, recompute.
+        recompute = recompute if trainable else "none"
         for ch, ((r, w_r), (w, w_w)), part in zip(chunks, sent, _slices(result, starts)):
             w_r.wait()
             w_w.wait()
@@ -220,12 +225,12 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 y = _run_compute(compute, recompute, r_in, ch.offs, w_in, *local)
             graphs.append((y, r_in, w_in, local))
             back.append(_all_to_all(y.detach()[ch.unsort], ch.send_splits, ch.recv_splits, group, out=part))
-            if grad and recompute == "none":
+            if grad and recompute != "selective":  # selective recompute may keep a GEMM output y is a view of
                 # Backward needs the graph, not these values: y is read by no derivative, and the received rows
                 # only by the weight gradients of trainable experts. Freeing them keeps expert parallelism's
                 # activation memory that of the single-GPU model (64 KB per token and layer each for Air).
                 _release(y)
-                if not any(t.requires_grad for t in local):
+                if not trainable:
                     _release(r_in)
         for _, work in back:
             work.wait()
