@@ -23,7 +23,7 @@ from moetune.errors import ConfigError  # noqa: F401  (re-exported)
 
 
 
-BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45")
+BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts")
 LORA_ALIASES = {"attention": LORA_TARGETS[:4], "all": LORA_TARGETS}
 
