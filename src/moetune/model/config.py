@@ -21,7 +21,7 @@ ARCHITECTURES = {GLM4_MOE: "Glm4MoeForCausalLM", GLM4_MOE_LITE: "Glm4MoeLiteForC
                  GLM_MOE_DSA: "GlmMoeDsaForCausalLM"}
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_layer_types")
 _TYPE_FIELDS = {
-    GLM4_MOE: (),
+    GLM4_MOE: ("use_qk_norm",),
     GLM4_MOE_LITE: _MLA_FIELDS + ("rope_interleave",),
     GLM_MOE_DSA: _MLA_FIELDS + ("index_topk", "index_head_dim", "index_n_heads", "indexer_types"),
 }
@@ -190,7 +190,7 @@ class ModelConfig:
         for t, names in _TYPE_FIELDS.items():
             if t != self.model_type:
                 for k in set(names) - set(_TYPE_FIELDS[self.model_type]):
-                    d.pop(k)
+                    d.pop(k, None)
         for key in ("mlp_layer_types", "indexer_types"):  # a proxy's truncation
             if d.get(key) is not None:
                 d[key] = d[key][: self.num_hidden_layers]
@@ -245,7 +245,7 @@ _HF_DEFAULTS = {
         n_routed_experts=64, routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
         v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=True,
         max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000.0, rope_interleave=True,
-        attention_bias=False, use_qk_norm=False,
+        attention_bias=False,
     ),
     GLM_MOE_DSA: dict(
         vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
@@ -253,7 +253,7 @@ _HF_DEFAULTS = {
         n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
         v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
         max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False,
-        use_qk_norm=False, index_topk=2048, index_head_dim=128, index_n_heads=32, first_k_dense_replace=3,
+        index_topk=2048, index_head_dim=128, index_n_heads=32, first_k_dense_replace=3,
     ),
 }
 
@@ -303,4 +303,8 @@ def resolve_model_config(path: str | None, config: str | dict | None, num_hidden
         cfg = ModelConfig.from_json(config)
     if num_hidden_layers is not None:
         cfg.num_hidden_layers = num_hidden_layers
+        for key in ("mlp_layer_types", "indexer_types"):
+            if getattr(cfg, key) is not None:
+                setattr(cfg, key, getattr(cfg, key)[:num_hidden_layers])
+        cfg.validate()
     return cfg
