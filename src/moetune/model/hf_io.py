@@ -231,7 +231,8 @@ def as_dtype(dtype) -> torch.dtype | None:
 
 
 def load_model(path: str, device="cpu", dtype=None, adapter: str | None = None) -> Glm4MoeForCausalLM:
-    """Load an HF-format GLM-4.5 / GLM-4.7-Flash / GLM-5 checkpoint directory (and optionally a moetune adapter) for inference."""
+    """Load an HF-format checkpoint directory (GLM-4.5 family, GLM-4.7-Flash, GLM-5; and optionally a moetune
+    adapter) for inference."""
     cfg = ModelConfig.from_json(path)
     model = build_model(cfg, "meta")
     model.to_empty(device=device)

@@ -184,8 +184,9 @@ def module_kind(param_name: str) -> str:
 def format_trainable_table(model) -> str:
     rows = trainable_table(model)
     total = sum(p.numel() for p in model.parameters())
-    lines = [f"{'module kind':<16}{'tensors':>10}{'parameters':>16}"]
-    lines += [f"{k:<16}{n:>10}{c:>16,}" for k, n, c in rows]
+    w = max([16] + [len(k) + 2 for k, _, _ in rows])  # kv_a_proj_with_mqa
+    lines = [f"{'module kind':<{w}}{'tensors':>10}{'parameters':>16}"]
+    lines += [f"{k:<{w}}{n:>10}{c:>16,}" for k, n, c in rows]
     trainable = sum(c for _, _, c in rows)
-    lines.append(f"{'trainable':<16}{'':>10}{trainable:>16,}  ({100 * trainable / max(total, 1):.4f}% of {total:,})")
+    lines.append(f"{'trainable':<{w}}{'':>10}{trainable:>16,}  ({100 * trainable / max(total, 1):.4f}% of {total:,})")
     return "\n".join(lines)
