@@ -96,16 +96,26 @@ class MLADecoderLayer(nn.Module):
         self.activation_checkpointing = "none"  # "none" | "full" | "selective", set by parallel.apply_ac
 
     def _forward(self, x, cos, sin, attn, topk):
-        h, topk = self.self_attn(self.input_layernorm(x), cos, sin, attn, topk)
+        h, topk = self._attention(x, cos, sin, attn, topk)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), topk
 
+    def _attention(self, x, cos, sin, attn, topk):
+        return self.self_attn(self.input_layernorm(x), cos, sin, attn, topk)
+
     def forward(self, x, cos, sin, attn, topk=None):
-        if self.activation_checkpointing != "none" and torch.is_grad_enabled():
-            # The top-k travels as an input, so a recomputed layer uses the one its forward used.
-            kw = {"context_fn": selective_checkpoint_context} if self.activation_checkpointing == "selective" else {}
-            return checkpoint(self._forward, x, cos, sin, attn, topk, use_reentrant=False, **kw)
-        return self._forward(x, cos, sin, attn, topk)
+        # As glm4_moe.DecoderLayer.forward (keep the two alike). The top-k travels as an input and an output, so
+        # a recomputed layer uses the one its forward used.
+        mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
+        if mode == "none":
+            return self._forward(x, cos, sin, attn, topk)
+        kw = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
+        if isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
+            # Expert parallelism: recompute attention and the local expert work, never the all-to-all.
+            h, topk = checkpoint(self._attention, x, cos, sin, attn, topk, use_reentrant=False, **kw)
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x), recompute=mode), topk
+        return checkpoint(self._forward, x, cos, sin, attn, topk, use_reentrant=False, **kw)
 
 
 class MLABackbone(nn.Module):
