@@ -278,7 +278,7 @@ TINY = dict(
     rope_theta=10000.0, use_qk_norm=False, attention_bias=True, rms_norm_eps=1e-5,
     max_position_embeddings=4096, pad_token_id=0, eos_token_id=0,
 )
-# GLM-4.7-Flash (~30B, 3B active) and GLM-5 (744B, 40B active) shapes, MTP layer as on the hub.
+# GLM-4.7-Flash (card: 30B-A3B) and GLM-5 (card: 744B, 40B active) shapes, with the MTP layer the hub ships.
 GLM47_FLASH = dict(_HF_DEFAULTS[GLM4_MOE_LITE], model_type=GLM4_MOE_LITE, rope_theta=1e6, num_nextn_predict_layers=1)
 GLM5 = dict(_HF_DEFAULTS[GLM_MOE_DSA], model_type=GLM_MOE_DSA, rope_theta=1e6, num_nextn_predict_layers=1)
 BUILTIN = {
