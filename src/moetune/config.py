@@ -23,9 +23,17 @@ from moetune.errors import ConfigError  # noqa: F401  (re-exported)
 
 
 
-BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts")
-LORA_ALIASES = {"attention": LORA_TARGETS[:4], "all": LORA_TARGETS}
+BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                "dense_mlp", "shared_experts", "experts")
+_MLP_TARGETS = ("dense_mlp", "shared_experts", "experts")
+LORA_ALIASES = {
+    "attention": LORA_TARGETS[:4],
+    "all": LORA_TARGETS[:4] + _MLP_TARGETS,
+    # GLM-4.7-Flash / GLM-5: every MLA projection (q_proj or q_a_proj/q_b_proj, whichever the model has)
+    "mla_attention": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    "mla_all": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + _MLP_TARGETS,
+}
 
 
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:

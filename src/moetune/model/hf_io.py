@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from moetune.model.config import ModelConfig
+from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA, ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
+from moetune.model.glm4_moe_lite import Glm4MoeLiteForCausalLM
+from moetune.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -31,9 +33,13 @@ _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj
 
 
 # ---------------------------------------------------------------------------------------------- building
+MODEL_CLASSES = {GLM4_MOE: Glm4MoeForCausalLM, GLM4_MOE_LITE: Glm4MoeLiteForCausalLM, GLM_MOE_DSA: GlmMoeDsaForCausalLM}
+
+
 def build_model(cfg: ModelConfig, device="meta") -> Glm4MoeForCausalLM:
+    """The model class of cfg.model_type (all share one interface: forward, moe_layers, model.layers)."""
     with torch.device(device):
-        return Glm4MoeForCausalLM(cfg)
+        return MODEL_CLASSES[cfg.model_type](cfg)
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -225,7 +231,8 @@ def as_dtype(dtype) -> torch.dtype | None:
 
 
 def load_model(path: str, device="cpu", dtype=None, adapter: str | None = None) -> Glm4MoeForCausalLM:
-    """Load an HF-format GLM-4.5 checkpoint directory (and optionally a moetune adapter) for inference."""
+    """Load an HF-format checkpoint directory (GLM-4.5 family, GLM-4.7-Flash, GLM-5; and optionally a moetune
+    adapter) for inference."""
     cfg = ModelConfig.from_json(path)
     model = build_model(cfg, "meta")
     model.to_empty(device=device)

@@ -18,7 +18,10 @@ from torch import nn
 from moetune.model.moe import grouped_linear, local_experts
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-TARGETS = ATTENTION + ("dense_mlp", "shared_experts", "experts")
+# MLA (GLM-4.7-Flash, GLM-5): q_proj or q_a_proj + q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+TARGETS = ATTENTION + MLA_ATTENTION + ("dense_mlp", "shared_experts", "experts")
+_QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the other, by q_lora_rank
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -102,8 +105,8 @@ def _targeted_linears(model, targets):
     from moetune.model.glm4_moe import MLP, MoE
 
     for layer in model.model.layers:
-        for name in ATTENTION:
-            if name in targets:
+        for name in ATTENTION + MLA_ATTENTION:
+            if name in targets and isinstance(getattr(layer.self_attn, name, None), nn.Linear):
                 yield name, layer.self_attn, name
         mlp = layer.mlp
         if isinstance(mlp, MLP) and "dense_mlp" in targets:
@@ -135,9 +138,15 @@ def apply_lora(model, targets, rank: int, alpha: float, dropout: float = 0.0, rs
             ex.lora = ExpertLoRA(E, H, twoI // 2, rank, alpha, dropout, rslora, device=ex.gate_up_proj.device)
             adapted["experts"] += 1
     empty = [t for t, n in adapted.items() if n == 0]
+    if model.config.is_mla and any(adapted.get(t) for t in _QUERY_FORMS):
+        # asking for the query projection in both forms (the mla_attention alias) adapts the one the model has
+        empty = [t for t in empty if t not in _QUERY_FORMS]
     if empty:
-        raise ValueError(f"lora.targets {empty} match no module of this model "
-                         f"({model.config.num_hidden_layers} layers, first_k_dense_replace={model.config.first_k_dense_replace})")
+        c = model.config
+        kind = (f"{c.model_type}, MLA attention: q_proj or q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj"
+                if c.is_mla else f"{c.model_type}, attention q_proj/k_proj/v_proj/o_proj")
+        raise ValueError(f"lora.targets {empty} match no module of this model ({kind}; "
+                         f"{c.num_hidden_layers} layers, first_k_dense_replace={c.first_k_dense_replace})")
     return adapted
 
 
@@ -162,7 +171,9 @@ def module_kind(param_name: str) -> str:
     parts = param_name.split(".")
     if "experts" in parts and "shared_experts" not in parts:
         return "experts"
-    for kind in ("shared_experts", "q_proj", "k_proj", "v_proj", "o_proj", "gate", "embed_tokens", "lm_head"):
+    if "indexer" in parts:
+        return "indexer"
+    for kind in ("shared_experts",) + ATTENTION + MLA_ATTENTION + ("gate", "embed_tokens", "lm_head"):
         if kind in parts:
             return "router" if kind == "gate" else kind
     if "mlp" in parts:
@@ -173,8 +184,9 @@ def module_kind(param_name: str) -> str:
 def format_trainable_table(model) -> str:
     rows = trainable_table(model)
     total = sum(p.numel() for p in model.parameters())
-    lines = [f"{'module kind':<16}{'tensors':>10}{'parameters':>16}"]
-    lines += [f"{k:<16}{n:>10}{c:>16,}" for k, n, c in rows]
+    w = max([16] + [len(k) + 2 for k, _, _ in rows])  # kv_a_proj_with_mqa
+    lines = [f"{'module kind':<{w}}{'tensors':>10}{'parameters':>16}"]
+    lines += [f"{k:<{w}}{n:>10}{c:>16,}" for k, n, c in rows]
     trainable = sum(c for _, _, c in rows)
-    lines.append(f"{'trainable':<16}{'':>10}{trainable:>16,}  ({100 * trainable / max(total, 1):.4f}% of {total:,})")
+    lines.append(f"{'trainable':<{w}}{'':>10}{trainable:>16,}  ({100 * trainable / max(total, 1):.4f}% of {total:,})")
     return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""GLM-5.x (`glm_moe_dsa`, transformers' `GlmMoeDsaForCausalLM`): MLA + DeepSeek sparse attention, plain PyTorch.
+
+    embed → N × [x + DSA(RMSNorm(x)); x + MLP-or-MoE(RMSNorm(x))] → RMSNorm → lm_head
+    DSA:  MLA (mla.py; q through q_lora_rank, interleaved RoPE) where each query attends only to the
+          `index_topk` keys its layer's indexer scores highest (within the causal / document mask). Layers whose
+          `indexer_types` entry is "full" run their own indexer; "shared" layers reuse the top-k the layer
+          before them used.
+    Indexer (DeepSeek-V3.2's, interleaved RoPE): per index head h, relu(q_h·k / √d) with q_h from the
+          compressed query (wq_b) and one key per token (wk → LayerNorm); summed over heads with per-token
+          weights (weights_proj / √n_heads), then top-k.
+
+Training follows transformers: the indexer runs without gradient (its weights wq_b, wk, k_norm and
+weights_proj get none, and nothing flows back through it into q_a_proj), the top-k selection is a constant
+mask, and the attention's gradients flow through the selected keys only. With no more keys than index_topk the
+selection is every key the mask allows: the indexer is skipped and the dense causal kernel runs (same result).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetune.model.attention import AttnMeta, build_attn_meta
+from moetune.model.config import ModelConfig
+from moetune.model.mla import MLAForCausalLM, MLAttention, apply_rope_interleaved
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    @torch.no_grad()
+    def forward(self, x, q_latent, cos, sin, allowed):
+        """x [B, S, H], q_latent [B, S, q_lora], allowed [B, S, T] bool -> top-k key indices [B, S, k]."""
+        B, S, _ = x.shape
+        split = [self.rope, self.head_dim - self.rope]  # the RoPE slice comes first here (last in MLA heads)
+        q_rot, q_pass = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim).split(split, dim=-1)
+        k_rot, k_pass = self.k_norm(self.wk(x)).unsqueeze(2).split(split, dim=-1)
+        q = torch.cat((apply_rope_interleaved(q_rot, cos, sin), q_pass), dim=-1)  # [B, S, h, D]
+        k = torch.cat((apply_rope_interleaved(k_rot, cos, sin), k_pass), dim=-1).squeeze(2)  # [B, T, D]
+        # fp32 scores and head weights, as transformers (which also keeps weights_proj itself in fp32)
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5)
+        weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, h]
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, S, T]
+        index_scores = index_scores.masked_fill(~allowed, float("-inf"))
+        return index_scores.topk(min(self.topk, index_scores.shape[-1]), dim=-1).indices
+
+
+class DSAttention(MLAttention):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.index_topk = cfg.index_topk
+        self.indexer = Indexer(cfg) if cfg.indexer_type(layer_idx) == "full" else None
+
+    def select_keys(self, x, q_latent, cos, sin, attn: AttnMeta, topk):
+        B, S, _ = x.shape
+        if S <= self.index_topk:
+            return attn, None  # every allowed key is among the top index_topk
+        allowed = attn.dense_mask[:, 0]  # the model builds a dense mask for sequences longer than index_topk
+        if self.indexer is not None:
+            topk = self.indexer(x, q_latent, cos, sin, allowed)
+        elif topk is None:
+            raise RuntimeError("a 'shared' DSA layer got no top-k from the layer before it")
+        selected = torch.zeros_like(allowed).scatter_(-1, topk, True)
+        return AttnMeta(dense_mask=(allowed & selected).unsqueeze(1)), topk
+
+
+class GlmMoeDsaForCausalLM(MLAForCausalLM):
+    attention_cls = DSAttention
+
+    def attn_meta(self, position_ids) -> AttnMeta:
+        # Sparse attention needs the mask as a tensor (causal and document boundaries, then ∩ top-k).
+        sparse = position_ids.shape[-1] > self.config.index_topk
+        return build_attn_meta(position_ids, "eager" if sparse else self.attn_implementation)
