@@ -193,9 +193,10 @@ class _ExchangeAndCompute(torch.autograd.Function):
     gradients of every chunk are sent at once, chunk c's expert backward runs under chunk c+1's transfer, and
     the row gradients of chunk c travel back under chunk c+1's expert backward. The expert computation of each
     chunk is its own small autograd graph (built in forward, differentiated in backward with autograd.grad), so
-    the order of communication and compute is ours, not the autograd engine's. The received rows are kept for
-    backward, so activation checkpointing (`recompute`) recomputes only the local expert work, never the
-    exchange.
+    the order of communication and compute is ours, not the autograd engine's. Activation checkpointing
+    (`recompute`) recomputes only the local expert work of trainable experts from the rows the exchange
+    delivered, never the exchange itself. On H200 the transfers do not run beside the grouped GEMMs
+    (BENCHMARKS.md), so the default is one chunk.
     """
 
     @staticmethod
