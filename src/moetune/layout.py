@@ -19,7 +19,8 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   there is no limit and the first preference wins.
 
 Whatever the user set — `parallel.ep`, `dp_shard`, `cpu_offload`, `train.activation_checkpointing` written in the
-file or on the command line, whatever its value — is kept, and the rest is chosen around it; `parallel.layout:
+file or on the command line, whatever its value — is kept, and the rest is chosen around it (a dp_shard set without
+ep means FSDP over that many GPUs and replicas of it, HSDP, as documented: no expert parallelism); `parallel.layout:
 manual` takes all four as written (dp_shard -1: world / ep). When nothing fits, resolve_layout raises a ConfigError
 that names the smallest estimate and what was kept.
 """
@@ -160,7 +161,8 @@ def _structures(world: int, n_experts: int, experts_dominate: bool, gpus_per_nod
     eps = [d for d in _divisors(math.gcd(world, n_experts or 1)) if d > 1]
     eps = sorted((d for d in eps if d <= gpus_per_node), reverse=True) + [d for d in eps if d > gpus_per_node]
     out = [("replicated", 1, 1)]
-    if experts_dominate or pinned.get("ep", 1) > 1:
+    hsdp_meant = pinned.get("dp_shard", -1) != -1 and "ep" not in pinned  # README: smaller dp_shard = HSDP
+    if (experts_dominate and not hsdp_meant) or pinned.get("ep", 1) > 1:
         out += [("ep", d, world // d) for d in eps]
     out.append(("fsdp", 1, world))
     out += [("hsdp", 1, d) for d in _divisors(world)[1:-1]]

@@ -52,6 +52,21 @@ def test_inspect_placeholders_are_skipped_not_fatal(capsys):
     assert "352,797,814,784" in out  # GLM-4.5 ("355B") without its MTP layer
 
 
+def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
+    air = str(CONFIGS / "glm45-air-lora.yaml")
+    assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8"]) == 0
+    out = capsys.readouterr().out
+    layout = out.split("=== parallel layout, world size 2")[1].split("=== memory estimate")[0]
+    assert "layout (auto): expert parallel (ep 2 × FSDP dp_shard 1), activation checkpointing full" in layout
+    assert "activation checkpointing none, cpu_offload false: 127.66 GiB — does not fit" in layout
+    estimate = out.split("=== memory estimate per GPU")[1]
+    assert "ep 2, dp_shard 1, replicas 1" in estimate and "activation checkpointing: full" in estimate
+    assert "107.44  at the start of backward" in estimate  # the chosen layout's, as the layout line says
+    # nothing fits: said on one line, exit status 1
+    assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8", "--finetune.mode", "full"]) == 1
+    assert "error: parallel.layout auto: nothing fits 2 GPU(s) of 139.8 GiB" in capsys.readouterr().out
+
+
 def test_inspect_reports_bad_data_with_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n{"messages": 3}\n')
