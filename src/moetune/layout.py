@@ -14,9 +14,9 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
      ep is, so a smaller ep saves no memory; it only gathers more.)
   4. FSDP over all GPUs;
   each first without activation checkpointing, then with `selective` (not under torch.compile); then `full`
-  (replicated, EP, FSDP); CPU offload (FSDP) only when nothing else fits. A layout fits when its estimate is under FIT_FRACTION (90 %) of the GPU
-  memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib) when set. Without a GPU (CPU runs)
-  there is no limit and the first preference wins.
+  (replicated, EP, FSDP); CPU offload (FSDP) only when nothing else fits. A layout fits when its estimate is under
+  FIT_FRACTION (90 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib)
+  when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
 
 Whatever the user set — `parallel.ep`, `dp_shard`, `cpu_offload`, `train.activation_checkpointing` written in the
 file or on the command line, whatever its value — is kept, and the rest is chosen around it (a dp_shard set without
@@ -274,4 +274,5 @@ def _show(v) -> str:
 def _limit_line(gpu_memory_gib, limit) -> str:
     if limit is None:
         return "no GPU memory limit (a CPU run, or no GPU to ask): the first preference is taken"
-    return f"GPU memory {gpu_memory_gib:.1f} GiB: a layout fits when its estimate is under {limit:.1f} GiB ({FIT_FRACTION:.0%})"
+    return (f"GPU memory {gpu_memory_gib:.1f} GiB: a layout fits when its estimate is under {limit:.1f} GiB "
+            f"({FIT_FRACTION:.0%})")

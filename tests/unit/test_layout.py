@@ -13,7 +13,8 @@ from moetune.layout import Layout, gpu_memory_gib, make_layout, pinned_fields, r
 from moetune.model.config import resolve_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-AIR, AIR_EXPERTS, GLM45 = (str(CONFIGS / f"{n}.yaml") for n in ("glm45-air-lora", "glm45-air-lora-experts", "glm45-lora"))
+AIR, AIR_EXPERTS, GLM45 = (str(CONFIGS / f"{n}.yaml")
+                           for n in ("glm45-air-lora", "glm45-air-lora-experts", "glm45-lora"))
 H200, H100 = 139.8, 79.1  # GiB, as torch.cuda reports them
 
 
