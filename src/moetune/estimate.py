@@ -26,7 +26,11 @@ Expert parallelism (ep > 1): every parameter is still split over the whole world
   a rank's experts process: the rows it receives, as many as it sends under balanced routing, times a skew margin
   1 + 0.1·log2(ep) (an assumption, not a measurement: the busiest rank of more ranks is further above the mean),
   applied to the per-row activations (expert terms below) and to the MoE backward working set; plus the
-  all-to-all's receive buffer, b·k·H per token.
+  all-to-all's receive buffer, b·k·H per token. The exchange (model/moe.py, since a6764f9) keeps, per MoE layer and
+  received row, the row (b·H), the expert output (b·H) and the routing weight (4) until backward, so that
+  recompute never repeats the all-to-all; with full activation checkpointing only attention and the local expert
+  work are recomputed, and the MoE half of each layer saves its norm (4H + 4), the normed input (b·H), the router
+  (8E + 32k) and those rows: 2b·k·H per token and MoE layer is 24 GiB on GLM-4.5-Air at T = 4096.
 
 Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
 against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
@@ -64,10 +68,12 @@ figure. tests/unit/test_observability_inspect.py pins these and checks the eager
 census of the tensors autograd saves.
 Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full activation checkpointing, eager,
 issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
-123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %); ep 2 108.0 / 107.8 (-0.2 %); ep 2 compiled
-108.0 / 107.4 (-0.5 %). These are dominated by the weights (99.5 GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024):
-FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1 (replicated) 44.4 / 45.7, ep 2 eager 28.7 / 29.1; one GPU,
-selective checkpointing, compiled: 42.1 / 41.4. cpu_offload has no measurement yet.
+123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
+GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
+(replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 41.4. The EP measurements of the
+same table (full Air ep 2: 108.0 GiB; AIR-8 ep 2: 28.7) are of the exchange before a6764f9, which kept nothing
+(the formula without the kept rows gives 107.8 and 29.1): the current exchange's terms are not measured yet, nor is
+cpu_offload.
 """
 
 from __future__ import annotations
@@ -258,10 +264,22 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     saved += T * (4 * H + (b * H if full else 0) + b * H + 2 * b * m.rotary_dim)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     if ep > 1 and n_moe:
-        row_bytes = expert_row_bytes_per_token(m, "selective" if ac == "selective" else mode, b, lora, full,
-                                               cfg.lora.rank)
-        saved += (skew - 1) * T * row_bytes * (1 if ac == "full" else n_moe)
-        how += f"; ep {ep}: expert rows × {skew:.2f} (routing skew margin)"
+        # model/moe.py's exchange keeps each chunk's received rows, their routing weights (fp32) and the expert output
+        # until backward, so that recompute never repeats the all-to-all (those already counted are not added again)
+        k = m.num_experts_per_tok
+        row_mode = "selective" if ac == "selective" else mode
+        row_bytes = expert_row_bytes_per_token(m, row_mode, b, lora, full, cfg.lora.rank)
+        inputs_counted = full or "experts" in lora
+        kept = 4 * k + (0 if row_mode == "selective" else b * k * H) + (0 if inputs_counted else b * k * H)
+        if ac == "full":
+            # attention and the local expert work are recomputed; the MoE half of the layer is not checkpointed:
+            # the post-attention norm (fp32 input, normed output), the router, and the kept rows stay
+            moe_layer = 4 * H + 4 + b * H + (b * H if full else 0) + 8 * m.n_routed_experts + 32 * k
+            saved += T * n_moe * (moe_layer + skew * (2 * b * k * H + 4 * k))
+            saved += (skew - 1) * T * row_bytes  # the recomputed layer's expert rows
+        else:
+            saved += T * n_moe * (skew * kept + (skew - 1) * row_bytes)
+        how += f"; ep {ep}: kept exchange rows, expert rows × {skew:.2f} (routing skew margin)"
     add("activations", saved, how)
     k, Im = m.num_experts_per_tok, m.moe_intermediate_size
     layer_ws = T * (2 * b * k * H + 10 * k * Im) if m.n_routed_experts else T * 4 * b * m.intermediate_size

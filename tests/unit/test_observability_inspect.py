@@ -57,11 +57,12 @@ def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8"]) == 0
     out = capsys.readouterr().out
     layout = out.split("=== parallel layout, world size 2")[1].split("=== memory estimate")[0]
-    assert "layout (auto): expert parallel (ep 2 × FSDP dp_shard 1), activation checkpointing full" in layout
-    assert "activation checkpointing none, cpu_offload false: 127.66 GiB — does not fit" in layout
+    assert "layout (auto): FSDP over 2 GPUs (dp_shard 2), activation checkpointing full" in layout
+    assert "expert parallel (ep 2 × FSDP dp_shard 1), activation checkpointing none, cpu_offload false: 152.42 GiB" \
+        in layout
     estimate = out.split("=== memory estimate per GPU")[1]
-    assert "ep 2, dp_shard 1, replicas 1" in estimate and "activation checkpointing: full" in estimate
-    assert "107.44  at the start of backward" in estimate  # the chosen layout's, as the layout line says
+    assert "ep 1, dp_shard 2, replicas 1" in estimate and "activation checkpointing: full" in estimate
+    assert "114.40  at the start of backward" in estimate  # the chosen layout's, as the layout line says
     # nothing fits: said on one line, exit status 1
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8", "--finetune.mode", "full"]) == 1
     assert "error: parallel.layout auto: nothing fits 2 GPU(s) of 139.8 GiB" in capsys.readouterr().out
@@ -115,7 +116,6 @@ COMPILED = ["--train.compile", "true"]
     (["--finetune.mode", "full", "--model.num_hidden_layers", "2", *COMPILED], {}, 29.5),
     (COMPILED, dict(ac="selective"), 42.1),
     (COMPILED, dict(world=2), 31.8),  # FSDP2 over 2 GPUs
-    ([], dict(world=2, ep=2), 28.7),  # EP 2, eager
     (COMPILED, dict(world=2, dp_shard=1), 44.4),  # replicated (issue 11)
 ])
 def test_memory_estimate_against_gpu_measurements(over, layout, measured):
@@ -123,7 +123,8 @@ def test_memory_estimate_against_gpu_measurements(over, layout, measured):
 
 
 # Full-size GLM-4.5-Air on 2 x H200, seq 4096 packed, micro-batch 1, LoRA q,k,v,o, full activation checkpointing,
-# `moetune train` at d05efb6 (issue 11's table): the estimate must hold where the layout choice is made.
+# `moetune train` at d05efb6 (issue 11's table): the estimate must hold where the layout choice is made. (Its ep 2
+# rows, 108.0 GiB, measured an exchange that kept no rows for backward: not today's.)
 AIR_2GPU = ["--model.config", "glm45-air", "--train.compile", "false"]
 
 
@@ -131,8 +132,6 @@ AIR_2GPU = ["--model.config", "glm45-air", "--train.compile", "false"]
     ([], 1, 113.7),
     (["--train.micro_batch_size", "4"], 1, 123.0),
     (["--lora.targets", "[attention,experts,shared_experts]"], 1, 121.4),
-    ([], 2, 108.0),
-    (["--train.compile", "true"], 2, 108.0),
 ])
 def test_memory_estimate_full_size_air_on_two_gpus(over, ep, measured):
     got = estimate_gib(CONFIGS / "glm45-air-lora.yaml", AIR_2GPU + over, world=2, ep=ep, ac="full")
