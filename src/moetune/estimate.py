@@ -3,34 +3,33 @@
 The layout (ep, dp_shard, activation checkpointing, cpu_offload) comes from moetune.layout, which calls this for
 each layout it considers; everything else from the config.
 
-Notation: P parameters (P_t trainable), S = dp_shard × ep ranks over which FSDP2 shards (1 without a launcher and
-when replicated: dp_shard 1),
-b bytes of the compute dtype (2 for bf16), T = micro_batch_size × seq_len tokens per micro-batch, H hidden,
-nH/nKV heads, D head_dim, I dense intermediate, Im expert intermediate, k experts per token, Is shared intermediate,
-E routed experts, V vocabulary, c = min(T, 2048) tokens per loss chunk.
+Notation: P parameters (P_t trainable), S = dp_shard × ep ranks over which FSDP2 shards, b bytes of the compute
+dtype (2 for bf16), T = micro_batch_size × seq_len tokens per micro-batch, H hidden, nH/nKV heads, D head_dim,
+I dense intermediate, Im expert intermediate, k experts per token, Is shared intermediate, E routed experts,
+V vocabulary, c = min(T, 2048) tokens per loss chunk.
 
-Static (per GPU)
-  weights    LoRA: frozen base b·P/S.  Full, sharded: fp32 master 4·P/S.  Full, one process: b·P (no master copy).
+Static (per GPU). FSDP2 shards when dp_shard > 1 or with cpu_offload (parallel.Dist.fsdp). Without it (one
+process; replicas with dp_shard 1) a rank holds the whole model, but only its 1/ep of the routed experts: there
+P below means P - P_experts + P_experts/ep, and S = 1.
+  weights    LoRA: frozen base b·P/S.  Full, sharded: fp32 master 4·P/S.  Full without FSDP: b·P (no master copy).
   LoRA       fp32 adapter weights and gradients: (4 + 4)·P_lora/S.
-  optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full, one process: 2b·P_t).
-  gradients  full mode: 4·P_t/S sharded (b·P_t in one process); they exist at the end of backward.
-  gathered   FSDP2 (any launched run, replicated too): the root unit (embeddings, lm_head, final norm) stays
-             unsharded the whole step, plus two units in flight (the one running and the one prefetched), each the
-             larger of a layer's routed experts (÷ ep) or the rest of a layer, in the compute dtype (full mode: +
-             their unsharded b + fp32 gradients). On a shard group of one (replicated) FSDP2 still copies a unit
-             into its unsharded buffer, but only when it runs: one unit. The experts under EP with dp_shard 1 are
-             not copied (measured: AIR-8 and full-size Air, ep 2 on 2 GPUs).
+  optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full without FSDP: 2b·P_t).
+  gradients  full mode: 4·P_t/S sharded (b·P_t without FSDP); they exist at the end of backward.
+  gathered   FSDP2 only: the root unit (embeddings, lm_head, final norm) stays unsharded the whole step, plus two
+             units in flight (the one running and the one prefetched), each the larger of a layer's routed experts
+             (÷ ep) or the rest of a layer, in the compute dtype (full mode: + their unsharded b + fp32 gradients).
+             On a shard group of one (cpu_offload with dp_shard 1) FSDP2 still copies a unit into its unsharded
+             buffer, but only when it runs: one unit; the experts split by EP alone are not copied (measured).
   cpu_offload moves weights, gradients and optimizer state to host memory: only "gathered" stays on the GPU.
-Expert parallelism (ep > 1): every parameter is still split over the whole world (experts over ep × dp_shard, the
-  rest over the world), so the static terms do not change; what changes is what FSDP gathers (above) and the rows
-  a rank's experts process: the rows it receives, as many as it sends under balanced routing, times a skew margin
-  1 + 0.1·log2(ep) (an assumption, not a measurement: the busiest rank of more ranks is further above the mean),
-  applied to the per-row activations (expert terms below) and to the MoE backward working set; plus the
-  all-to-all's receive buffer, b·k·H per token. The exchange (model/moe.py, since a6764f9) keeps, per MoE layer and
-  received row, the row (b·H), the expert output (b·H) and the routing weight (4) until backward, so that
-  recompute never repeats the all-to-all; with full activation checkpointing only attention and the local expert
-  work are recomputed, and the MoE half of each layer saves its norm (4H + 4), the normed input (b·H), the router
-  (8E + 32k) and those rows: 2b·k·H per token and MoE layer is 24 GiB on GLM-4.5-Air at T = 4096.
+Expert parallelism (ep > 1): a rank's experts process the rows it receives, as many as it sends under balanced
+  routing, times a skew margin 1 + 0.1·log2(ep) (an assumption, not a measurement: the busiest rank of more ranks
+  is further above the mean), applied to the per-row activations (expert terms below) and to the MoE backward
+  working set; plus the all-to-all's receive buffer, b·k·H per token. Without recompute the exchange
+  (model/moe.py) frees the expert output and, for frozen experts, the received rows once they are sent: only the
+  routing weights (4k) stay. With activation checkpointing it keeps them (recompute never repeats the
+  all-to-all): selective keeps the rows (b·k·H); full recomputes only attention and the local expert work, and
+  the MoE half of each layer saves its norm (4H + 4), the normed input (b·H), the router (8E + 32k), the rows and
+  the expert output: 2b·k·H per token and MoE layer, 24 GiB on GLM-4.5-Air at T = 4096.
 
 Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
 against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
@@ -101,6 +100,8 @@ class ParamCounts:
     max_layer_rest: int  # the rest of one layer
     lm_head_trains: bool
     experts: int = 0  # all routed experts (base and their LoRA)
+    experts_trainable: int = 0
+    experts_lora: int = 0
 
 
 @dataclass
@@ -113,7 +114,7 @@ class Estimate:
 
 def count_params(model) -> ParamCounts:
     """Parameter counts of a built model (meta device is fine), LoRA applied or trainability set."""
-    total = trainable = lora = root = 0
+    total = trainable = lora = root = experts_trainable = experts_lora = 0
     expert_units, rests = [0], [0]
     for name, p in model.named_parameters():
         n = p.numel()
@@ -122,13 +123,16 @@ def count_params(model) -> ParamCounts:
         lora += n if ".lora" in name else 0
         if not name.startswith("model.layers."):
             root += n
+        if ".mlp.experts." in name:
+            experts_trainable += n if p.requires_grad else 0
+            experts_lora += n if ".lora" in name else 0
     for layer in model.model.layers:
         ex = getattr(layer.mlp, "experts", None)
         e = sum(p.numel() for p in ex.parameters()) if ex is not None else 0
         expert_units.append(e)
         rests.append(sum(p.numel() for p in layer.parameters()) - e)
     return ParamCounts(total, trainable, lora, root, max(expert_units), max(rests), model.lm_head.weight.requires_grad,
-                       sum(expert_units))
+                       sum(expert_units), experts_trainable, experts_lora)
 
 
 def build_meta_model(cfg, m):
@@ -198,7 +202,10 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     full = cfg.finetune.mode == "full"
     world_size, ep, dp_shard = layout.world_size, layout.ep, layout.dp_shard
     launched = world_size > 1
-    S = dp_shard * ep if launched else 1
+    # FSDP2 shards when dp_shard > 1 (and carries the CPU offload); with dp_shard 1 every rank holds the whole model
+    # but its 1/ep of the routed experts (parallel.Dist.fsdp)
+    fsdp = launched and (dp_shard > 1 or layout.cpu_offload)
+    S = dp_shard * ep if fsdp else 1
     offload = layout.cpu_offload and launched
     skew = 1 + EP_SKEW_PER_DOUBLING * math.log2(ep)
     T = cfg.train.micro_batch_size * cfg.data.seq_len
@@ -212,26 +219,34 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         return nbytes
 
     # ---- static
-    if full and not launched:
-        w = add("weights", b * counts.total, f"{b}·P, one process: the {cfg.model.dtype} weights are the master copy")
-        grads = b * counts.trainable
-        opt = add("optimizer", 2 * b * counts.trainable, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable")
+    if fsdp:
+        P, P_t, P_lora, per = counts.total / S, counts.trainable / S, counts.lora / S, f"/{S}"
+    else:  # the experts split by ep (1: whole), the rest whole
+        P, P_t, P_lora = (n - e + e / ep for n, e in ((counts.total, counts.experts),
+                                                      (counts.trainable, counts.experts_trainable),
+                                                      (counts.lora, counts.experts_lora)))
+        per = f" (experts /{ep})" if ep > 1 else ""
+    if full and not fsdp:
+        where = "one process" if not launched else "replicas without FSDP"
+        w = add("weights", b * P, f"{b}·P{per}, {where}: the {cfg.model.dtype} weights are the master copy")
+        grads = b * P_t
+        opt = add("optimizer", 2 * b * P_t, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable{per}")
     elif full:
-        w = add("weights", 4 * counts.total / S, f"fp32 master weights sharded: 4·P/{S}")
-        grads = 4 * counts.trainable / S
-        opt = add("optimizer", 8 * counts.trainable / S, f"AdamW moments fp32: 8·P_trainable/{S}")
+        w = add("weights", 4 * P, f"fp32 master weights sharded: 4·P{per}")
+        grads = 4 * P_t
+        opt = add("optimizer", 8 * P_t, f"AdamW moments fp32: 8·P_trainable{per}")
     else:
-        w = add("weights", b * (counts.total - counts.lora) / S, f"frozen base: {b}·P/{S}")
-        add("LoRA", 8 * counts.lora / S, f"fp32 adapter weights + gradients: 8·{counts.lora:,}/{S}")
+        w = add("weights", b * (P - P_lora), f"frozen base: {b}·P{per}")
+        add("LoRA", 8 * P_lora, f"fp32 adapter weights + gradients: 8·P_lora{per}")
         grads = 0
-        opt = add("optimizer", 8 * counts.lora / S, f"AdamW moments fp32: 8·P_lora/{S}")
+        opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
     static = sum(r[1] for r in rows) * GIB
     if offload:
         static = 0
         notes.append("parallel.cpu_offload: weights, gradients and optimizer state live in host memory "
                      f"(~{(w + opt + grads) / GIB:.1f} GiB per rank)")
     gathered = 0
-    if launched:
+    if fsdp:
         # Experts shard over dp_shard only under EP (ep already split them), else with the rest over S. On a group of
         # one FSDP2 copies a unit into its unsharded buffer when the unit runs, so nothing prefetched is in flight;
         # the EP experts on a dp_shard of 1 are measured not to be copied at all.
@@ -271,6 +286,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         row_bytes = expert_row_bytes_per_token(m, row_mode, b, lora, full, cfg.lora.rank)
         inputs_counted = full or "experts" in lora
         kept = 4 * k + (0 if row_mode == "selective" else b * k * H) + (0 if inputs_counted else b * k * H)
+        if ac == "none":  # without recompute the exchange frees the expert output and (frozen experts) the rows
+            kept = 4 * k
         if ac == "full":
             # attention and the local expert work are recomputed; the MoE half of the layer is not checkpointed:
             # the post-attention norm (fp32 input, normed output), the router, and the kept rows stay
