@@ -6,12 +6,12 @@ the model's setup, `moetune inspect`, the memory estimate).
 memory, in this order of preference (what a torchtitan/Megatron user would pick by hand):
 
   1. one process: no parallelism;
-  2. the model replicated on every GPU (dp_shard 1): no per-step all-gathers, gradients all-reduced (LoRA: tiny);
-  3. MoE models whose routed experts are most of the parameters: expert parallelism. The size is the largest
-     divisor of the world size and of the number of experts that stays within a node: with ep = world every GPU
-     keeps its experts for good (FSDP never gathers them, only the small rest of each layer) and the all-to-all
-     stays on NVLink. (Under moetune's mesh the experts are split over ep × dp_shard = the whole world whatever
-     ep is, so a smaller ep saves no memory; it only gathers more.)
+  2. the model replicated on every GPU (dp_shard 1, no FSDP): no all-gathers, gradients all-reduced (LoRA: tiny);
+  3. MoE models whose routed experts are most of the parameters: expert parallelism, the largest size first that
+     divides the world size and the number of experts and stays within a node. With ep = world (dp_shard 1)
+     nothing is FSDP-sharded: each GPU keeps the rest of the model whole and its 1/ep of the experts, no
+     per-layer all-gathers, and the all-to-all stays on NVLink. Smaller sizes shard everything over the world
+     with FSDP (dp_shard = world / ep): less memory, more communication; they come next.
   4. FSDP over all GPUs;
   each first without activation checkpointing, then with `selective` (not under torch.compile); then `full`
   (replicated, EP, FSDP); CPU offload (FSDP) only when nothing else fits. A layout fits when its estimate is under
@@ -67,10 +67,12 @@ class Layout:
     def kind(self) -> str:
         if self.world_size == 1:
             return "one process"
+        if self.ep > 1 and self.dp_shard == 1:
+            return f"expert parallel (ep {self.ep}; the rest replicated, no FSDP)"
         if self.ep > 1:
             return f"expert parallel (ep {self.ep} × FSDP dp_shard {self.dp_shard})"
         if self.dp_shard == 1:
-            return f"replicated on {self.world_size} GPUs (dp_shard 1)"
+            return f"replicated on {self.world_size} GPUs (dp_shard 1, no FSDP)"
         if self.dp_replicate > 1:
             return f"HSDP (FSDP dp_shard {self.dp_shard} × {self.dp_replicate} replicas)"
         return f"FSDP over {self.world_size} GPUs (dp_shard {self.dp_shard})"

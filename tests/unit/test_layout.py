@@ -73,7 +73,7 @@ def test_reasons_give_the_estimate_of_each_layout_considered():
     assert "layout (auto): FSDP over 2 GPUs (dp_shard 2), activation checkpointing full" in text
     rejected = [r for r in layout.reasons if r.endswith("does not fit")]
     # replicated, ep 2 and FSDP without recompute, replicated and ep 2 with full recompute
-    assert len(rejected) == 5 and any(r.startswith("expert parallel (ep 2") and "full" in r for r in rejected)
+    assert len(rejected) == 5 and any(r.startswith("expert parallel (ep 2;") and "full" in r for r in rejected)
     assert "125.8 GiB (90%)" in text and "routed experts are 93% of the parameters" in text
     offload = layout_for(AIR, 8, H200, "--finetune.mode", "full")
     assert any("host memory" in r for r in offload.reasons)  # where the offloaded state goes, and how much
