@@ -70,6 +70,9 @@ def small_run_args(tmp_path, name, **over):
         "optim.warmup_steps": 0, "optim.lr": 1e-2, "model.init_std": 0.02, "eval.every": 0,
         "logging.progress_bar": False,
         "logging.expert_stats_every": 0, "lora.targets": "[q_proj,k_proj,v_proj,o_proj,shared_experts,experts]",
+        # the layout as written (FSDP over the processes unless a test says otherwise): `auto` on the CPU would
+        # replicate, and these runs are about FSDP/EP equivalence
+        "parallel.layout": "manual",
     }
     args.update(over)
     out = []

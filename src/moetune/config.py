@@ -203,6 +203,10 @@ class CheckpointConfig(_Section):
 
 
 class ParallelConfig(_Section):
+    # auto: moetune.layout picks ep, dp_shard, train.activation_checkpointing and cpu_offload from the memory
+    # estimate, keeping each of them the user set (in the file or on the command line); manual: take them as written
+    layout: Literal["auto", "manual"] = "auto"
+    gpu_memory_gib: Optional[float] = Field(None, gt=0)  # per GPU, for `layout: auto`; null: what torch.cuda reports
     ep: int = Field(1, ge=1)
     dp_shard: int = -1  # FSDP shard group size; -1 = world_size / ep; smaller (ep 1): the rest replicates (HSDP)
     reshard_after_forward: bool = True

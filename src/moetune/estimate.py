@@ -1,19 +1,35 @@
 """Peak GPU memory of a training step, estimated from the config (for `moetune inspect`; nothing is allocated).
 
-Notation: P parameters (P_t trainable), S = dp_shard × ep ranks over which FSDP2 shards (1 without a launcher),
-b bytes of the compute dtype (2 for bf16), T = micro_batch_size × seq_len tokens per micro-batch, H hidden,
-nH/nKV heads, D head_dim, I dense intermediate, Im expert intermediate, k experts per token, Is shared intermediate,
-E routed experts, V vocabulary, c = min(T, 2048) tokens per loss chunk.
+The layout (ep, dp_shard, activation checkpointing, cpu_offload) comes from moetune.layout, which calls this for
+each layout it considers; everything else from the config.
 
-Static (per GPU)
-  weights    LoRA: frozen base b·P/S.  Full, sharded: fp32 master 4·P/S.  Full, one process: b·P (no master copy).
+Notation: P parameters (P_t trainable), S = dp_shard × ep ranks over which FSDP2 shards, b bytes of the compute
+dtype (2 for bf16), T = micro_batch_size × seq_len tokens per micro-batch, H hidden, nH/nKV heads, D head_dim,
+I dense intermediate, Im expert intermediate, k experts per token, Is shared intermediate, E routed experts,
+V vocabulary, c = min(T, 2048) tokens per loss chunk.
+
+Static (per GPU). FSDP2 shards when dp_shard > 1 or with cpu_offload (parallel.Dist.fsdp). Without it (one
+process; replicas with dp_shard 1) a rank holds the whole model, but only its 1/ep of the routed experts: there
+P below means P - P_experts + P_experts/ep, and S = 1.
+  weights    LoRA: frozen base b·P/S.  Full, sharded: fp32 master 4·P/S.  Full without FSDP: b·P (no master copy).
   LoRA       fp32 adapter weights and gradients: (4 + 4)·P_lora/S.
-  optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full, one process: 2b·P_t).
-  gradients  full mode: 4·P_t/S sharded (b·P_t in one process); they exist at the end of backward.
-  gathered   FSDP2 (S > 1): the root unit (embeddings, lm_head, final norm) stays unsharded the whole step, plus two
+  optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full without FSDP: 2b·P_t).
+  gradients  full mode: 4·P_t/S sharded (b·P_t without FSDP); they exist at the end of backward.
+  gathered   FSDP2 only: the root unit (embeddings, lm_head, final norm) stays unsharded the whole step, plus two
              units in flight (the one running and the one prefetched), each the larger of a layer's routed experts
              (÷ ep) or the rest of a layer, in the compute dtype (full mode: + their unsharded b + fp32 gradients).
+             On a shard group of one (cpu_offload with dp_shard 1) FSDP2 still copies a unit into its unsharded
+             buffer, but only when it runs: one unit; the experts split by EP alone are not copied (measured).
   cpu_offload moves weights, gradients and optimizer state to host memory: only "gathered" stays on the GPU.
+Expert parallelism (ep > 1): a rank's experts process the rows it receives, as many as it sends under balanced
+  routing, times a skew margin 1 + 0.1·log2(ep) (an assumption, not a measurement: the busiest rank of more ranks
+  is further above the mean), applied to the per-row activations (expert terms below) and to the MoE backward
+  working set; plus the all-to-all's receive buffer, b·k·H per token. Without recompute the exchange
+  (model/moe.py) frees the expert output and, for frozen experts, the received rows once they are sent: only the
+  routing weights (4k) stay. With activation checkpointing it keeps them (recompute never repeats the
+  all-to-all): selective keeps the rows (b·k·H); full recomputes only attention and the local expert work, and
+  the MoE half of each layer saves its norm (4H + 4), the normed input (b·H), the router (8E + 32k), the rows and
+  the expert output: 2b·k·H per token and MoE layer, 24 GiB on GLM-4.5-Air at T = 4096.
 
 Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
 against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
@@ -48,16 +64,30 @@ Weights are 33.3 of the 39.2 GiB (LoRA) and 21.4 of the 29.5 GiB (full, with the
 the activation terms much less than the totals suggest: the activation + working-set part alone is 5.9 GiB measured
 vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %). The compiled formula was written knowing the compiled
 figure. tests/unit/test_observability_inspect.py pins these and checks the eager per-layer formula against a
-census of the tensors autograd saves. Multi-GPU sharding, expert parallelism, checkpointing and offload follow the
-same formulas but have not been compared with a measurement yet.
+census of the tensors autograd saves.
+Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full activation checkpointing, eager,
+issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
+123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
+GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
+(replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 41.4. The EP measurements of the
+same table (full Air ep 2: 108.0 GiB; AIR-8 ep 2: 28.7) are of the exchange before a6764f9, which kept nothing
+(the formula without the kept rows gives 107.8 and 29.1): the current exchange's terms are not measured yet, nor is
+cpu_offload.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GIB = 2**30
 LOSS_CHUNK = 2048  # Glm4MoeForCausalLM.loss_chunk_tokens
+EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, per doubling of ep (assumed)
+# A layout fits when its estimate is under this share of the GPU's memory: the rest is the CUDA context, NCCL's
+# buffers and allocator fragmentation, which torch.cuda.max_memory_allocated (what we estimate) does not see.
+FIT_FRACTION = 0.90
+# torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB
+GPU_MEMORY_GIB = {"H100 80GB": 79.1, "H200": 139.8}
 
 
 @dataclass
@@ -69,6 +99,9 @@ class ParamCounts:
     max_expert_unit: int  # one layer's routed experts
     max_layer_rest: int  # the rest of one layer
     lm_head_trains: bool
+    experts: int = 0  # all routed experts (base and their LoRA)
+    experts_trainable: int = 0
+    experts_lora: int = 0
 
 
 @dataclass
@@ -81,7 +114,7 @@ class Estimate:
 
 def count_params(model) -> ParamCounts:
     """Parameter counts of a built model (meta device is fine), LoRA applied or trainability set."""
-    total = trainable = lora = root = 0
+    total = trainable = lora = root = experts_trainable = experts_lora = 0
     expert_units, rests = [0], [0]
     for name, p in model.named_parameters():
         n = p.numel()
@@ -90,12 +123,30 @@ def count_params(model) -> ParamCounts:
         lora += n if ".lora" in name else 0
         if not name.startswith("model.layers."):
             root += n
+        if ".mlp.experts." in name:
+            experts_trainable += n if p.requires_grad else 0
+            experts_lora += n if ".lora" in name else 0
     for layer in model.model.layers:
         ex = getattr(layer.mlp, "experts", None)
         e = sum(p.numel() for p in ex.parameters()) if ex is not None else 0
         expert_units.append(e)
         rests.append(sum(p.numel() for p in layer.parameters()) - e)
-    return ParamCounts(total, trainable, lora, root, max(expert_units), max(rests), model.lm_head.weight.requires_grad)
+    return ParamCounts(total, trainable, lora, root, max(expert_units), max(rests), model.lm_head.weight.requires_grad,
+                       sum(expert_units), experts_trainable, experts_lora)
+
+
+def build_meta_model(cfg, m):
+    """The model as `train` builds it (meta device, no memory): LoRA applied, or full-mode trainability set."""
+    from moetune.model.hf_io import build_model
+    from moetune.model.lora import apply_lora
+
+    model = build_model(m, "meta")
+    if cfg.finetune.mode == "full":
+        for name, p in model.named_parameters():
+            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+    else:
+        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+    return model
 
 
 def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
@@ -130,14 +181,33 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
     return attn + ffn
 
 
-def estimate_memory(cfg, m, counts: ParamCounts, world_size: int) -> Estimate:
-    """Peak memory per GPU of `cfg` (Config) on `world_size` GPUs for the model config `m`."""
+def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank: int = 16) -> float:
+    """The part of a MoE layer's `activation_bytes_per_token` that lives on the k routed rows of a token: under
+    expert parallelism, on the rank that holds the expert."""
+    k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
+    experts_lora = "experts" in lora
+    r_pad = -(-rank * b // 16) * 16 // b
+    rows = ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + (2 * b * k * r_pad if experts_lora else 0)
+    if mode == "selective":
+        return rows + k * (2 * b * Im + b * H)
+    if mode == "compiled":
+        return rows + 2 * b * k * Im
+    return rows + k * Im * (3 * b + 4)
+
+
+def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
+    """Peak memory per GPU of `cfg` (Config) laid out as `layout` (moetune.layout.Layout: world size, ep, dp_shard,
+    activation checkpointing, cpu_offload) for the model config `m`."""
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     full = cfg.finetune.mode == "full"
-    ep = cfg.parallel.ep
-    dp_shard = cfg.parallel.dp_shard if cfg.parallel.dp_shard != -1 else max(1, world_size // ep)
-    S = dp_shard * ep if world_size > 1 else 1
-    offload = cfg.parallel.cpu_offload and world_size > 1
+    world_size, ep, dp_shard = layout.world_size, layout.ep, layout.dp_shard
+    launched = world_size > 1
+    # FSDP2 shards when dp_shard > 1 (and carries the CPU offload); with dp_shard 1 every rank holds the whole model
+    # but its 1/ep of the routed experts (parallel.Dist.fsdp)
+    fsdp = launched and (dp_shard > 1 or layout.cpu_offload)
+    S = dp_shard * ep if fsdp else 1
+    offload = layout.cpu_offload and launched
+    skew = 1 + EP_SKEW_PER_DOUBLING * math.log2(ep)
     T = cfg.train.micro_batch_size * cfg.data.seq_len
     c = min(T, LOSS_CHUNK)
     V, H = m.vocab_size, m.hidden_size
@@ -149,36 +219,48 @@ def estimate_memory(cfg, m, counts: ParamCounts, world_size: int) -> Estimate:
         return nbytes
 
     # ---- static
-    if full and S == 1:
-        w = add("weights", b * counts.total, f"{b}·P, one process: the {cfg.model.dtype} weights are the master copy")
-        grads = b * counts.trainable
-        opt = add("optimizer", 2 * b * counts.trainable, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable")
+    if fsdp:
+        P, P_t, P_lora, per = counts.total / S, counts.trainable / S, counts.lora / S, f"/{S}"
+    else:  # the experts split by ep (1: whole), the rest whole
+        P, P_t, P_lora = (n - e + e / ep for n, e in ((counts.total, counts.experts),
+                                                      (counts.trainable, counts.experts_trainable),
+                                                      (counts.lora, counts.experts_lora)))
+        per = f" (experts /{ep})" if ep > 1 else ""
+    if full and not fsdp:
+        where = "one process" if not launched else "replicas without FSDP"
+        w = add("weights", b * P, f"{b}·P{per}, {where}: the {cfg.model.dtype} weights are the master copy")
+        grads = b * P_t
+        opt = add("optimizer", 2 * b * P_t, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable{per}")
     elif full:
-        w = add("weights", 4 * counts.total / S, f"fp32 master weights sharded: 4·P/{S}")
-        grads = 4 * counts.trainable / S
-        opt = add("optimizer", 8 * counts.trainable / S, f"AdamW moments fp32: 8·P_trainable/{S}")
+        w = add("weights", 4 * P, f"fp32 master weights sharded: 4·P{per}")
+        grads = 4 * P_t
+        opt = add("optimizer", 8 * P_t, f"AdamW moments fp32: 8·P_trainable{per}")
     else:
-        w = add("weights", b * (counts.total - counts.lora) / S, f"frozen base: {b}·P/{S}")
-        add("LoRA", 8 * counts.lora / S, f"fp32 adapter weights + gradients: 8·{counts.lora:,}/{S}")
+        w = add("weights", b * (P - P_lora), f"frozen base: {b}·P{per}")
+        add("LoRA", 8 * P_lora, f"fp32 adapter weights + gradients: 8·P_lora{per}")
         grads = 0
-        opt = add("optimizer", 8 * counts.lora / S, f"AdamW moments fp32: 8·P_lora/{S}")
+        opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
     static = sum(r[1] for r in rows) * GIB
     if offload:
         static = 0
         notes.append("parallel.cpu_offload: weights, gradients and optimizer state live in host memory "
                      f"(~{(w + opt + grads) / GIB:.1f} GiB per rank)")
     gathered = 0
-    if S > 1:
-        # experts gather over dp_shard only (ep already split them): with dp_shard 1 they are never gathered
-        unit = max(counts.max_expert_unit / ep if dp_shard > 1 else 0, counts.max_layer_rest)
+    if fsdp:
+        # Experts shard over dp_shard only under EP (ep already split them), else with the rest over S. On a group of
+        # one FSDP2 copies a unit into its unsharded buffer when the unit runs, so nothing prefetched is in flight;
+        # the EP experts on a dp_shard of 1 are measured not to be copied at all.
+        in_flight = 2 if S > 1 else 1
+        expert_units = 0 if ep > 1 and dp_shard == 1 else (2 if dp_shard > 1 else 1) * counts.max_expert_unit / ep
+        units = max(expert_units, in_flight * counts.max_layer_rest)
         per_param = b + ((b + 4) if full else 0)
-        gathered = add("FSDP gathered", b * counts.root + 2 * unit * per_param,
-                       "root unit (embeddings, lm_head) + 2 layer units in flight, unsharded")
+        gathered = add("FSDP gathered", b * counts.root + units * per_param,
+                       "root unit (embeddings, lm_head) + the layer units in flight, unsharded")
     if full:
         add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
 
     # ---- activations of one micro-batch
-    ac = cfg.train.activation_checkpointing
+    ac = layout.activation_checkpointing
     mode = "compiled" if cfg.train.compile else "eager"
     per_layer = [activation_bytes_per_token(m, m.is_moe_layer(i), mode, b, lora, full, i == 0, cfg.lora.rank)
                  for i in range(m.num_hidden_layers)]
@@ -195,9 +277,33 @@ def estimate_memory(cfg, m, counts: ParamCounts, world_size: int) -> Estimate:
         how = f"{mode}: {sum(per_layer) / m.num_hidden_layers / (b * H):.1f}·{b}H bytes per token·layer × T={T:,}"
     # final norm (+ its weight's input in full mode), the loss's input gradient, RoPE's cos/sin (shared by the layers)
     saved += T * (4 * H + (b * H if full else 0) + b * H + 2 * b * m.rotary_dim)
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    if ep > 1 and n_moe:
+        # model/moe.py's exchange keeps each chunk's received rows, their routing weights (fp32) and the expert output
+        # until backward, so that recompute never repeats the all-to-all (those already counted are not added again)
+        k = m.num_experts_per_tok
+        row_mode = "selective" if ac == "selective" else mode
+        row_bytes = expert_row_bytes_per_token(m, row_mode, b, lora, full, cfg.lora.rank)
+        inputs_counted = full or "experts" in lora
+        kept = 4 * k + (0 if row_mode == "selective" else b * k * H) + (0 if inputs_counted else b * k * H)
+        if ac == "none":  # without recompute the exchange frees the expert output and (frozen experts) the rows
+            kept = 4 * k
+        if ac == "full":
+            # attention and the local expert work are recomputed; the MoE half of the layer is not checkpointed:
+            # the post-attention norm (fp32 input, normed output), the router, and the kept rows stay
+            moe_layer = 4 * H + 4 + b * H + (b * H if full else 0) + 8 * m.n_routed_experts + 32 * k
+            saved += T * n_moe * (moe_layer + skew * (2 * b * k * H + 4 * k))
+            saved += (skew - 1) * T * row_bytes  # the recomputed layer's expert rows
+        else:
+            saved += T * n_moe * (skew * kept + (skew - 1) * row_bytes)
+        how += f"; ep {ep}: kept exchange rows, expert rows × {skew:.2f} (routing skew margin)"
     add("activations", saved, how)
     k, Im = m.num_experts_per_tok, m.moe_intermediate_size
     layer_ws = T * (2 * b * k * H + 10 * k * Im) if m.n_routed_experts else T * 4 * b * m.intermediate_size
+    ws_how = "one MoE layer's backward: 2b·k·H + 10·k·Im per token"
+    if ep > 1 and n_moe:
+        layer_ws = skew * (layer_ws + T * b * k * H)
+        ws_how += f", + the all-to-all receive buffer b·k·H, × {skew:.2f} (skew)"
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
         logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
         how = f"lm_head trains: max(chunk 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"
@@ -205,7 +311,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, world_size: int) -> Estimate:
         logits = 2 * b * c * V
         how = f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V"
     add("logits / loss", logits, how)
-    add("backward working set", layer_ws, "one MoE layer's backward: 2b·k·H + 10·k·Im per token")
+    add("backward working set", layer_ws, ws_how)
 
     forward = static + gathered + saved + logits + layer_ws + (grads if cfg.train.grad_accum > 1 else 0)
     end = static + gathered + grads
@@ -222,8 +328,8 @@ def format_estimate(e: Estimate) -> str:
                  "without the CUDA context (~0.5-1 GiB) and allocator fragmentation")
     if abs(sum(r[1] for r in e.rows) - e.total_gib) > 0.01:
         lines.append("  (not the sum of the components: gradients and activations are not held at the same time)")
-    fits = ", ".join(f"{name} {cap} GiB: {'fits' if e.total_gib < 0.92 * cap else 'does NOT fit'}"
-                     for name, cap in (("H100", 80), ("H200", 141)))
-    lines.append(f"  {fits} (with 8% headroom)")
+    fits = ", ".join(f"{name} ({cap} GiB): {'fits' if e.total_gib <= FIT_FRACTION * cap else 'does NOT fit'}"
+                     for name, cap in GPU_MEMORY_GIB.items())
+    lines.append(f"  {fits} (under {FIT_FRACTION:.0%} of the memory)")
     lines += [f"  note: {n}" for n in e.notes]
     return "\n".join(lines)

@@ -1,12 +1,14 @@
-"""`moetune inspect CONFIG.yaml [--world-size N] [--section.key value ...]`: a preflight that needs no GPU.
+"""`moetune inspect CONFIG.yaml [--world-size N] [--gpu-mem-gib G] [--section.key value ...]`: a preflight that needs
+no GPU.
 
 Prints the resolved config; the architecture and its parameter counts (total, active per token, trainable by
-module kind: the model is built on the meta device, LoRA applied there, nothing allocated); an estimate of peak
-memory per GPU at the given world size (estimate.py says how it is computed); the data: statistics of the train
+module kind: the model is built on the meta device, LoRA applied there, nothing allocated); the parallel layout the
+run would use at that world size and GPU memory, and why (layout.py); an estimate of peak memory per GPU of that
+layout (estimate.py says how it is computed); the data: statistics of the train
 and eval sets and the first packed sample with its trained tokens marked. Parts whose inputs do not exist
 (placeholder paths in the shipped configs) are skipped with a note instead of failing, so that a config can be
 checked before the checkpoint and data are on the machine. Data problems (a malformed line, nothing left to train)
-are reported and make the exit status 1.
+are reported and make the exit status 1, as does a layout that cannot fit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sys
 import tempfile
 
 from moetune.config import ConfigError, config_to_yaml, load_config
+from moetune.estimate import build_meta_model
+from moetune.layout import gpu_memory_gib
 
 TRAINED_ANSI = ("\x1b[1;32m", "\x1b[0m")  # bold green
 CONTEXT_ANSI = ("\x1b[2m", "\x1b[0m")  # dim
@@ -30,6 +34,9 @@ def _parse(argv):
                                 epilog="CONFIG.yaml: none means the embedded demo. Other --section.key VALUE arguments "
                                        "override the config, as for `moetune train`.")
     p.add_argument("--world-size", type=int, default=1, help="GPUs the run will use, for the memory estimate (default 1)")
+    p.add_argument("--gpu-mem-gib", type=float, default=None,
+                   help="memory of one GPU in GiB for the layout (an H200: 139.8, an H100 80GB: 79.1); default: "
+                        "parallel.gpu_memory_gib, else this machine's GPU, else no limit")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                    help="mark trained tokens with ANSI colour (auto: on a terminal) or with [[brackets]]")
     p.add_argument("--sample-tokens", type=int, default=512, help="show at most this many tokens of the sample")
@@ -50,11 +57,15 @@ def main(argv=None) -> int:
     color = a.color == "always" or (a.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
     _section("resolved config")
     print(config_to_yaml(cfg).rstrip())
-    model_info = inspect_model(cfg, a.world_size)
+    if a.world_size < 1 or not (a.gpu_mem_gib is None or a.gpu_mem_gib > 0):
+        print("moetune inspect: --world-size must be >= 1 and --gpu-mem-gib > 0", file=sys.stderr)
+        return 2
+    gpu_mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else gpu_memory_gib(cfg)
+    model_ok = inspect_model(cfg, a.world_size, gpu_mem)
     ok = inspect_data(cfg, a.world_size, color, a.sample_tokens)
-    if model_info is None:
+    if model_ok is None:
         print("\n(model sections skipped: see the note above)")
-    return 0 if ok else 1
+    return 0 if ok and model_ok is not False else 1
 
 
 def _section(title: str) -> None:
@@ -89,22 +100,11 @@ def _builtin_from_name(path: str) -> str | None:
     return None
 
 
-def build_meta_model(cfg, m):
-    """The model as `train` builds it (meta device, no memory): LoRA applied, or full-mode trainability set."""
-    from moetune.model.hf_io import build_model
-    from moetune.model.lora import apply_lora
-
-    model = build_model(m, "meta")
-    if cfg.finetune.mode == "full":
-        for name, p in model.named_parameters():
-            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
-    else:
-        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
-    return model
-
-
-def inspect_model(cfg, world_size: int):
+def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
+    """Prints the model, the layout and its memory estimate; None when the model cannot be resolved, False when no
+    layout fits."""
     from moetune.estimate import count_params, estimate_memory, format_estimate
+    from moetune.layout import resolve_layout
     from moetune.model.lora import format_trainable_table
     from moetune.train.metrics import active_matmul_params
 
@@ -132,21 +132,27 @@ def inspect_model(cfg, world_size: int):
           f"({_b(counts.trainable)})")
     print(format_trainable_table(model))
 
+    _section(f"parallel layout, world size {world_size}")
+    try:
+        layout = resolve_layout(cfg, world_size, gpu_mem, model_config=m, counts=counts)
+    except ConfigError as e:
+        print(f"error: {e}")
+        return False
+    print(layout.describe())
+    if gpu_mem is None and world_size > 1:
+        print("note: no GPU memory to fit (no GPU here): pass --gpu-mem-gib (an H200: 139.8, an H100 80GB: 79.1) to "
+              "see the layout a GPU run would choose")
+
     _section(f"memory estimate per GPU, world size {world_size}")
-    dp_shard = cfg.parallel.dp_shard if cfg.parallel.dp_shard != -1 else max(1, world_size // cfg.parallel.ep)
     gb = cfg.train.micro_batch_size * cfg.train.grad_accum * world_size
-    print(f"world size {world_size} (--world-size), ep {cfg.parallel.ep}, dp_shard {dp_shard}; micro-batch "
-          f"{cfg.train.micro_batch_size} × seq_len {cfg.data.seq_len}, grad_accum {cfg.train.grad_accum}: global batch "
-          f"{gb} sequences = {gb * cfg.data.seq_len:,} tokens per step")
-    print(f"{cfg.model.dtype}, activation checkpointing: {cfg.train.activation_checkpointing}, compile: "
-          f"{cfg.train.compile}, cpu_offload: {cfg.parallel.cpu_offload}, reshard_after_forward: "
+    print(f"world size {world_size} (--world-size), ep {layout.ep}, dp_shard {layout.dp_shard}, replicas "
+          f"{layout.dp_replicate}; micro-batch {cfg.train.micro_batch_size} × seq_len {cfg.data.seq_len}, grad_accum "
+          f"{cfg.train.grad_accum}: global batch {gb} sequences = {gb * cfg.data.seq_len:,} tokens per step")
+    print(f"{cfg.model.dtype}, activation checkpointing: {layout.activation_checkpointing}, compile: "
+          f"{cfg.train.compile}, cpu_offload: {layout.cpu_offload}, reshard_after_forward: "
           f"{cfg.parallel.reshard_after_forward}")
-    if world_size > 1 and (dp_shard * cfg.parallel.ep > world_size or world_size % (dp_shard * cfg.parallel.ep)):
-        print(f"warning: dp_shard {dp_shard} × ep {cfg.parallel.ep} does not divide the world size {world_size}: "
-              "train would refuse this layout")
-    est = estimate_memory(cfg, m, counts, world_size)
-    print(format_estimate(est))
-    return m
+    print(format_estimate(estimate_memory(cfg, m, counts, layout)))
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -315,10 +315,10 @@ def test_big_recipes():
         assert cfg.model.dtype == "bfloat16" and cfg.data.seq_len == 4096
         assert (cfg.lora.rank, cfg.lora.alpha, cfg.optim.lr) == (16, 32, 2e-4)
         assert cfg.train.micro_batch_size * cfg.train.grad_accum * 8 == 64
-        # Air fits an H200 without recompute (compiled); the 355B recipe recomputes
-        want = ("none", True) if name.startswith("glm45-air") else ("full", False)
-        assert (cfg.train.activation_checkpointing, cfg.train.compile) == want
+        # the layout (ep, dp_shard, recompute, offload) is chosen for the machine: nothing pinned in the recipes
+        assert cfg.parallel.layout == "auto" and cfg.train.compile == name.startswith("glm45-air")
+        assert "activation_checkpointing" not in cfg.train.model_fields_set
+        assert not {"ep", "dp_shard", "cpu_offload"} & cfg.parallel.model_fields_set
         assert (cfg.eval.every, cfg.checkpoint.every) == (50, 100)
     experts = load_config(CONFIGS[0].parent / "glm45-air-lora-experts.yaml").lora.targets
     assert {"experts", "shared_experts", "q_proj", "o_proj"} <= set(experts)
-    assert load_config(CONFIGS[0].parent / "glm45-lora.yaml").parallel.ep > 1

@@ -1,0 +1,280 @@
+"""The parallel layout of a run — expert-parallel size, FSDP shard size, replicas, activation checkpointing, CPU
+offload — resolved once, before the process group exists, and taken as it is by everything after (init_distributed,
+the model's setup, `moetune inspect`, the memory estimate).
+
+`parallel.layout: auto` (the default) chooses from the memory estimate (estimate.py), the world size and the GPU's
+memory, in this order of preference (what a torchtitan/Megatron user would pick by hand):
+
+  1. one process: no parallelism;
+  2. the model replicated on every GPU (dp_shard 1, no FSDP): no all-gathers, gradients all-reduced (LoRA: tiny);
+  3. MoE models whose routed experts are most of the parameters: expert parallelism, the largest size first that
+     divides the world size and the number of experts and stays within a node. With ep = world (dp_shard 1)
+     nothing is FSDP-sharded: each GPU keeps the rest of the model whole and its 1/ep of the experts, no
+     per-layer all-gathers, and the all-to-all stays on NVLink. Smaller sizes shard everything over the world
+     with FSDP (dp_shard = world / ep): less memory, more communication; they come next.
+  4. FSDP over all GPUs;
+  each first without activation checkpointing, then with `selective` (not under torch.compile); then `full`
+  (replicated, EP, FSDP); CPU offload (FSDP) only when nothing else fits. A layout fits when its estimate is under
+  FIT_FRACTION (90 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib)
+  when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
+
+Whatever the user set — `parallel.ep`, `dp_shard`, `cpu_offload`, `train.activation_checkpointing` written in the
+file or on the command line, whatever its value — is kept, and the rest is chosen around it (a dp_shard set without
+ep means FSDP over that many GPUs and replicas of it, HSDP, as documented: no expert parallelism); `parallel.layout:
+manual` takes all four as written (dp_shard -1: world / ep). When nothing fits, resolve_layout raises a ConfigError
+that names the smallest estimate and what was kept.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from moetune.errors import ConfigError
+from moetune.estimate import FIT_FRACTION, build_meta_model, count_params, estimate_memory
+
+AC_MODES = ("none", "selective", "full")
+PINNABLE = {"ep": ("parallel", "ep"), "dp_shard": ("parallel", "dp_shard"),
+            "cpu_offload": ("parallel", "cpu_offload"),
+            "activation_checkpointing": ("train", "activation_checkpointing")}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated layout: world_size = dp_replicate × dp_shard × ep (expert parallelism does not replicate)."""
+
+    world_size: int = 1
+    ep: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    activation_checkpointing: str = "none"
+    cpu_offload: bool = False
+    auto: bool = False  # chosen by `parallel.layout: auto` (some fields may still be the user's)
+    gpu_memory_gib: float | None = None  # the memory it was chosen for (None: no limit)
+    estimate_gib: float | None = None  # estimated peak per GPU of this layout
+    reasons: list[str] = field(default_factory=list, compare=False)
+
+    def __post_init__(self):
+        if self.dp_replicate * self.dp_shard * self.ep != self.world_size:
+            raise ConfigError(f"layout: dp_replicate {self.dp_replicate} × parallel.dp_shard {self.dp_shard} × "
+                              f"parallel.ep {self.ep} must equal the world size {self.world_size}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ConfigError(f"train.activation_checkpointing must be one of {AC_MODES}, got "
+                              f"{self.activation_checkpointing!r}")
+
+    @property
+    def kind(self) -> str:
+        if self.world_size == 1:
+            return "one process"
+        if self.ep > 1 and self.dp_shard == 1:
+            return f"expert parallel (ep {self.ep}; the rest replicated, no FSDP)"
+        if self.ep > 1:
+            return f"expert parallel (ep {self.ep} × FSDP dp_shard {self.dp_shard})"
+        if self.dp_shard == 1:
+            return f"replicated on {self.world_size} GPUs (dp_shard 1, no FSDP)"
+        if self.dp_replicate > 1:
+            return f"HSDP (FSDP dp_shard {self.dp_shard} × {self.dp_replicate} replicas)"
+        return f"FSDP over {self.world_size} GPUs (dp_shard {self.dp_shard})"
+
+    def summary(self) -> str:
+        est = f"; estimated peak {self.estimate_gib:.2f} GiB per GPU" if self.estimate_gib is not None else ""
+        mem = f" of {self.gpu_memory_gib:.1f}" if self.gpu_memory_gib is not None and est else ""
+        return (f"layout ({'auto' if self.auto else 'manual'}): {self.kind}, activation checkpointing "
+                f"{self.activation_checkpointing}, cpu_offload {str(self.cpu_offload).lower()}{est}{mem}")
+
+    def describe(self) -> str:
+        return "\n".join([self.summary()] + [f"  {r}" for r in self.reasons])
+
+
+def make_layout(world_size: int, ep: int = 1, dp_shard: int = -1, activation_checkpointing: str = "none",
+                cpu_offload: bool = False, n_experts: int | None = None, **kw) -> Layout:
+    """A layout from explicit values (dp_shard -1: world / ep), checked as init_distributed needs them."""
+    if world_size < 1 or ep < 1 or (dp_shard < 1 and dp_shard != -1):
+        raise ConfigError(f"layout: world size {world_size}, parallel.ep {ep} and parallel.dp_shard {dp_shard} "
+                          "must be positive (dp_shard -1: world / ep)")
+    if ep > 1 and world_size == 1:
+        raise ConfigError(f"parallel.ep {ep} needs several processes: launch with torchrun")
+    if world_size % ep:
+        raise ConfigError(f"parallel.ep ({ep}) must divide the world size ({world_size})")
+    if n_experts is not None and ep > 1 and n_experts % ep:
+        raise ConfigError(f"parallel.ep ({ep}) must divide the number of routed experts ({n_experts})")
+    if dp_shard == -1:
+        dp_shard = world_size // ep
+    replicate, rest = divmod(world_size, dp_shard * ep)
+    if rest or replicate == 0 or (replicate > 1 and ep > 1):
+        raise ConfigError(f"parallel.dp_shard ({dp_shard}) × parallel.ep ({ep}) must equal the world size "
+                          f"({world_size}), or, without expert parallelism, divide it (the rest replicates)")
+    return Layout(world_size, ep, dp_shard, replicate, activation_checkpointing, cpu_offload, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def launch_world_size() -> int:
+    """The world size the launcher set (torchrun, accelerate: WORLD_SIZE; srun: SLURM_NTASKS), 1 without one."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", 1))
+    return 1
+
+
+def launch_gpus_per_node() -> int | None:
+    """Processes per node as the launcher says (torchrun: LOCAL_WORLD_SIZE; srun: SLURM_NTASKS_PER_NODE)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "").split("(")[0]  # SLURM writes "8(x2)" for heterogeneous counts
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def gpu_memory_gib(cfg, local_rank: int | None = None) -> float | None:
+    """`parallel.gpu_memory_gib` when set, else the memory torch.cuda reports for this rank's GPU, else None (a CPU
+    run: no limit)."""
+    if cfg.parallel.gpu_memory_gib is not None:
+        return cfg.parallel.gpu_memory_gib
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+    return torch.cuda.get_device_properties(index % torch.cuda.device_count()).total_memory / 2**30
+
+
+# ------------------------------------------------------------------------------------------------ choice
+def pinned_fields(cfg) -> dict[str, object]:
+    """The layout fields the user set (file or command line), by Layout field name; all of them when manual."""
+    out = {}
+    for name, (section, key) in PINNABLE.items():
+        sec = getattr(cfg, section)
+        if cfg.parallel.layout == "manual" or key in sec.model_fields_set:
+            out[name] = getattr(sec, key)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _structures(world: int, n_experts: int, experts_dominate: bool, gpus_per_node: int, pinned: dict):
+    """(ep, dp_shard) in order of preference: replicated, expert parallel (within a node first, largest first),
+    FSDP, then HSDP (only when the user set dp_shard)."""
+    if world == 1:
+        return [("one", 1, 1)]
+    eps = [d for d in _divisors(math.gcd(world, n_experts or 1)) if d > 1]
+    eps = sorted((d for d in eps if d <= gpus_per_node), reverse=True) + [d for d in eps if d > gpus_per_node]
+    out = [("replicated", 1, 1)]
+    hsdp_meant = pinned.get("dp_shard", -1) != -1 and "ep" not in pinned  # README: smaller dp_shard = HSDP
+    if (experts_dominate and not hsdp_meant) or pinned.get("ep", 1) > 1:
+        out += [("ep", d, world // d) for d in eps]
+    out.append(("fsdp", 1, world))
+    out += [("hsdp", 1, d) for d in _divisors(world)[1:-1]]
+    dp_pin = pinned.get("dp_shard")
+    ok = [s for s in out if pinned.get("ep", s[1]) == s[1]
+          and (dp_pin == s[2] or (dp_pin == -1 and s[2] * s[1] == world) or (dp_pin is None and s[0] != "hsdp"))]
+    return ok
+
+
+def _candidates(structures, pinned: dict, compiled: bool):
+    """(ep, dp_shard, activation checkpointing, cpu_offload) in order of preference. Under torch.compile selective
+    checkpointing is not considered: compiled layers already recompute the element-wise ops, and on AIR-8 selective
+    took more memory (42.1 vs 39.2 GiB) and 35 % more time (BENCHMARKS.md)."""
+    def ok(ac, off):
+        return pinned.get("activation_checkpointing", ac) == ac and pinned.get("cpu_offload", off) == off
+
+    light = ("none",) if compiled and pinned.get("activation_checkpointing") != "selective" else ("none", "selective")
+    out = []
+    for ac in light:  # no full recompute: any structure
+        out += [(s, ac, False) for s in structures]
+    out = sorted(out, key=lambda c: structures.index(c[0]))  # by structure first, none before selective
+    out += [(s, "full", False) for s in structures]
+    offload = [s for s in structures if s[0] == "fsdp"] if "cpu_offload" not in pinned else structures
+    out += [(s, ac, True) for s in offload for ac in light + ("full",) if s[0] != "one" or pinned.get("cpu_offload")]
+    return [(s[1], s[2], ac, off) for s, ac, off in out if ok(ac, off)]
+
+
+def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *, gpus_per_node: int | None = None,
+                   model_config=None, counts=None) -> Layout:
+    """The layout `cfg` runs with on `world_size` processes of `gpu_memory_gib` GiB each (None: no limit).
+    `model_config` and `counts` (estimate.count_params) are built from cfg when not given."""
+    if model_config is None:
+        from moetune.train.setup import model_config_for
+
+        model_config = model_config_for(cfg)
+    if counts is None:
+        counts = count_params(build_meta_model(cfg, model_config))
+    n_experts = model_config.n_routed_experts or 0
+    pinned = pinned_fields(cfg)
+    limit = FIT_FRACTION * gpu_memory_gib if gpu_memory_gib is not None else None
+    common = dict(n_experts=n_experts, gpu_memory_gib=gpu_memory_gib)
+
+    def estimate(layout):
+        return estimate_memory(cfg, model_config, counts, layout).total_gib
+
+    def fits(gib):
+        return limit is None or gib <= limit  # False for NaN
+
+    if len(pinned) == len(PINNABLE):
+        layout = make_layout(world_size, pinned["ep"], pinned["dp_shard"], pinned["activation_checkpointing"],
+                             pinned["cpu_offload"], auto=False, **common)
+        gib = estimate(layout)
+        why = ("parallel.layout: manual: ep, dp_shard, cpu_offload and activation checkpointing as written"
+               if cfg.parallel.layout == "manual" else "every layout key is set in the config: taken as written")
+        reasons = [why, _limit_line(gpu_memory_gib, limit)]
+        if not fits(gib):
+            reasons.append(f"warning: the estimate {gib:.1f} GiB is over {limit:.1f} GiB: the run may run out of "
+                           "memory (parallel.layout: auto would choose a layout that fits)")
+        return _with(layout, estimate_gib=gib, reasons=reasons)
+
+    if "ep" in pinned or "dp_shard" in pinned:  # a pinned value no layout can use: say which, not "nothing fits"
+        make_layout(world_size, pinned.get("ep", 1), pinned.get("dp_shard", -1), n_experts=n_experts)
+    experts_share = counts.experts / counts.total if counts.total else 0.0
+    structures = _structures(world_size, n_experts, experts_share > 0.5,
+                             gpus_per_node or launch_gpus_per_node() or min(world_size, 8), pinned)
+    candidates = _candidates(structures, pinned, cfg.train.compile)
+    kept = ", ".join(f"{'.'.join(PINNABLE[k])} {_show(v)}" for k, v in pinned.items())
+    if not candidates:
+        raise ConfigError(f"no layout for {world_size} process(es) is compatible with what the config sets: {kept}")
+    tried = []
+    for ep, dp_shard, ac, offload in candidates:
+        layout = make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common)
+        gib = estimate(layout)
+        tried.append((layout, gib))
+        if fits(gib):
+            break
+    else:
+        best, gib = min(tried, key=lambda t: t[1])
+        raise ConfigError(
+            f"parallel.layout auto: nothing fits {world_size} GPU(s) of {gpu_memory_gib:.1f} GiB: the smallest "
+            f"estimate is {gib:.1f} GiB per GPU ({best.kind}, activation checkpointing {best.activation_checkpointing}"
+            f", cpu_offload {str(best.cpu_offload).lower()}) over the limit {limit:.1f} GiB ({FIT_FRACTION:.0%})"
+            + (f"; kept from the config: {kept}" if kept else "")
+            + "; use more GPUs, a smaller data.seq_len or train.micro_batch_size, or LoRA")
+    reasons = [_limit_line(gpu_memory_gib, limit)]
+    if kept:
+        reasons.append(f"kept from the config: {kept}")
+    if world_size > 1 and n_experts:
+        reasons.append(f"routed experts are {experts_share:.0%} of the parameters"
+                       + ("" if experts_share > 0.5 else ": expert parallelism not considered"))
+    for t, g in tried:
+        verdict = "chosen" if t is layout else "does not fit"
+        reasons.append(f"{t.kind}, activation checkpointing {t.activation_checkpointing}, cpu_offload "
+                       f"{str(t.cpu_offload).lower()}: {g:.2f} GiB — {verdict}")
+    reasons += estimate_memory(cfg, model_config, counts, layout).notes
+    return _with(layout, estimate_gib=gib, reasons=reasons)
+
+
+def _with(layout: Layout, **changes) -> Layout:
+    from dataclasses import replace
+
+    return replace(layout, **changes)
+
+
+def _show(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _limit_line(gpu_memory_gib, limit) -> str:
+    if limit is None:
+        return "no GPU memory limit (a CPU run, or no GPU to ask): the first preference is taken"
+    return (f"GPU memory {gpu_memory_gib:.1f} GiB: a layout fits when its estimate is under {limit:.1f} GiB "
+            f"({FIT_FRACTION:.0%})")

@@ -1,0 +1,185 @@
+"""`parallel.layout: auto`: the layout chosen for (model, LoRA targets, world size, GPU memory), what the user set
+kept as set (decided on the keys given, not on their values), and the errors when nothing can fit."""
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from moetune.config import load_config
+from moetune.errors import ConfigError
+from moetune.estimate import build_meta_model, count_params
+from moetune.layout import Layout, gpu_memory_gib, make_layout, pinned_fields, resolve_layout
+from moetune.model.config import resolve_model_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+AIR, AIR_EXPERTS, GLM45 = (str(CONFIGS / f"{n}.yaml")
+                           for n in ("glm45-air-lora", "glm45-air-lora-experts", "glm45-lora"))
+H200, H100 = 139.8, 79.1  # GiB, as torch.cuda reports them
+
+
+@functools.lru_cache(maxsize=None)
+def _model(builtin, mode, targets):
+    cfg = load_config(None, ["--model.config", builtin, "--finetune.mode", mode, "--lora.targets", targets])
+    m = resolve_model_config(None, builtin, None)
+    return m, count_params(build_meta_model(cfg, m))
+
+
+def layout_for(path, world, gpu, *over, gpus_per_node=None):
+    cfg = load_config(path, list(over))
+    builtin = cfg.model.config if isinstance(cfg.model.config, str) else (
+        "glm45-air" if path and "air" in path else "glm45" if path else "tiny")
+    m, counts = _model(builtin, cfg.finetune.mode, "[" + ",".join(cfg.lora.targets) + "]")
+    return resolve_layout(cfg, world, gpu, gpus_per_node=gpus_per_node, model_config=m, counts=counts)
+
+
+def shape(layout: Layout):
+    return (layout.ep, layout.dp_shard, layout.dp_replicate, layout.activation_checkpointing, layout.cpu_offload)
+
+
+@pytest.mark.parametrize("path, over, world, gpu, want", [
+    # the tiny demo on the CPU: no memory limit, so the first preference
+    (None, [], 1, None, (1, 1, 1, "none", False)),
+    (None, [], 2, None, (1, 1, 2, "none", False)),  # replicated: no all-gathers at all
+    # GLM-4.5-Air LoRA q,k,v,o (compiled) on 2 x H200: ep 2 holds the rest of the model whole and half the experts,
+    # 106 GiB of weights: 131.4 GiB without recompute, over 90 % of 139.8; with full recompute the exchange keeps its
+    # rows (140.4); so FSDP with full recompute: 114.4 GiB (measured 113.7)
+    (AIR, [], 2, H200, (1, 2, 1, "full", False)),
+    (AIR, ["--train.compile", "false"], 2, H200, (1, 2, 1, "full", False)),  # eager: selective too big
+    (AIR, [], 8, H200, (8, 1, 1, "none", False)),  # experts stay put, no FSDP: 63.6 GiB
+    (AIR, [], 8, H100, (8, 1, 1, "none", False)),
+    (AIR_EXPERTS, [], 8, H200, (8, 1, 1, "none", False)),  # 87.5 GiB
+    (AIR_EXPERTS, [], 2, H200, (1, 2, 1, "full", False)),  # 123.5 GiB (measured 121.4)
+    # with LoRA on the experts on 8 x 80 GB nothing fits without recompute (ep 8: 87.5 GiB, FSDP: 78.4 > 71.2); with
+    # full recompute ep 8 keeps its exchanged rows (78.3), ep 4 × FSDP 2 fits (68.0)
+    (AIR_EXPERTS, [], 8, H100, (4, 2, 1, "full", False)),
+    # full fine-tuning of Air on 8 x H200: 16 bytes per parameter do not fit on the GPUs, only with CPU offload
+    (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "full", True)),
+    # GLM-4.5 (355B), eager: ep 8 with full recompute would keep 72 GiB of exchanged rows: FSDP, full recompute
+    (GLM45, [], 8, H200, (1, 8, 1, "full", False)),  # 106.1 GiB
+    (GLM45, [], 16, H200, (1, 16, 1, "full", False)),
+])
+def test_auto_layout_choices(path, over, world, gpu, want):
+    layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)
+    assert shape(layout) == want, layout.describe()
+    assert layout.auto and layout.world_size == world and layout.gpu_memory_gib == gpu
+    assert gpu is None or layout.estimate_gib <= 0.9 * gpu
+    assert any("chosen" in r for r in layout.reasons)
+
+
+def test_reasons_give_the_estimate_of_each_layout_considered():
+    layout = layout_for(AIR, 2, H200)
+    text = layout.describe()
+    assert "layout (auto): FSDP over 2 GPUs (dp_shard 2), activation checkpointing full" in text
+    rejected = [r for r in layout.reasons if r.endswith("does not fit")]
+    # replicated, ep 2 and FSDP without recompute, replicated and ep 2 with full recompute
+    assert len(rejected) == 5 and any(r.startswith("expert parallel (ep 2;") and "full" in r for r in rejected)
+    assert "125.8 GiB (90%)" in text and "routed experts are 93% of the parameters" in text
+    offload = layout_for(AIR, 8, H200, "--finetune.mode", "full")
+    assert any("host memory" in r for r in offload.reasons)  # where the offloaded state goes, and how much
+
+
+def test_expert_parallelism_stays_within_a_node():
+    assert shape(layout_for(AIR, 16, H200, gpus_per_node=8)) == (8, 2, 1, "none", False)
+    assert shape(layout_for(AIR, 16, H200, gpus_per_node=16)) == (16, 1, 1, "none", False)
+
+
+def test_dense_dominated_models_are_not_given_expert_parallelism():
+    """Experts under half of the parameters: FSDP, not EP, when replication does not fit."""
+    from moetune.estimate import estimate_memory
+
+    cfg = load_config(None, ["--data.seq_len", "8", "--train.micro_batch_size", "1"])
+    dense = {**_tiny_dict(), "num_hidden_layers": 8, "first_k_dense_replace": 6, "intermediate_size": 2048}
+    m = resolve_model_config(None, {**dense, "moe_intermediate_size": 4}, None)
+    counts = count_params(build_meta_model(cfg, m))
+    assert counts.experts < counts.total / 2
+    replicated, fsdp = (estimate_memory(cfg, m, counts, make_layout(2, dp_shard=d)).total_gib for d in (1, 2))
+    assert fsdp < replicated
+    gpu = (fsdp + replicated) / 2 / 0.9  # replication does not fit, sharding does
+    layout = resolve_layout(cfg, 2, gpu, model_config=m, counts=counts)
+    assert shape(layout) == (1, 2, 1, "none", False), layout.describe()
+    assert "expert parallelism not considered" in layout.describe()
+    # the same sizes with experts that dominate: expert parallelism
+    m = resolve_model_config(None, {**dense, "first_k_dense_replace": 1, "moe_intermediate_size": 400}, None)
+    counts = count_params(build_meta_model(cfg, m))
+    replicated, ep2 = (estimate_memory(cfg, m, counts, make_layout(2, ep=e)).total_gib for e in (1, 2))
+    layout = resolve_layout(cfg, 2, (ep2 + replicated) / 2 / 0.9, model_config=m, counts=counts)
+    assert shape(layout) == (2, 1, 1, "none", False), layout.describe()
+
+
+def _tiny_dict():
+    from moetune.model.config import BUILTIN
+
+    return dict(BUILTIN["tiny"])
+
+
+# ------------------------------------------------------------------------------------------ what the user set wins
+def test_explicit_settings_win_even_when_equal_to_the_default():
+    # ep 1 is the default value, but written by the user: no expert parallelism
+    assert shape(layout_for(AIR, 8, H200, "--parallel.ep", "1")) == (1, 8, 1, "none", False)
+    # no recompute, as the user says: the only layout left that fits is FSDP with CPU offload
+    assert shape(layout_for(AIR, 2, H200, "--train.activation_checkpointing", "none")) == (1, 2, 1, "none", True)
+    assert shape(layout_for(AIR, 8, H200, "--parallel.ep", "2")) == (2, 4, 1, "none", False)
+    assert shape(layout_for(AIR, 8, H200, "--parallel.dp_shard", "4")) == (1, 4, 2, "none", False)  # HSDP
+    kept = layout_for(AIR, 8, H200, "--parallel.ep", "2").reasons
+    assert "kept from the config: parallel.ep 2" in kept
+
+
+def test_settings_written_in_the_file_are_pinned_too(tmp_path):
+    text = Path(AIR).read_text().replace("  layout: auto\n", "  layout: auto\n  ep: 1\n")
+    (tmp_path / "air.yaml").write_text(text)
+    cfg = load_config(tmp_path / "air.yaml")
+    assert pinned_fields(cfg) == {"ep": 1}
+    assert pinned_fields(load_config(AIR)) == {}
+    assert shape(layout_for(str(tmp_path / "air.yaml"), 8, H200)) == (1, 8, 1, "none", False)
+
+
+def test_manual_takes_the_config_as_written():
+    layout = layout_for(AIR, 8, H200, "--parallel.layout", "manual")
+    assert shape(layout) == (1, 8, 1, "none", False) and not layout.auto
+    assert "parallel.layout: manual" in layout.reasons[0]
+    # manual and over the memory: a warning, not a refusal (the user knows their machine)
+    big = layout_for(AIR, 2, H200, "--parallel.layout", "manual")
+    assert shape(big) == (1, 2, 1, "none", False) and any(r.startswith("warning:") for r in big.reasons)
+
+
+# ------------------------------------------------------------------------------------------ what cannot be
+@pytest.mark.parametrize("path, over, world, match", [
+    (AIR, ["--finetune.mode", "full"], 2, r"nothing fits 2 GPU\(s\) of 139.8 GiB: the smallest estimate is .* GiB"),
+    (AIR, ["--train.activation_checkpointing", "none", "--parallel.cpu_offload", "false"], 2,
+     r"nothing fits .*kept from the config: parallel.cpu_offload false, train.activation_checkpointing none"),
+    (AIR, ["--parallel.ep", "3"], 6, r"parallel.ep \(3\) must divide the number of routed experts \(128\)"),
+    (AIR, ["--parallel.ep", "2"], 1, r"parallel.ep 2 needs several processes"),
+    (AIR, ["--parallel.ep", "4"], 2, r"parallel.ep \(4\) must divide the world size \(2\)"),
+    (AIR, ["--parallel.ep", "2", "--parallel.dp_shard", "2"], 8, r"parallel.dp_shard \(2\) × parallel.ep \(2\)"),
+])
+def test_impossible_layouts_are_config_errors(path, over, world, match):
+    with pytest.raises(ConfigError, match=match):
+        layout_for(path, world, H200, *over)
+
+
+def test_make_layout_validates_like_init_distributed():
+    assert shape(make_layout(8, ep=2)) == (2, 4, 1, "none", False)
+    assert shape(make_layout(8, dp_shard=2)) == (1, 2, 4, "none", False)
+    with pytest.raises(ConfigError, match="dp_shard"):
+        make_layout(8, ep=2, dp_shard=2)  # EP does not replicate
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        make_layout(1, activation_checkpointing="some")
+
+
+def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
+    import torch
+
+    assert gpu_memory_gib(load_config(None, ["--parallel.gpu_memory_gib", "80"])) == 80
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_memory_gib(load_config(None)) is None  # a CPU run: no limit
+
+    class Props:
+        total_memory = 150_000_000_000
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props)
+    assert gpu_memory_gib(load_config(None)) == pytest.approx(139.7, abs=0.05)
+    with pytest.raises(ConfigError, match="gpu_memory_gib"):
+        load_config(None, ["--parallel.gpu_memory_gib", "0"])
