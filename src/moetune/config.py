@@ -19,13 +19,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       model_validator)
 
 from moetune.errors import ConfigError  # noqa: F401  (re-exported)
-
-
-
+from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts")
-LORA_ALIASES = {"attention": LORA_TARGETS[:4], "all": LORA_TARGETS}
 
 
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:

@@ -14,11 +14,13 @@ import logging
 import os
 from pathlib import Path
 
+from moetune.names import IGNORE_INDEX
+
 from .cache import cached_documents, default_cache_dir, iter_source_records
 from .chat import tokenize_record
 from .formats import DataError, read_records
 from .loader import PackedLoader, eval_batches
-from .packing import IGNORE_INDEX, pack_documents
+from .packing import pack_documents
 
 DEMO_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 

@@ -163,3 +163,8 @@ def resolve_model_config(path: str | None, config: str | dict | None, num_hidden
     if num_hidden_layers is not None:
         cfg.num_hidden_layers = num_hidden_layers
     return cfg
+
+
+def model_config_for(cfg) -> ModelConfig:
+    """The architecture a run's config (moetune.config.Config) describes."""
+    return resolve_model_config(cfg.model.path, cfg.model.effective_config, cfg.model.num_hidden_layers)

@@ -17,8 +17,7 @@ from torch import nn
 
 from moetune.model.moe import grouped_linear, local_experts
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-TARGETS = ATTENTION + ("dense_mlp", "shared_experts", "experts")
+from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:

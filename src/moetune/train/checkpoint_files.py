@@ -1,8 +1,5 @@
-"""The checkpoint directory on disk: names, completeness, atomic renames, and the checks made before a resume.
-
-    RUN/checkpoints/step_000200/        complete: only a finished save is ever renamed to this name
-                    step_000300.tmp/    being written (or debris of a crash): never resumed from
-                    .trash-step_000100/ being deleted (renamed first, so a half-deleted one never looks complete)
+"""Checkpoint file work of the trainer: atomic writes and renames, pruning, and the checks made before a resume
+(layout, listing and completeness are run_dir.py's).
 
 Everything here is plain file work and runs without a process group (auto-resume, `moetune export`, tests).
 """
@@ -11,45 +8,20 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
-import warnings
 from pathlib import Path
 
-import torch
 import yaml
 
-from moetune.model.hf_io import CheckpointError
+from moetune.errors import CheckpointError
+from moetune.run_dir import (CONFIG, METADATA, TRAINER_STATE, complete_checkpoints, latest_checkpoint,  # noqa: F401
+                             load_model_state, step_dir_name, verify_checkpoint)
 
 log = logging.getLogger("moetune")
 
-STEP_RE = re.compile(r"^step_(\d{6,})$")
-TRAINER_STATE = "trainer_state.json"
-CONFIG = "config.yaml"
-METADATA = ".metadata"  # DCP's index; written last by DCP itself
 # The sections that decide what is trained and its shapes: a resume that changes them is refused.
 FROZEN_SECTIONS = ("model", "finetune", "lora")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints under root, oldest first; .tmp and .trash debris is skipped."""
-    found = []
-    if root.is_dir():
-        for p in root.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / METADATA).is_file() and (p / TRAINER_STATE).is_file():
-                found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 def resolve_resume(spec: str, run_dir: Path) -> Path | None:
@@ -68,30 +40,6 @@ def resolve_resume(spec: str, run_dir: Path) -> Path | None:
             return latest
     raise CheckpointError(f"resume: {path} is neither a checkpoint directory (no {TRAINER_STATE}) "
                           "nor a run directory with complete checkpoints")
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Refuse, by file name, a checkpoint whose index or shard files are missing or shorter than the index
-    says. Cheap (metadata and file sizes only) and worth it: DCP itself would fail deep in a reader thread."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    for name in (METADATA, TRAINER_STATE):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-    try:
-        md = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
-        raise CheckpointError(f"checkpoint {path} is damaged: cannot read {METADATA} ({type(e).__name__}: {e})")
-    needed: dict[str, int] = {}
-    for info in md.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for fname, size in sorted(needed.items()):
-        f = path / fname
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is missing")
-        if (have := f.stat().st_size) < size:
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is truncated "
-                                  f"({have} bytes, the index needs {size})")
 
 
 def _flatten(d, prefix="") -> dict:
@@ -192,22 +140,3 @@ def remove_debris(root: Path) -> None:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-# ------------------------------------------------------------------------------------------ reading weights
-def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint, whole and on CPU, without a process group (export, tests): the
-    trainable LoRA tensors of a LoRA run, every weight of a full fine-tuning run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    verify_checkpoint(path)
-    md = FileSystemReader(str(path)).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}

@@ -13,6 +13,7 @@ import torch
 
 from moetune.config import Config, config_to_yaml
 from moetune.model.lora import format_trainable_table
+from moetune.names import IGNORE_INDEX
 from moetune import parallel
 from moetune.parallel import Dist, init_distributed
 from moetune.train.data_setup import setup_data
@@ -77,7 +78,7 @@ def train(cfg: Config) -> TrainState:
         # ---- one optimizer step: the loss is the mean over every target token of every micro-batch on every
         # rank (not a mean of means), so 4 micro-batches of 1 equal 1 batch of 4 and 2 ranks equal 1.
         batches = [to_device(data.loader.next_batch(), dist.device) for _ in range(cfg.train.grad_accum)]
-        n_targets = dist.all_reduce_sum(sum((b["labels"] != -100).sum() for b in batches).float())
+        n_targets = dist.all_reduce_sum(sum((b["labels"] != IGNORE_INDEX).sum() for b in batches).float())
         loss_sum = torch.zeros((), device=dist.device)
         aux_total = torch.zeros((), device=dist.device)
         for i, b in enumerate(batches):
@@ -174,7 +175,7 @@ def evaluate(model, batches, dist: Dist, max_batches: int | None) -> float:
     for b in batches[:max_batches]:
         b = to_device(b, dist.device)
         total[0] += model(b["input_ids"], b["position_ids"], labels=b["labels"]).double()
-        total[1] += (b["labels"] != -100).sum()
+        total[1] += (b["labels"] != IGNORE_INDEX).sum()
     dist.all_reduce_sum(total)
     model.train()
     return (total[0] / total[1].clamp(min=1)).item()
