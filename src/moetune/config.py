@@ -32,13 +32,22 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 class _Section(BaseModel):
     # extra="forbid": a misspelt key must fail, not fall back to a default unnoticed.
     # coerce_numbers_to_str: YAML reads `--run.name 7` as an int; it is still a fine name.
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    # allow_inf_nan=False: `.inf` and `.nan` parse as YAML floats; no setting of ours means anything with them.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
     name: str = Field("demo", min_length=1)
     output_dir: str = "runs"  # the run directory is output_dir/name
     seed: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, v):
+        # the run directory must stay inside output_dir: no separators, no "." / "..", not absolute
+        if v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError(f"must be one folder name inside run.output_dir (no '/', '..' or absolute path), got {v!r}")
+        return v
 
 
 class ModelConfig(_Section):
@@ -446,10 +455,15 @@ def config_to_yaml(cfg: Config) -> str:
 def config_hash(cfg: Config, sections: Sequence[str] = ("model", "lora", "finetune")) -> str:
     """16-hex-digit digest of what must not change across a resume (by default the model and
     what is trained). The lora section is ignored in full mode, where it has no effect."""
-    dump = cfg.model_dump(mode="json")
+    return dump_hash(cfg.model_dump(mode="json"), sections)
+
+
+def dump_hash(dump: dict, sections: Sequence[str] = ("model", "lora", "finetune")) -> str:
+    """config_hash of a config as dumped (a run's config.yaml, loaded as plain YAML)."""
     unknown = [s for s in sections if s not in dump]
     if unknown:
         raise ConfigError(f"config_hash: unknown section(s) {unknown}")
-    picked = {s: dump[s] for s in sections if not (s == "lora" and cfg.finetune.mode == "full")}
+    full = (dump.get("finetune") or {}).get("mode") == "full"
+    picked = {s: dump[s] for s in sections if not (s == "lora" and full)}
     blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -9,14 +9,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from moetune.errors import CheckpointError
-from moetune.run_dir import (CONFIG, METADATA, TRAINER_STATE, complete_checkpoints, latest_checkpoint,  # noqa: F401
-                             load_model_state, step_dir_name, verify_checkpoint)
+from moetune.config import config_hash, dump_hash
+from moetune.errors import CheckpointError, ConfigError
+from moetune.run_dir import (CONFIG, METADATA, TRAINER_STATE, damaged_checkpoints, latest_checkpoint, read_trainer_state,
+                             verify_checkpoint)
 
 log = logging.getLogger("moetune")
 
@@ -68,20 +69,68 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
 
 def check_config(path: Path, cfg, saved_hash: str | None) -> list[str]:
     """Refuse a resume that changes the model, what is trained or its shapes; return the allowed changes."""
-    from moetune.config import config_hash
-
     cfg_file = path / CONFIG
     if not cfg_file.is_file():  # older or hand-made checkpoint: only the hash can be compared
         if saved_hash and saved_hash != config_hash(cfg):
             raise CheckpointError(f"cannot resume from {path}: the model/finetune/lora settings differ from the "
                                   f"checkpoint's (config hash {saved_hash} ≠ {config_hash(cfg)})")
         return []
-    refused, allowed = config_changes(yaml.safe_load(cfg_file.read_text()) or {}, cfg.model_dump(mode="json"))
+    try:
+        saved = yaml.safe_load(cfg_file.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot read the checkpoint's config ({type(e).__name__}); the "
+                              "checkpoint is damaged: resume from an earlier one (resume: PATH)") from None
+    # A file cut at a line boundary still parses: its hash, written at the same moment, tells it is incomplete
+    if not isinstance(saved, dict) or (saved_hash and _hash_or_none(saved) != saved_hash):
+        raise CheckpointError(f"{cfg_file}: damaged (it does not match the config hash in {TRAINER_STATE}); "
+                              "resume from an earlier checkpoint (resume: PATH)")
+    refused, allowed = config_changes(saved, cfg.model_dump(mode="json"))
     if refused:
         raise CheckpointError(
             f"cannot resume from {path}: the config changes what is trained ({'; '.join(refused)}). "
             "Resume with the checkpoint's values, or start a new run (another run.name, or resume: none)")
     return allowed
+
+
+def _hash_or_none(dump: dict) -> str | None:
+    try:
+        return dump_hash(dump)
+    except ConfigError:  # a section is missing: the file is cut short
+        return None
+
+
+@dataclass
+class ResumePlan:
+    path: Path
+    trainer_state: dict
+    allowed_changes: list[str]
+
+
+def plan_resume(cfg, world_size: int, dp_size: int) -> ResumePlan | None:
+    """Everything about a resume that files can tell, before anything is built or written: which checkpoint, that
+    it is complete and undamaged, and that the config may continue it. None: start from scratch."""
+    if cfg.resume == "auto":
+        for p, missing in damaged_checkpoints(cfg.run_dir / "checkpoints"):
+            log.warning("resume: auto skips %s: %s missing (a damaged checkpoint)", p, " and ".join(missing))
+    path = resolve_resume(cfg.resume, cfg.run_dir)
+    if path is None:
+        if cfg.resume == "auto":
+            log.info("resume: auto found no checkpoint in %s: starting from scratch", cfg.run_dir / "checkpoints")
+        return None
+    verify_checkpoint(path)
+    saved = read_trainer_state(path)
+    allowed = check_config(path, cfg, saved.get("config_hash"))
+    plan = ResumePlan(path, saved, allowed)
+    global_batch = dp_size * cfg.train.micro_batch_size * cfg.train.grad_accum
+    if saved.get("global_batch") not in (None, global_batch):
+        log.warning("resume: the checkpoint's run took %d sequences per step, this one takes %d (%d data-parallel "
+                    "ranks × micro_batch_size %d × grad_accum %d): the optimizer sees a different batch; set "
+                    "train.grad_accum (or micro_batch_size) to keep %d", saved["global_batch"], global_batch, dp_size,
+                    cfg.train.micro_batch_size, cfg.train.grad_accum, saved["global_batch"])
+    if saved.get("world_size") not in (None, world_size):
+        log.info("resume: checkpoint written by %s processes, loaded by %d (DCP reshards; ranks the checkpoint's run "
+                 "did not have keep their seeded RNG)", saved.get("world_size"), world_size)
+    return plan
 
 
 # ------------------------------------------------------------------------------------------ atomic file work
@@ -117,17 +166,6 @@ def publish(tmp: Path, final: Path) -> None:
     remove_dir(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
-
-
-def set_aside(root: Path) -> Path | None:
-    """resume: none where an earlier run left checkpoints: keep them, but out of auto-resume's way (it would
-    otherwise take an old step_N over the new run's smaller ones after a crash)."""
-    if not complete_checkpoints(root):
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = next(d for i in range(1000) if not (d := root.with_name(f"checkpoints.earlier-{stamp}-{i}")).exists())
-    os.replace(root, dest)
-    return dest
 
 
 def remove_debris(root: Path) -> None:

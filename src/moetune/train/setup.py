@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from moetune.errors import ConfigError
 from moetune.model.config import model_config_for  # noqa: F401  (re-exported: inspect.py imports it from here)
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import as_dtype, build_model, cast_model, fill_seeded, init_weights, load_hf_weights
@@ -18,7 +19,10 @@ log = logging.getLogger("moetune")
 
 
 def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
-    mcfg = model_config_for(cfg)
+    try:
+        mcfg = model_config_for(cfg)
+    except ValueError as e:  # an architecture we cannot build (ModelConfig.validate names the field)
+        raise ConfigError(f"model.config / model.path: {e}") from None
     compute_dtype = as_dtype(cfg.model.dtype)
     full = cfg.finetune.mode == "full"
     model = build_model(mcfg, "meta")
@@ -28,7 +32,13 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
         for name, p in model.named_parameters():
             p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
     else:
-        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+        try:
+            apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+        except ValueError as e:  # a target that matches no module of this model
+            raise ConfigError(str(e)) from None
+    for moe in model.moe_layers():  # what the MoE layers compute beyond their output, for the loss and the metrics
+        moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
+        moe.track_router_entropy = cfg.logging.expert_stats_every > 0
     model.attn_implementation = cfg.model.attn_implementation
     if dist.ep > 1:
         apply_ep(model, dist.mesh["ep"])
