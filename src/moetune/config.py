@@ -50,7 +50,9 @@ class RunConfig(_Section):
         return v
 
 
-class ModelConfig(_Section):
+class ModelSection(_Section):
+    """The `model:` section (the architecture itself is moetune.model.config.ModelConfig)."""
+
     path: Optional[str] = None  # HF checkpoint directory
     config: Union[str, dict[str, Any], None] = None  # config.json path, inline dict or builtin name
     num_hidden_layers: Optional[int] = Field(None, ge=1)  # truncate for proxies (AIR-8)
@@ -215,7 +217,7 @@ class ParallelConfig(_Section):
 
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelSection = Field(default_factory=ModelSection)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)

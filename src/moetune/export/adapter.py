@@ -15,6 +15,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from moetune.errors import ExportError  # noqa: F401  (re-exported)
@@ -120,7 +121,7 @@ def _write_adapter(out_dir: str, state: dict, config: dict) -> None:
         save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error
         raise ExportError(f"could not write the export: {e}") from None
 
 

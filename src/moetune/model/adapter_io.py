@@ -47,7 +47,7 @@ def save_adapter(state: dict[str, torch.Tensor], out_dir: str, lora_cfg: dict, b
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=2)
         os.replace(tmp, os.path.join(out_dir, "adapter_config.json"))
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error
         raise OutputError(f"could not write the adapter to {out_dir}: {e}") from None
 
 

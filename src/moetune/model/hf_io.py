@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,8 @@ from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
 from moetune.names import FUSED_EXPERT_RE, layer_index
 from moetune.tensors import local_index, local_tensor
+
+log = logging.getLogger("moetune")
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -177,6 +181,23 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     return torch.stack(parts, 0)
 
 
+class _Progress:
+    """A log line each tenth of the bytes this process loads: loading a large checkpoint takes minutes."""
+
+    def __init__(self, path: str, total: int):
+        self.path, self.total, self.done, self.next = path, max(total, 1), 0, 0.1
+        self.t0 = time.perf_counter()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        frac = self.done / self.total
+        if frac + 1e-9 >= self.next:
+            log.info("loading weights from %s: %d%% (%.2f of %.2f GB, %.0f s)", self.path, int(frac * 100 + 1e-6),
+                     self.done / 1e9, self.total / 1e9, time.perf_counter() - self.t0)
+            while self.next <= frac + 1e-9:
+                self.next += 0.1
+
+
 def _ignored(key: str, cfg: ModelConfig) -> bool:
     """MTP layers (model.layers.{num_hidden_layers}.*) and layers past a proxy's truncation are not ours."""
     layer = layer_index(key)
@@ -188,12 +209,13 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -
     """Fill the base weights of `model` (plain or sharded, already materialised) from an HF checkpoint dir."""
     reader = _Reader(path)
     consumed: set[str] = set()
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".lora" in name:
-            continue
+    tensors = [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers()) if ".lora" not in n]
+    progress = _Progress(path, sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in tensors))
+    for name, p in tensors:
         idx, shape = local_index(p)  # LoRALinear keeps its base layer's names: nothing to rename
         t = _read_param(reader, name, idx, shape, consumed)
         local_tensor(p).copy_(t.to(local_tensor(p).dtype))
+        progress.add(local_tensor(p).numel() * local_tensor(p).element_size())
     if strict:
         unexpected = [k for k in reader.tensors if k not in consumed and not _ignored(k, model.config)]
         if unexpected:
