@@ -80,12 +80,12 @@ def test_sigterm_after_the_last_step_completes_the_run(tmp_path):
     script = tmp_path / "late_signal.py"
     script.write_text(
         "import os, signal, sys\n"
-        "from moetune.train import loop\n"
-        "real = loop.gather_lora_state\n"
-        "def late(model):\n"
+        "import safetensors.torch as st\n"  # the adapter is the last thing written (checkpoints are DCP)
+        "real = st.save_file\n"
+        "def late(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return real(model)\n"
-        "loop.gather_lora_state = late\n"
+        "    return real(*a, **k)\n"
+        "st.save_file = late\n"
         "from moetune.cli import main\n"
         "if __name__ == '__main__':\n"
         "    sys.exit(main(sys.argv[1:]))\n")
