@@ -19,21 +19,9 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       model_validator)
 
 from moetune.errors import ConfigError  # noqa: F401  (re-exported)
-
-
-
+from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                "dense_mlp", "shared_experts", "experts")
-_MLP_TARGETS = ("dense_mlp", "shared_experts", "experts")
-LORA_ALIASES = {
-    "attention": LORA_TARGETS[:4],
-    "all": LORA_TARGETS[:4] + _MLP_TARGETS,
-    # GLM-4.7-Flash / GLM-5: every MLA projection (q_proj or q_a_proj/q_b_proj, whichever the model has)
-    "mla_attention": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-    "mla_all": ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj") + _MLP_TARGETS,
-}
 
 
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:
@@ -44,7 +32,8 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 class _Section(BaseModel):
     # extra="forbid": a misspelt key must fail, not fall back to a default unnoticed.
     # coerce_numbers_to_str: YAML reads `--run.name 7` as an int; it is still a fine name.
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    # allow_inf_nan=False: `.inf` and `.nan` parse as YAML floats; no setting of ours means anything with them.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -52,8 +41,18 @@ class RunConfig(_Section):
     output_dir: str = "runs"  # the run directory is output_dir/name
     seed: int = 0
 
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, v):
+        # the run directory must stay inside output_dir: no separators, no "." / "..", not absolute
+        if v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError(f"must be one folder name inside run.output_dir (no '/', '..' or absolute path), got {v!r}")
+        return v
 
-class ModelConfig(_Section):
+
+class ModelSection(_Section):
+    """The `model:` section (the architecture itself is moetune.model.config.ModelConfig)."""
+
     path: Optional[str] = None  # HF checkpoint directory
     config: Union[str, dict[str, Any], None] = None  # config.json path, inline dict or builtin name
     num_hidden_layers: Optional[int] = Field(None, ge=1)  # truncate for proxies (AIR-8)
@@ -222,7 +221,7 @@ class ParallelConfig(_Section):
 
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelSection = Field(default_factory=ModelSection)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -462,10 +461,15 @@ def config_to_yaml(cfg: Config) -> str:
 def config_hash(cfg: Config, sections: Sequence[str] = ("model", "lora", "finetune")) -> str:
     """16-hex-digit digest of what must not change across a resume (by default the model and
     what is trained). The lora section is ignored in full mode, where it has no effect."""
-    dump = cfg.model_dump(mode="json")
+    return dump_hash(cfg.model_dump(mode="json"), sections)
+
+
+def dump_hash(dump: dict, sections: Sequence[str] = ("model", "lora", "finetune")) -> str:
+    """config_hash of a config as dumped (a run's config.yaml, loaded as plain YAML)."""
     unknown = [s for s in sections if s not in dump]
     if unknown:
         raise ConfigError(f"config_hash: unknown section(s) {unknown}")
-    picked = {s: dump[s] for s in sections if not (s == "lora" and cfg.finetune.mode == "full")}
+    full = (dump.get("finetune") or {}).get("mode") == "full"
+    picked = {s: dump[s] for s in sections if not (s == "lora" and full)}
     blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

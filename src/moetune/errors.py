@@ -32,7 +32,16 @@ class CheckpointWriteError(CheckpointError):
 
 
 class NumericalFault(MoetuneError):
-    """checkpoint.max_bad_steps consecutive steps had a non-finite loss, gradient norm or update."""
+    """checkpoint.max_bad_steps consecutive steps had a non-finite loss, gradient norm or update, or a write would
+    have stored a non-finite trainable value."""
+
+
+class OutputError(MoetuneError):
+    """Writing one of the run's outputs (metrics, tracker files, adapter, export) failed: disk full, permissions."""
+
+
+class RunDirInUse(ConfigError):
+    """Another trainer holds the run directory's lock."""
 
 
 class ExportError(MoetuneError):

@@ -123,7 +123,7 @@ def test_lora_attention_and_experts_ep2_equals_one_process(tmp_path):
 
 
 def test_full_finetune_ep2_equals_one_process(tmp_path):
-    from moetune.train.checkpoint_files import load_model_state
+    from moetune.run_dir import load_model_state
 
     # router trained too (its gradient comes back through the all-to-all), and activation checkpointing
     # (the backward recomputes each layer, all-to-alls included)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import eval_losses, read_metrics, run_inprocess, run_torchrun, small_run_args, step_losses
-from moetune.train.checkpoint_files import load_model_state
+from moetune.run_dir import load_model_state
 
 N = 6
 EXACT = {"train.steps": N, "checkpoint.every": N // 2, "eval.every": 2, "train.grad_accum": 2}
@@ -83,7 +83,9 @@ def test_full_finetune_two_processes_exact_async_and_resharded_to_one(tmp_path):
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in weights)  # everything, not only a few tensors
     _assert_identical(weights, _final_weights(resumed))
     saves = [r for r in read_metrics(straight) if "checkpoint_bytes" in r]
-    assert [r["step"] for r in saves] == [3, 6] and all(r["checkpoint_blocking_s"] >= 0 for r in saves)
+    assert [r["step"] for r in saves] == [3, 6]
+    # async: training waits only for the staging copy, a part of the whole save (which also writes and renames)
+    assert all(0 < r["checkpoint_blocking_s"] <= r["checkpoint_s"] for r in saves), saves
     one = run_inprocess(small_run_args(tmp_path, "one", **full, **{
         "train.micro_batch_size": 2, "resume": str(straight / "checkpoints" / "step_000003")}))
     _assert_close_tail(straight, one)

@@ -1,7 +1,8 @@
 """Interruptions: SIGKILL in the middle of a save, and SIGTERM to one of two ranks (with resharding 1→2→1).
 
-Both use the MOETUNE_TEST_PAUSE_BEFORE_RENAME hook: rank 0 sleeps after a checkpoint's files are written
-and before it is renamed to its final name, so the test acts at a known point of a save."""
+Both start the run with pause_hook/ first on PYTHONPATH: its sitecustomize.py makes rank 0 sleep after a
+checkpoint's files are written and before it is renamed to its final name, so the test acts at a known point
+of a save."""
 
 import os
 import signal
@@ -15,12 +16,16 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import free_port, read_metrics, run_inprocess, small_run_args, step_losses
-from moetune.train.checkpoint import PAUSE_ENV
-from moetune.train.checkpoint_files import complete_checkpoints, load_model_state
+from moetune.run_dir import complete_checkpoints, load_model_state
+
+PAUSE_HOOK = os.path.join(os.path.dirname(__file__), "pause_hook")
 
 
 def _start(args, nproc=None, pause=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{PAUSE_ENV: pause} if pause else {})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if pause:
+        env["MOETUNE_TEST_PAUSE"] = pause
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PAUSE_HOOK, env.get("PYTHONPATH")) if p)
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     launcher = [sys.executable]

@@ -33,7 +33,8 @@ def _config():
 
 def _trainer_model(dist, full: bool, ep: int):
     from moetune import parallel
-    from moetune.model.hf_io import _local, _local_index, _param_seed, build_model, cast_model, init_weights
+    from moetune.model.hf_io import _param_seed, build_model, cast_model, init_weights
+    from moetune.tensors import local_index, local_tensor
     from moetune.model.lora import apply_lora
 
     model = build_model(_config(), "meta")
@@ -48,9 +49,9 @@ def _trainer_model(dist, full: bool, ep: int):
         init_weights(model, seed=0)
         for name, p in model.named_parameters():  # LoRA B nonzero, drawn whole and sliced: sharding-independent
             if ".lora" in name:
-                idx, shape = _local_index(p)
+                idx, shape = local_index(p)
                 g = torch.Generator().manual_seed(_param_seed(1, name))
-                _local(p).copy_((torch.randn(shape, generator=g) * 0.1)[idx])
+                local_tensor(p).copy_((torch.randn(shape, generator=g) * 0.1)[idx])
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     g = torch.Generator().manual_seed(2)
 
@@ -203,11 +204,6 @@ def test_fsdp_trainer_to_receiver(tmp_path):
 def test_fsdp_and_ep_trainer_to_receiver(tmp_path):
     """4 trainer ranks, dp_shard 2 × ep 2: each rank holds part of one ep rank's experts (3 of 6, split 2 + 1
     by FSDP), the rest of the model FSDP-sharded over all 4."""
-    from moetune import parallel
-
-    if not hasattr(parallel, "apply_ep"):
-        pytest.skip("parallel.apply_ep does not exist yet (expert parallelism is being added); the sender's gathers "
-                    "read DTensor placements generically, so EP-sharded experts need no change here")
     trainer, receiver = _run(tmp_path, trainers=4, ep=2)
     assert trainer["local_experts"] == 2, trainer["placements"]
     _check(trainer, receiver)

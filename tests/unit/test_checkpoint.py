@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 from helpers import read_metrics, run_inprocess, small_run_args, step_losses
 from moetune.config import load_config
 from moetune.model.hf_io import CheckpointError
-from moetune.train import checkpoint as ckpt_mod
+from moetune.errors import CheckpointWriteError, NumericalFault
+from moetune.run_dir import complete_checkpoints, load_model_state
 from moetune.train import loop
-from moetune.train.checkpoint import CheckpointWriteError, NumericalFault
-from moetune.train.checkpoint_files import complete_checkpoints, load_model_state, resolve_resume
+from moetune.train import signals as signals_mod
+from moetune.train.checkpoint_files import resolve_resume
 
 CONSTANT = {"optim.scheduler": "constant"}  # the lr does not depend on train.steps: runs of different length agree
 
@@ -92,6 +93,8 @@ def test_failed_write_stops_the_run_and_the_previous_checkpoint_resumes(tmp_path
 
 
 def test_consecutive_non_finite_steps_stop_with_the_last_good_weights_saved(tmp_path, monkeypatch):
+    """A bad step also undoes the update before it (whose weights gave the non-finite values): the saved weights
+    are those of step 1, the last ones a finite forward pass confirmed."""
     real, calls = loop.clip_grad_norm, []
 
     def nan_from_step_3(params, max_norm):
@@ -101,12 +104,12 @@ def test_consecutive_non_finite_steps_stop_with_the_last_good_weights_saved(tmp_
 
     monkeypatch.setattr(loop, "clip_grad_norm", nan_from_step_3)
     kw = {"train.steps": 10, "checkpoint.max_bad_steps": 3, **CONSTANT}
-    fault = r"3 consecutive steps \(3-5\).*weights of step 2 are saved in .*step_000005"
+    fault = r"3 bad steps .*up to step 5.*those of step 1, whose forward pass was finite.*step_000005"
     with pytest.raises(NumericalFault, match=fault):
         run_inprocess(small_run_args(tmp_path, "nan", **kw))
     monkeypatch.setattr(loop, "clip_grad_norm", real)
-    good = run_inprocess(small_run_args(tmp_path, "good", **{**kw, "train.steps": 2}))
-    a, b = load_model_state(_ckpt(tmp_path / "runs" / "nan", 5)), load_model_state(_ckpt(good, 2))
+    good = run_inprocess(small_run_args(tmp_path, "good", **{**kw, "train.steps": 1}))
+    a, b = load_model_state(_ckpt(tmp_path / "runs" / "nan", 5)), load_model_state(_ckpt(good, 1))
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
@@ -122,7 +125,7 @@ def test_a_signal_stops_at_the_step_boundary_and_a_second_one_exits_at_once(tmp_
         return real(params, max_norm)
 
     monkeypatch.setattr(loop, "clip_grad_norm", signal_twice_in_step_2)
-    monkeypatch.setattr(ckpt_mod.os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setattr(signals_mod.os, "kill", lambda pid, sig: killed.append(sig))
     before = signal.getsignal(signal.SIGUSR1)
     cfg = load_config(None, small_run_args(tmp_path, "s", **{"train.steps": 6}))
     state = loop.train(cfg)
@@ -152,10 +155,17 @@ def test_resume_paths_and_debris(tmp_path):
         resolve_resume(str(tmp_path / "nowhere"), tmp_path / "run")
 
 
-def test_starting_over_sets_earlier_checkpoints_aside(tmp_path):
-    """resume: none in a directory with checkpoints keeps them, but where auto-resume will not take them."""
+def test_starting_over_moves_the_whole_earlier_run_aside(tmp_path):
+    """A run name used again without resuming: the earlier run (checkpoints, metrics, adapter, config) is moved,
+    whole, to RUN.earlier-<time>/ where auto-resume will not take it; nothing of it is overwritten (issue 12.5)."""
     run = run_inprocess(small_run_args(tmp_path, "again", **{"train.steps": 3}))
+    first_metrics = (run / "metrics.jsonl").read_text()
+    first_adapter = (run / "adapter" / "adapter_model.safetensors").read_bytes()
     run_inprocess(small_run_args(tmp_path, "again", **{"train.steps": 2}))
     assert [s for s, _ in complete_checkpoints(run / "checkpoints")] == [2]
-    (earlier,) = [p for p in run.iterdir() if p.name.startswith("checkpoints.earlier-")]
-    assert [s for s, _ in complete_checkpoints(earlier)] == [3]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+    (earlier,) = [p for p in run.parent.iterdir() if p.name.startswith("again.earlier-")]
+    assert [s for s, _ in complete_checkpoints(earlier / "checkpoints")] == [3]
+    assert (earlier / "metrics.jsonl").read_text() == first_metrics
+    assert (earlier / "adapter" / "adapter_model.safetensors").read_bytes() == first_adapter
+    assert (earlier / "config.yaml").is_file() and not (earlier / ".lock").exists()

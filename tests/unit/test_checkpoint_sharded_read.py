@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from moetune.model import hf_io
+from moetune.tensors import local_index, local_tensor
 from moetune.model.config import ModelConfig
 from moetune.parallel import apply_fsdp
 
@@ -47,7 +48,7 @@ model.to_empty(device="cpu")
 # warm up first-use imports and caches on one small tensor, so that the measure is about the data
 norm, reader = model.model.norm.weight, hf_io._Reader(path)
 with torch.no_grad():
-    hf_io._local(norm).copy_(reader.read("model.norm.weight", hf_io._local_index(norm)[0]))
+    local_tensor(norm).copy_(reader.read("model.norm.weight", local_index(norm)[0]))
 del reader
 # Drop the files from the page cache, so that the file pages the reads map are faulted in at the size they ask
 # for (file pages mapped count in RSS), whatever the writer left behind.
@@ -68,7 +69,7 @@ with open("/proc/self/clear_refs", "w") as f:
 before = status()
 hf_io.load_hf_weights(model, path)  # strict: every rank checks all experts' presence from the index
 peak = status()["VmHWM"] - before["VmRSS"]
-shard = sum(hf_io._local(t).numel() * hf_io._local(t).element_size() for t in model.state_dict().values())
+shard = sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in model.state_dict().values())
 print(json.dumps({"shard": shard, "peak_rss_growth": peak, "file_pages": max(file_pages) - before["RssFile"]}))
 """
 

@@ -10,8 +10,8 @@ from moetune.cli import main as cli_main
 from moetune.config import load_config
 from moetune.export import ExportError, export_merged_from_checkpoint
 from moetune.model.hf_io import build_model, cast_model
-from moetune.train.checkpoint_files import latest_checkpoint, load_model_state
-from moetune.train.setup import model_config_for
+from moetune.run_dir import latest_checkpoint, load_model_state
+from moetune.model.config import model_config_for
 from helpers import run_inprocess, small_run_args
 
 

@@ -116,4 +116,12 @@ def test_mtp_layer_is_ignored(tmp_path):
     n = ref.config.num_hidden_layers
     _rewrite(path, lambda sd: sd.update({f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4),
                                          f"model.layers.{n}.self_attn.q_proj.weight": torch.zeros(4, 4)}))
-    moetune.load_model(path)
+    ours = moetune.load_model(path)  # strict: any other unexpected tensor would raise (see the test above)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(ours(ids), ref(input_ids=ids).logits) < 1e-5  # the MTP layer's tensors took no part
+    assert len(ours.model.layers) == n
+    # and a tensor of a real layer that the model lacks is still refused: the MTP exception is that layer only
+    _rewrite(path, lambda sd: sd.update({f"model.layers.{n - 1}.eh_proj.weight": torch.zeros(4, 4)}))
+    with pytest.raises(CheckpointError, match=rf"unexpected tensor model\.layers\.{n - 1}\.eh_proj\.weight"):
+        moetune.load_model(path)

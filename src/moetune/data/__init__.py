@@ -14,11 +14,13 @@ import logging
 import os
 from pathlib import Path
 
+from moetune.names import IGNORE_INDEX
+
 from .cache import cached_documents, default_cache_dir, iter_source_records
 from .chat import tokenize_record
 from .formats import DataError, read_records
 from .loader import PackedLoader, eval_batches
-from .packing import IGNORE_INDEX, pack_documents
+from .packing import pack_documents
 
 DEMO_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 
@@ -31,7 +33,7 @@ def build_packs(
     "skipped_malformed", and "cache" ("hit", "miss" or "off"). ``cache_dir`` None tokenises in memory, every time."""
     docs, skipped, cache = tokenized_documents(path, tokenizer, train_on=train_on, skip_malformed=skip_malformed,
                                                train_reasoning=train_reasoning, train_empty_think=train_empty_think,
-                                               cache_dir=cache_dir, dist=dist)
+                                               cache_dir=cache_dir, dist=dist, max_tokens=seq_len)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError("the tokenizer has neither a pad nor an eos token to pad packs with")
@@ -47,15 +49,21 @@ def build_packs(
 
 def tokenized_documents(path: str, tokenizer, *, train_on: str = "assistant", skip_malformed: bool = False,
                         train_reasoning: bool = True, train_empty_think: bool = False, cache_dir: str | None = None,
-                        dist=None) -> tuple[list[tuple[list[int], list[bool]]], int, str]:
-    """(documents as (ids, trained mask), malformed records skipped, cache "hit" | "miss" | "off")."""
+                        dist=None, max_tokens: int | None = None) -> tuple[list[tuple[list[int], list[bool]]], int, str]:
+    """(documents as (ids, trained mask), malformed records skipped, cache "hit" | "miss" | "off"). A record whose
+    text is too long to fit in ``max_tokens`` tokens whatever the tokenizer does is not tokenised at all (a huge line
+    would cost minutes): it stands in as one document of max_tokens + 1 tokens, which packing drops as too long."""
     options = dict(train_on=train_on, train_reasoning=train_reasoning, train_empty_think=train_empty_think)
+    max_chars = None if max_tokens is None else max_tokens * _max_chars_per_token(tokenizer)
 
     def tokenize(record):
+        if max_chars is not None and _record_chars(record) > max_chars:
+            return [0] * (max_tokens + 1), [False] * (max_tokens + 1)
         return tokenize_record(record, tokenizer, **options)
 
     if cache_dir is not None:
-        return cached_documents(path, tokenizer, tokenize, dict(options, skip_malformed=skip_malformed), cache_dir, dist)
+        key_options = dict(options, skip_malformed=skip_malformed, **({"max_chars": max_chars} if max_chars else {}))
+        return cached_documents(path, tokenizer, tokenize, key_options, cache_dir, dist)
     docs, skipped = [], 0
     for where, record in iter_source_records(path, skip_malformed):
         if record is None:
@@ -68,6 +76,22 @@ def tokenized_documents(path: str, tokenizer, *, train_on: str = "assistant", sk
                 raise DataError(f"{where}: {e}") from None
             skipped += 1
     return docs, skipped, "off"
+
+
+def _max_chars_per_token(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: its vocabulary string is at least as long as what it
+    decodes to (byte-level and SentencePiece vocabularies), doubled for safety."""
+    return 2 * max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def _record_chars(record: dict) -> int:
+    if isinstance(record.get("text"), str):
+        return len(record["text"])
+    total = 0
+    for m in record.get("messages") or []:
+        if isinstance(m, dict):
+            total += sum(len(m[k]) for k in ("content", "reasoning_content") if isinstance(m.get(k), str))
+    return total
 
 
 def data_options(data_cfg) -> dict:

@@ -16,8 +16,6 @@ from moetune.errors import DataError  # noqa: F401  (re-exported)
 ROLES = ("system", "user", "assistant", "tool")
 
 
-
-
 def read_records(path: str, skip_malformed: bool = False) -> tuple[list[dict], int]:
     """All valid records of a JSONL file, and how many malformed lines were skipped (always 0 unless skip_malformed)."""
     records, skipped = [], 0
@@ -60,6 +58,8 @@ def _parse_line(raw: bytes, first: bool) -> dict | None:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # json recurses per nesting level
+        raise DataError("JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise DataError(f"expected a JSON object, got {type(obj).__name__}")
     validate_record(obj)

@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from .packing import IGNORE_INDEX
+from moetune.names import IGNORE_INDEX
 
 FIELDS = ("input_ids", "labels", "position_ids")
 

@@ -8,9 +8,9 @@ block-diagonal attention from exactly that. Labels are already shifted (``labels
 
 from __future__ import annotations
 
-from .formats import DataError
+from moetune.names import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+from .formats import DataError
 
 
 def pack_documents(

@@ -14,7 +14,7 @@ import sys
 from moetune.export.adapter import ExportError, convert_adapter, export_adapter, resolve_adapter_dir
 from moetune.export.merged import export_merged
 from moetune.export.merged_sources import export_merged_from_checkpoint, export_merged_from_model, full_checkpoint
-from moetune.model.hf_io import CheckpointError
+from moetune.errors import MoetuneError
 
 __all__ = ["ExportError", "convert_adapter", "export_adapter", "export_merged", "export_merged_from_checkpoint",
            "export_merged_from_model", "resolve_adapter_dir", "cli_export"]
@@ -38,7 +38,7 @@ def cli_export(a) -> int:
             if not base:
                 raise ExportError("the adapter names no base model: pass --base")
             report = export_merged(base, adapter, a.out, dtype=a.dtype, verify=a.verify)
-    except (ExportError, CheckpointError, FileNotFoundError) as e:
+    except MoetuneError as e:
         print(f"moetune: error: {e}", file=sys.stderr)
         return 1
     print(f"exported {a.what} to {report['out_dir']}" + (f" ({a.format})" if a.what == "adapter" else ""))

@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
-from moetune.model.adapter_io import ADAPTER_FORMAT, read_adapter_config
 from moetune.errors import ExportError  # noqa: F401  (re-exported)
+from moetune.export.verify import verify_peft_adapter, verify_vllm_adapter
+from moetune.model.adapter_io import ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter
+from moetune.model.config import ModelConfig
+from moetune.run_dir import latest_checkpoint, load_model_state
 
 FORMATS = ("peft", "vllm")
-
-
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "README.md")
 
 
 def resolve_adapter_dir(path: str) -> str:
     """A moetune adapter dir from what a user may pass: the adapter dir itself, a run dir holding `adapter/`,
     a training checkpoint (DCP, `checkpoints/step_XXXXXX`), or a run dir with checkpoints but no adapter yet
     (a run still going or stopped early: its newest complete checkpoint)."""
-    from moetune.train.checkpoint_files import latest_checkpoint
-
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, ".metadata")):
         return adapter_from_checkpoint(path)
@@ -38,8 +42,11 @@ def resolve_adapter_dir(path: str) -> str:
     for cand in (path, os.path.join(path, "adapter")):
         cfg = os.path.join(cand, "adapter_config.json")
         if os.path.isfile(cfg):
-            with open(cfg) as f:
-                fmt = json.load(f).get("format")
+            try:
+                with open(cfg) as f:
+                    fmt = json.load(f).get("format")
+            except (OSError, ValueError, AttributeError) as e:
+                raise ExportError(f"{cfg}: cannot read it ({e})") from None
             if fmt == ADAPTER_FORMAT:
                 return cand
             if cand == path:
@@ -51,11 +58,7 @@ def resolve_adapter_dir(path: str) -> str:
 def adapter_from_checkpoint(ckpt: str) -> str:
     """Write the LoRA tensors of a DCP training checkpoint as a native adapter (in a temporary directory), with
     the LoRA settings of the config.yaml saved beside them, and return that directory."""
-    import tempfile
-
     from moetune.config import load_config
-    from moetune.model.adapter_io import save_adapter
-    from moetune.train.checkpoint_files import load_model_state
 
     if not os.path.isfile(os.path.join(ckpt, "config.yaml")):
         raise ExportError(f"{ckpt}: a DCP directory without config.yaml is not a complete moetune checkpoint")
@@ -70,20 +73,56 @@ def adapter_from_checkpoint(ckpt: str) -> str:
     return out
 
 
-def read_native_adapter(adapter_dir: str) -> tuple[dict, dict]:
-    """(our LoRA tensors in fp32, adapter meta) of a moetune adapter dir."""
-    meta = read_adapter_config(adapter_dir)
-    state = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-    return state, meta
+def _base_config(base: str | None):
+    """The base's ModelConfig when its config.json is on this machine (the adapter is then checked against it)."""
+    if base and os.path.isfile(os.path.join(base, "config.json")):
+        try:
+            return ModelConfig.from_json(base)
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{base}: cannot read the base model's config.json ({e})") from None
+    return None
+
+
+@contextmanager
+def staged_output(out_dir: str, allowed: tuple[str, ...]):
+    """Yield a temporary sibling directory of `out_dir` to write into; on success it replaces `out_dir` in one
+    rename, on any failure it is removed and `out_dir` is untouched. An existing `out_dir` is replaced only when
+    it holds nothing but files named in `allowed` (an earlier export of the same kind): never a user's folder."""
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise ExportError(f"--out {out}: exists and is not a directory")
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
+        if foreign:
+            raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}); "
+                              "choose an empty or new directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write there ({e})") from None
+    try:
+        yield str(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; an export is meant to be shared
+        if out.exists():
+            trash = out.with_name(f".{out.name}.trash-{os.getpid()}")
+            os.replace(out, trash)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_adapter(out_dir: str, state: dict, config: dict) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, ".adapter_model.safetensors.tmp")
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "adapter_model.safetensors"))
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    try:
+        save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error
+        raise ExportError(f"could not write the export: {e}") from None
 
 
 def convert_adapter(state: dict, meta: dict, format: str = "peft", base_model: str | None = None) -> tuple[dict, dict]:
@@ -111,22 +150,22 @@ def export_adapter(adapter_dir_or_checkpoint: str, out_dir: str, format: str = "
     if format not in FORMATS:
         raise ExportError(f"unknown adapter format {format!r}; choose from {list(FORMATS)}")
     src = resolve_adapter_dir(adapter_dir_or_checkpoint)
-    state, meta = read_native_adapter(src)
+    meta = read_adapter_config(src)
+    base = base_model_path or meta.get("base_model")
+    if verify and not base:
+        raise ExportError("verify needs the base model: pass base_model_path (the adapter names none)")
+    state, meta = read_adapter(src, _base_config(base))  # shapes, ranks, finiteness: before anything is written
     if meta.get("dropout"):
         # Both targets apply no dropout at inference; PEFT's expert wrapper even refuses a nonzero value.
         meta = dict(meta, dropout=0.0)
-    base = base_model_path or meta.get("base_model")
     try:
         tensors, config = convert_adapter(state, meta, format, base)
     except ValueError as e:
         raise ExportError(f"{src}: cannot export as {format}: {e}") from None
-    _write_adapter(out_dir, tensors, config)
     report = {"out_dir": os.fspath(out_dir), "format": format, "tensors": len(tensors), "verify": None}
-    if verify:
-        if not base:
-            raise ExportError("verify needs the base model: pass base_model_path (the adapter names none)")
-        from moetune.export import verify as v
-
-        fn = v.verify_peft_adapter if format == "peft" else v.verify_vllm_adapter
-        report["verify"] = fn(src, out_dir, base)
+    with staged_output(out_dir, allowed=ADAPTER_FILES) as tmp:
+        _write_adapter(tmp, tensors, config)
+        if verify:
+            fn = verify_peft_adapter if format == "peft" else verify_vllm_adapter
+            report["verify"] = fn(src, tmp, base)  # a failed verify raises: the export is not kept
     return report

@@ -22,14 +22,13 @@ import torch
 
 from moetune.export.adapter import ExportError, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
-from moetune.model.adapter_io import read_adapter_config
+from moetune.model.adapter_io import read_adapter
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
+from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
 
 COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
                 "merges.txt", "chat_template*", "*.tiktoken", "preprocessor_config.json")
-_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _KEEP_DTYPE = ("e_score_correction_bias",)
 
 
@@ -184,7 +183,7 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
     `base_path` and write the result to `out_dir`. Returns {"out_dir", "shards", "tensors", "bytes", "verify"}."""
     base_path, out_dir = os.fspath(base_path), os.fspath(out_dir)
     adapter_dir = resolve_adapter_dir(adapter_dir)
-    meta = read_adapter_config(adapter_dir)
+    _, meta = read_adapter(adapter_dir)  # finite, paired, of its rank: before anything is written
     torch_dtype = as_dtype(dtype)
     if torch_dtype is None or not torch_dtype.is_floating_point:
         raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")

@@ -13,18 +13,19 @@ freed before the next one. Peak host memory is about one layer, whatever the mod
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from pathlib import Path
 
 import torch
 
 from moetune.export.adapter import ExportError
-from moetune.export.merged import _FUSED_RE, _KEEP_DTYPE, _copy_side_files, _order_key, lora_delta, write_config_dict
+from moetune.export.merged import _KEEP_DTYPE, _copy_side_files, _order_key, lora_delta, write_config_dict
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.hf_io import as_dtype
+from moetune.model.config import model_config_for
+from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, LAYER_RE as _LAYER_RE
+from moetune.run_dir import latest_checkpoint, verify_checkpoint
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _unit_key(name: str) -> tuple[int, int]:
@@ -114,8 +115,6 @@ def full_checkpoint(path: str) -> str | None:
     (a LoRA run, an adapter dir, ...: those merge from base + adapter)."""
     import yaml
 
-    from moetune.train.checkpoint_files import latest_checkpoint
-
     path = os.fspath(path)
     ckpt = path if os.path.isfile(os.path.join(path, ".metadata")) else None
     if ckpt is None and os.path.isdir(os.path.join(path, "checkpoints")):
@@ -148,8 +147,6 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from moetune.config import load_config
-    from moetune.train.checkpoint_files import verify_checkpoint
-    from moetune.train.setup import model_config_for
 
     out_dir = os.fspath(out_dir)
     ckpt = full_checkpoint(checkpoint)

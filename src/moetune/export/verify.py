@@ -11,7 +11,8 @@ import warnings
 import torch
 
 import moetune
-from moetune.export.adapter import ExportError
+from moetune.errors import ExportError
+from moetune.model.adapter_io import read_adapter
 from moetune.model.hf_io import as_dtype
 
 
@@ -32,7 +33,7 @@ def _hf(path: str):
 
 
 def _check(errors: dict, tol: float, what: str) -> dict:
-    bad = {k: v for k, v in errors.items() if v > tol}
+    bad = {k: v for k, v in errors.items() if not v <= tol}  # NaN is never within tolerance
     if bad:
         raise ExportError(f"verify {what}: logits differ beyond {tol:g} (relative): {bad}")
     return errors
@@ -63,10 +64,9 @@ def verify_vllm_adapter(native_dir: str, vllm_dir: str, base_path: str, tol: flo
     logits PEFT gets from it equal moetune's."""
     from safetensors.torch import load_file
 
-    from moetune.export.adapter import read_native_adapter
     from moetune.export.vllm_layout import from_vllm_state_dict
 
-    native, meta = read_native_adapter(native_dir)
+    native, meta = read_adapter(native_dir)
     back = from_vllm_state_dict(load_file(os.path.join(vllm_dir, "adapter_model.safetensors")))
     if set(back) != set(native) or any(not torch.equal(back[k], native[k]) for k in native):
         diff = sorted(set(back) ^ set(native))[:3] or [k for k in native if not torch.equal(back[k], native[k])][:3]

@@ -308,3 +308,8 @@ def resolve_model_config(path: str | None, config: str | dict | None, num_hidden
                 setattr(cfg, key, getattr(cfg, key)[:num_hidden_layers])
         cfg.validate()
     return cfg
+
+
+def model_config_for(cfg) -> ModelConfig:
+    """The architecture a run's config (moetune.config.Config) describes."""
+    return resolve_model_config(cfg.model.path, cfg.model.effective_config, cfg.model.num_hidden_layers)

@@ -16,12 +16,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moetune.model.attention import AttnMeta, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
 from moetune.model.moe import experts_forward, permute, unpermute
+from moetune.model.recompute import recompute
 
 
 class RMSNorm(nn.Module):
@@ -186,11 +186,8 @@ class MoE(nn.Module):
             self.last_router_entropy = router_entropy(scores.detach())
         return routed.view(shape) + shared
 
-    def _shared(self, x, recompute):
-        if recompute == "none":
-            return self.shared_experts(x)
-        kw = {"context_fn": selective_checkpoint_context} if recompute == "selective" else {}
-        return checkpoint(self.shared_experts, x, use_reentrant=False, **kw)
+    def _shared(self, x, mode):
+        return recompute(self.shared_experts, mode, x)
 
 
 def router_entropy(scores):
@@ -225,38 +222,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attn):
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        if mode == "none":
-            return self._forward(x, cos, sin, attn)
-        kw = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
-        if isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
+        if mode != "none" and isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
             # Expert parallelism: recomputing the whole layer would repeat the all-to-all. Recompute attention
             # and the local expert work; the routing and the rows the exchange delivered are kept.
-            x = x + checkpoint(self._attention, x, cos, sin, attn, use_reentrant=False, **kw)
+            x = x + recompute(self._attention, mode, x, cos, sin, attn)
             return x + self.mlp(self.post_attention_layernorm(x), recompute=mode)
         # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-        return checkpoint(self._forward, x, cos, sin, attn, use_reentrant=False, **kw)
-
-
-_SAVE_OPS = None
-
-
-def selective_checkpoint_context():
-    """Selective recompute: keep what the GEMMs and attention produced, recompute the cheap elementwise ops
-    (norms, RoPE, SwiGLU, casts, permutation gathers) in backward."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    global _SAVE_OPS
-    if _SAVE_OPS is None:
-        aten = torch.ops.aten
-        _SAVE_OPS = {aten.mm.default, aten.addmm.default, aten._grouped_mm.default,
-                     aten._scaled_dot_product_flash_attention.default,
-                     aten._scaled_dot_product_efficient_attention.default,
-                     aten._scaled_dot_product_cudnn_attention.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+        return recompute(self._forward, mode, x, cos, sin, attn)
 
 
 class Backbone(nn.Module):

@@ -13,23 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import re
+import time
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA, ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from moetune.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
+from moetune.names import FUSED_EXPERT_RE, layer_index
+from moetune.tensors import local_index, local_tensor
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
+log = logging.getLogger("moetune")
 
 
 # ---------------------------------------------------------------------------------------------- building
@@ -54,22 +54,6 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def _local_index(t: torch.Tensor) -> tuple[tuple[slice, ...], torch.Size]:
-    """(slices of the global tensor this rank holds, global shape), for plain tensors and DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return tuple(slice(o, o + s) for o, s in zip(offset, shape)), t.shape
-    return tuple(slice(0, s) for s in t.shape), t.shape
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 @torch.no_grad()
 def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) -> None:
     """Random init that does not depend on sharding: each parameter is drawn whole from its own seeded
@@ -77,8 +61,7 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if ".lora" in name:
             continue  # LoRA keeps its own init (B = 0)
-        local = _local(p)
-        idx, shape = _local_index(p)
+        local = local_tensor(p)
         if name.endswith("norm.weight"):
             local.fill_(1.0)
         elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
@@ -91,8 +74,8 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
 def fill_seeded(p: torch.Tensor, name: str, seed: int, draw) -> None:
     """Draw the whole tensor `name` from a generator seeded by (seed, name) on its device, keep this rank's
     slice: the same values at any world size or sharding. `draw(tensor, generator)` fills in place."""
-    local = _local(p)
-    idx, shape = _local_index(p)
+    local = local_tensor(p)
+    idx, shape = local_index(p)
     g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
     full = draw(torch.empty(shape, dtype=torch.float32, device=local.device), g)
     local.copy_(full[idx])
@@ -137,13 +120,21 @@ class _Reader:
 
     def _handle(self, fname):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(os.path.join(self.path, fname), framework="pt", device="cpu")
+            full = os.path.join(self.path, fname)
+            try:
+                self._handles[fname] = safe_open(full, framework="pt", device="cpu")
+            except (SafetensorError, OSError) as e:  # a truncated or corrupt header
+                raise CheckpointError(f"{full}: not a readable safetensors file ({e}); re-download or re-save it")
         return self._handles[fname]
 
     def read(self, key: str, idx: tuple[slice, ...]) -> torch.Tensor:
         s = self.tensors[key]
-        sl = self._handle(s.file).get_slice(key)
-        return sl[idx] if idx else sl[:]
+        try:
+            sl = self._handle(s.file).get_slice(key)
+            return sl[idx] if idx else sl[:]
+        except (SafetensorError, OSError, RuntimeError) as e:  # data cut short after an intact header
+            raise CheckpointError(f"{os.path.join(self.path, s.file)}: cannot read tensor {key} ({e}); the file "
+                                  "is damaged or truncated: re-download or re-save it") from None
 
 
 def _expected_shape_error(name, stored: _Stored, want):
@@ -159,7 +150,7 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
             raise _expected_shape_error(name, st, shape)
         consumed.add(name)
         return reader.read(name, idx)
-    m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    m = FUSED_EXPERT_RE.match(name)
     if not m:
         raise CheckpointError(f"tensor {name} is missing from the checkpoint at {reader.path}")
     prefix, which = m.groups()
@@ -196,10 +187,27 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     return torch.stack(parts, 0)
 
 
+class _Progress:
+    """A log line each tenth of the bytes this process loads: loading a large checkpoint takes minutes."""
+
+    def __init__(self, path: str, total: int):
+        self.path, self.total, self.done, self.next = path, max(total, 1), 0, 0.1
+        self.t0 = time.perf_counter()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        frac = self.done / self.total
+        if frac + 1e-9 >= self.next:
+            log.info("loading weights from %s: %d%% (%.2f of %.2f GB, %.0f s)", self.path, int(frac * 100 + 1e-6),
+                     self.done / 1e9, self.total / 1e9, time.perf_counter() - self.t0)
+            while self.next <= frac + 1e-9:
+                self.next += 0.1
+
+
 def _ignored(key: str, cfg: ModelConfig) -> bool:
     """MTP layers (model.layers.{num_hidden_layers}.*) and layers past a proxy's truncation are not ours."""
-    m = _LAYER_RE.match(key)
-    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers
+    layer = layer_index(key)
+    return layer is not None and layer >= cfg.num_hidden_layers
 
 
 @torch.no_grad()
@@ -207,12 +215,13 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -
     """Fill the base weights of `model` (plain or sharded, already materialised) from an HF checkpoint dir."""
     reader = _Reader(path)
     consumed: set[str] = set()
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".lora" in name:
-            continue
-        idx, shape = _local_index(p)  # LoRALinear keeps its base layer's names: nothing to rename
+    tensors = [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers()) if ".lora" not in n]
+    progress = _Progress(path, sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in tensors))
+    for name, p in tensors:
+        idx, shape = local_index(p)  # LoRALinear keeps its base layer's names: nothing to rename
         t = _read_param(reader, name, idx, shape, consumed)
-        _local(p).copy_(t.to(_local(p).dtype))
+        local_tensor(p).copy_(t.to(local_tensor(p).dtype))
+        progress.add(local_tensor(p).numel() * local_tensor(p).element_size())
     if strict:
         unexpected = [k for k in reader.tensors if k not in consumed and not _ignored(k, model.config)]
         if unexpected:

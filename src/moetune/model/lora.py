@@ -17,10 +17,8 @@ from torch import nn
 
 from moetune.model.moe import grouped_linear, local_experts
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-# MLA (GLM-4.7-Flash, GLM-5): q_proj or q_a_proj + q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
-MLA_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-TARGETS = ATTENTION + MLA_ATTENTION + ("dense_mlp", "shared_experts", "experts")
+from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
+
 _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the other, by q_lora_rank
 
 

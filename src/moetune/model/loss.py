@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-IGNORE = -100
+from moetune.names import IGNORE_INDEX, LOSS_CHUNK_TOKENS
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -49,7 +49,7 @@ def _ce_and_grad(logits, labels, want_grad: bool):
     in_dtype = logits.dtype
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
-    valid = labels != IGNORE
+    valid = labels != IGNORE_INDEX
     safe = labels.clamp(min=0)
     target = logits.gather(1, safe[:, None]).squeeze(1)
     loss = ((lse - target) * valid).sum()
@@ -66,6 +66,6 @@ def _ce_and_grad_compiled():
     return torch.compile(_ce_and_grad, dynamic=False)
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 4096):
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = LOSS_CHUNK_TOKENS):
     """Summed fp32 cross-entropy of logits h·Wᵀ against labels (-100 ignored). h [T, H], labels [T]."""
     return LinearCrossEntropy.apply(h, weight, labels, chunk)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moetune.model.attention import AttnMeta, attend, build_attn_meta
 from moetune.model.config import GLM_MOE_DSA, ModelConfig
-from moetune.model.glm4_moe import MLP, MoE, RMSNorm, apply_rope, rope_cos_sin, selective_checkpoint_context
+from moetune.model.glm4_moe import MLP, MoE, RMSNorm, apply_rope, rope_cos_sin
+from moetune.model.recompute import recompute
 from moetune.model.loss import linear_cross_entropy
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
@@ -107,15 +107,12 @@ class MLADecoderLayer(nn.Module):
         # As glm4_moe.DecoderLayer.forward (keep the two alike). The top-k travels as an input and an output, so
         # a recomputed layer uses the one its forward used.
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        if mode == "none":
-            return self._forward(x, cos, sin, attn, topk)
-        kw = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
-        if isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
+        if mode != "none" and isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
             # Expert parallelism: recompute attention and the local expert work, never the all-to-all.
-            h, topk = checkpoint(self._attention, x, cos, sin, attn, topk, use_reentrant=False, **kw)
+            h, topk = recompute(self._attention, mode, x, cos, sin, attn, topk)
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x), recompute=mode), topk
-        return checkpoint(self._forward, x, cos, sin, attn, topk, use_reentrant=False, **kw)
+        return recompute(self._forward, mode, x, cos, sin, attn, topk)
 
 
 class MLABackbone(nn.Module):

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from moetune.model.recompute import recompute as recompute_fn
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -174,17 +175,6 @@ def _slices(total: torch.Tensor, starts: list[int]) -> list[torch.Tensor]:
     return [total[a:b] for a, b in zip(starts, starts[1:])]
 
 
-def _run_compute(compute, recompute: str, *args):
-    if recompute == "none":
-        return compute(*args)
-    kw = {}
-    if recompute == "selective":
-        from moetune.model.glm4_moe import selective_checkpoint_context
-
-        kw["context_fn"] = selective_checkpoint_context
-    return checkpoint(compute, *args, use_reentrant=False, **kw)
-
-
 class _ExchangeAndCompute(torch.autograd.Function):
     """Dispatch → expert compute → combine, pipelined over chunks, forward and backward.
 
@@ -223,7 +213,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 r_in = r[ch.order].detach().requires_grad_(grad and rows.requires_grad)
                 w_in = w[ch.order].detach().requires_grad_(grad and row_weights.requires_grad)
                 local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
-                y = _run_compute(compute, recompute, r_in, ch.offs, w_in, *local)
+                y = recompute_fn(compute, recompute, r_in, ch.offs, w_in, *local)
             graphs.append((y, r_in, w_in, local))
             back.append(_all_to_all(y.detach()[ch.unsort], ch.send_splits, ch.recv_splits, group, out=part))
             if grad and recompute != "selective":  # selective recompute may keep a GEMM output y is a view of

@@ -19,17 +19,15 @@ for any GLM-4.5 shape (tested; the plan reports its bound and the sender its tra
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
+from moetune.names import FUSED_EXPERT_RE as _EXPERTS_RE, LAYER_RE as _LAYER_RE
 from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket, nbytes
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # full link speed, fine pipelining (raised to the largest tensor, see above)
 MAX_EXPERTS_PER_UNIT = 32
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _KEEP_FP32 = ("e_score_correction_bias",)  # as the hub checkpoints store it
 
 

@@ -18,26 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.sync.alloc import Allocations
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offset, local shape) of the piece of t this rank holds."""
-    if _is_dtensor(t):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return tuple(offset), tuple(shape)
-    return (0,) * t.dim(), tuple(t.shape)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
+from moetune.tensors import local_box, local_tensor  # noqa: F401  (re-exported)
 
 
 class ShardMap:

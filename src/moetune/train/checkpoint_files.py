@@ -1,8 +1,5 @@
-"""The checkpoint directory on disk: names, completeness, atomic renames, and the checks made before a resume.
-
-    RUN/checkpoints/step_000200/        complete: only a finished save is ever renamed to this name
-                    step_000300.tmp/    being written (or debris of a crash): never resumed from
-                    .trash-step_000100/ being deleted (renamed first, so a half-deleted one never looks complete)
+"""Checkpoint file work of the trainer: atomic writes and renames, pruning, and the checks made before a resume
+(layout, listing and completeness are run_dir.py's).
 
 Everything here is plain file work and runs without a process group (auto-resume, `moetune export`, tests).
 """
@@ -11,45 +8,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import time
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
 
-from moetune.model.hf_io import CheckpointError
+from moetune.config import config_hash, dump_hash
+from moetune.errors import CheckpointError, ConfigError
+from moetune.run_dir import (CONFIG, METADATA, TRAINER_STATE, damaged_checkpoints, latest_checkpoint, read_trainer_state,
+                             verify_checkpoint)
 
 log = logging.getLogger("moetune")
 
-STEP_RE = re.compile(r"^step_(\d{6,})$")
-TRAINER_STATE = "trainer_state.json"
-CONFIG = "config.yaml"
-METADATA = ".metadata"  # DCP's index; written last by DCP itself
 # The sections that decide what is trained and its shapes: a resume that changes them is refused.
 FROZEN_SECTIONS = ("model", "finetune", "lora")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints under root, oldest first; .tmp and .trash debris is skipped."""
-    found = []
-    if root.is_dir():
-        for p in root.iterdir():
-            m = STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / METADATA).is_file() and (p / TRAINER_STATE).is_file():
-                found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 def resolve_resume(spec: str, run_dir: Path) -> Path | None:
@@ -68,30 +41,6 @@ def resolve_resume(spec: str, run_dir: Path) -> Path | None:
             return latest
     raise CheckpointError(f"resume: {path} is neither a checkpoint directory (no {TRAINER_STATE}) "
                           "nor a run directory with complete checkpoints")
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Refuse, by file name, a checkpoint whose index or shard files are missing or shorter than the index
-    says. Cheap (metadata and file sizes only) and worth it: DCP itself would fail deep in a reader thread."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    for name in (METADATA, TRAINER_STATE):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-    try:
-        md = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
-        raise CheckpointError(f"checkpoint {path} is damaged: cannot read {METADATA} ({type(e).__name__}: {e})")
-    needed: dict[str, int] = {}
-    for info in md.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for fname, size in sorted(needed.items()):
-        f = path / fname
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is missing")
-        if (have := f.stat().st_size) < size:
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is truncated "
-                                  f"({have} bytes, the index needs {size})")
 
 
 def _flatten(d, prefix="") -> dict:
@@ -120,20 +69,68 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
 
 def check_config(path: Path, cfg, saved_hash: str | None) -> list[str]:
     """Refuse a resume that changes the model, what is trained or its shapes; return the allowed changes."""
-    from moetune.config import config_hash
-
     cfg_file = path / CONFIG
     if not cfg_file.is_file():  # older or hand-made checkpoint: only the hash can be compared
         if saved_hash and saved_hash != config_hash(cfg):
             raise CheckpointError(f"cannot resume from {path}: the model/finetune/lora settings differ from the "
                                   f"checkpoint's (config hash {saved_hash} ≠ {config_hash(cfg)})")
         return []
-    refused, allowed = config_changes(yaml.safe_load(cfg_file.read_text()) or {}, cfg.model_dump(mode="json"))
+    try:
+        saved = yaml.safe_load(cfg_file.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{cfg_file}: cannot read the checkpoint's config ({type(e).__name__}); the "
+                              "checkpoint is damaged: resume from an earlier one (resume: PATH)") from None
+    # A file cut at a line boundary still parses: its hash, written at the same moment, tells it is incomplete
+    if not isinstance(saved, dict) or (saved_hash and _hash_or_none(saved) != saved_hash):
+        raise CheckpointError(f"{cfg_file}: damaged (it does not match the config hash in {TRAINER_STATE}); "
+                              "resume from an earlier checkpoint (resume: PATH)")
+    refused, allowed = config_changes(saved, cfg.model_dump(mode="json"))
     if refused:
         raise CheckpointError(
             f"cannot resume from {path}: the config changes what is trained ({'; '.join(refused)}). "
             "Resume with the checkpoint's values, or start a new run (another run.name, or resume: none)")
     return allowed
+
+
+def _hash_or_none(dump: dict) -> str | None:
+    try:
+        return dump_hash(dump)
+    except ConfigError:  # a section is missing: the file is cut short
+        return None
+
+
+@dataclass
+class ResumePlan:
+    path: Path
+    trainer_state: dict
+    allowed_changes: list[str]
+
+
+def plan_resume(cfg, world_size: int, dp_size: int) -> ResumePlan | None:
+    """Everything about a resume that files can tell, before anything is built or written: which checkpoint, that
+    it is complete and undamaged, and that the config may continue it. None: start from scratch."""
+    if cfg.resume == "auto":
+        for p, missing in damaged_checkpoints(cfg.run_dir / "checkpoints"):
+            log.warning("resume: auto skips %s: %s missing (a damaged checkpoint)", p, " and ".join(missing))
+    path = resolve_resume(cfg.resume, cfg.run_dir)
+    if path is None:
+        if cfg.resume == "auto":
+            log.info("resume: auto found no checkpoint in %s: starting from scratch", cfg.run_dir / "checkpoints")
+        return None
+    verify_checkpoint(path)
+    saved = read_trainer_state(path)
+    allowed = check_config(path, cfg, saved.get("config_hash"))
+    plan = ResumePlan(path, saved, allowed)
+    global_batch = dp_size * cfg.train.micro_batch_size * cfg.train.grad_accum
+    if saved.get("global_batch") not in (None, global_batch):
+        log.warning("resume: the checkpoint's run took %d sequences per step, this one takes %d (%d data-parallel "
+                    "ranks × micro_batch_size %d × grad_accum %d): the optimizer sees a different batch; set "
+                    "train.grad_accum (or micro_batch_size) to keep %d", saved["global_batch"], global_batch, dp_size,
+                    cfg.train.micro_batch_size, cfg.train.grad_accum, saved["global_batch"])
+    if saved.get("world_size") not in (None, world_size):
+        log.info("resume: checkpoint written by %s processes, loaded by %d (DCP reshards; ranks the checkpoint's run "
+                 "did not have keep their seeded RNG)", saved.get("world_size"), world_size)
+    return plan
 
 
 # ------------------------------------------------------------------------------------------ atomic file work
@@ -171,17 +168,6 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def set_aside(root: Path) -> Path | None:
-    """resume: none where an earlier run left checkpoints: keep them, but out of auto-resume's way (it would
-    otherwise take an old step_N over the new run's smaller ones after a crash)."""
-    if not complete_checkpoints(root):
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = next(d for i in range(1000) if not (d := root.with_name(f"checkpoints.earlier-{stamp}-{i}")).exists())
-    os.replace(root, dest)
-    return dest
-
-
 def remove_debris(root: Path) -> None:
     if root.is_dir():
         for p in root.iterdir():
@@ -192,22 +178,3 @@ def remove_debris(root: Path) -> None:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-# ------------------------------------------------------------------------------------------ reading weights
-def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint, whole and on CPU, without a process group (export, tests): the
-    trainable LoRA tensors of a LoRA run, every weight of a full fine-tuning run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    verify_checkpoint(path)
-    md = FileSystemReader(str(path)).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    return {k.removeprefix("model."): v for k, v in state.items()}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from moetune.errors import OutputError
 from moetune.model.config import ModelConfig
 
 log = logging.getLogger("moetune")
@@ -206,9 +207,19 @@ class MetricsWriter:
     Given the run's config it also feeds the trackers of `logging.report_to` (TensorBoard, W&B: see trackers.py)
     and raises the expert-load alarms of `logging.alarm_*` as warning lines in the log."""
 
-    def __init__(self, path: str | os.PathLike, enabled: bool, append: bool = False, cfg=None):
+    def __init__(self, path: str | os.PathLike, enabled: bool, append: bool = False, cfg=None, resumed_step: int = 0):
+        """append with resumed_step: the records of steps after it are dropped first (a killed run logged them; the
+        resumed run redoes them)."""
         self.enabled = enabled
-        self._f = open(path, "a" if append else "w") if enabled else None
+        self.path = Path(path)
+        self._f = None
+        if enabled:
+            try:
+                if append:
+                    _truncate_after(self.path, resumed_step)
+                self._f = open(path, "a" if append else "w")
+            except OSError as e:
+                raise OutputError(f"cannot write {path}: {e}") from None
         self.cfg, self.append, self.run_dir = cfg, append, Path(path).parent
         self._trackers: list | None = None if (enabled and cfg is not None) else []
         self._monitor = None
@@ -224,8 +235,11 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self._f is None:
             return
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as e:  # disk full: the run stops with a line that says so (its last checkpoint is intact)
+            raise OutputError(f"cannot write {self.path}: {e}") from None
         if self._monitor is not None and "expert_counts" in record:
             alarm = self._monitor.update(record)
             if alarm:
@@ -236,7 +250,11 @@ class MetricsWriter:
         if self._trackers is None:  # created at the first record: a resumed run knows from which step to purge
             from moetune.train.trackers import build_trackers
 
-            self._trackers = build_trackers(self.cfg, self.run_dir, self.append, int(record.get("step", 0)))
+            try:
+                self._trackers = build_trackers(self.cfg, self.run_dir, self.append, int(record.get("step", 0)))
+            except OSError as e:  # as for a failed log call below: a dashboard problem never ends a run
+                log.warning("trackers could not start (%s): metrics go to metrics.jsonl only", e)
+                self._trackers = []
         if not self._trackers or "step" not in record:
             return
         scalars = tracker_scalars(record, self.layer_ids)
@@ -250,11 +268,37 @@ class MetricsWriter:
 
     def close(self):
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            f, self._f = self._f, None
+            try:
+                f.close()
+            except OSError as e:
+                raise OutputError(f"cannot write {self.path}: {e}") from None
         for t in self._trackers or []:
-            t.close()
+            try:
+                t.close()
+            except Exception as e:  # a tracker's final flush (disk full): metrics.jsonl has everything
+                log.warning("tracker %s failed on close (%s)", type(t).__name__, e)
         self._trackers = []
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop the records of steps after `step`, atomically (rewrite to a temporary name, rename)."""
+    if not path.is_file():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if _record_step(ln) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(ln + "\n" for ln in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _record_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:  # empty, or the torn last line of a killed process
+        return float("inf")
 
 
 class Throughput:

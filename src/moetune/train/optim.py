@@ -6,11 +6,13 @@ import math
 
 import torch
 
+from moetune.errors import ConfigError
+
 
 def build_optimizer(params, cfg_optim, device: torch.device) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if not params:
-        raise ValueError("nothing to train: no parameter requires grad (check finetune.mode and lora.targets)")
+        raise ConfigError("nothing to train: no parameter requires grad (check finetune.mode and lora.targets)")
     fused = cfg_optim.fused if cfg_optim.fused is not None else device.type == "cuda"
     # Biases and norms get no weight decay, as usual. Expert-parallel experts outside FSDP are DTensors beside
     # plain replicated tensors, and the fused/foreach kernels cannot take both in one call: one group per kind.

@@ -7,21 +7,22 @@ import logging
 
 import torch
 
-from moetune.model.config import ModelConfig, resolve_model_config
+from moetune.errors import ConfigError
+from moetune.model.config import model_config_for  # noqa: F401  (re-exported: inspect.py imports it from here)
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
-from moetune.model.hf_io import as_dtype, build_model, cast_model, init_weights, load_hf_weights
+from moetune.model.hf_io import as_dtype, build_model, cast_model, fill_seeded, init_weights, load_hf_weights
 from moetune.model.lora import apply_lora
 from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp, place_buffers
+from moetune.tensors import local_tensor
 
 log = logging.getLogger("moetune")
 
 
-def model_config_for(cfg) -> ModelConfig:
-    return resolve_model_config(cfg.model.path, cfg.model.effective_config, cfg.model.num_hidden_layers)
-
-
 def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
-    mcfg = model_config_for(cfg)
+    try:
+        mcfg = model_config_for(cfg)
+    except ValueError as e:  # an architecture we cannot build (ModelConfig.validate names the field)
+        raise ConfigError(f"model.config / model.path: {e}") from None
     compute_dtype = as_dtype(cfg.model.dtype)
     full = cfg.finetune.mode == "full"
     model = build_model(mcfg, "meta")
@@ -31,7 +32,13 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
         for name, p in model.named_parameters():
             p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
     else:
-        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+        try:
+            apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+        except ValueError as e:  # a target that matches no module of this model
+            raise ConfigError(str(e)) from None
+    for moe in model.moe_layers():  # what the MoE layers compute beyond their output, for the loss and the metrics
+        moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
+        moe.track_router_entropy = cfg.logging.expert_stats_every > 0
     model.attn_implementation = cfg.model.attn_implementation
     if dist.ep > 1:
         apply_ep(model, dist.mesh["ep"])
@@ -59,13 +66,11 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
 @torch.no_grad()
 def init_lora(model, seed: int) -> None:
     """LoRA A from a generator seeded per tensor name, B = 0: the same adapter at any world size."""
-    from moetune.model.hf_io import _local, fill_seeded
-
     for name, p in model.named_parameters():
         if ".lora" not in name:
             continue
-        if name.endswith("lora_B") or name.endswith("_B"):
-            _local(p).zero_()
+        if name.endswith("_B"):  # lora_B and the experts' gate_up_B / down_B
+            local_tensor(p).zero_()
             continue
         bound = 1.0 / p.shape[-1] ** 0.5  # kaiming_uniform(a=√5) on [r, in], as PEFT
         fill_seeded(p, name, seed, lambda t, g: t.uniform_(-bound, bound, generator=g))

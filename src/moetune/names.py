@@ -1,0 +1,43 @@
+"""Names and numbers several packages must agree on: one definition each, imported everywhere else.
+
+Nothing here imports torch or another moetune module, so any module may import it.
+"""
+
+from __future__ import annotations
+
+import re
+
+# ---- labels: a target token the loss skips (prompt, padding, the last position of a document)
+IGNORE_INDEX = -100
+
+# ---- tokens per lm_head + cross-entropy chunk: the logits never exist for more tokens than this at once
+LOSS_CHUNK_TOKENS = 2048
+
+# ---- LoRA targets, in canonical order (the saved config, the resume hash and exports use this order)
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# MLA (GLM-4.7-Flash, GLM-5): q_proj or q_a_proj + q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+MLA_ATTENTION_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+MLP_TARGETS = ("dense_mlp", "shared_experts", "experts")
+LORA_TARGETS = ATTENTION_TARGETS + MLA_ATTENTION_TARGETS + MLP_TARGETS
+_MLA_PROJECTIONS = ("q_proj",) + MLA_ATTENTION_TARGETS + ("o_proj",)
+LORA_ALIASES = {
+    "attention": ATTENTION_TARGETS,
+    "all": ATTENTION_TARGETS + MLP_TARGETS,
+    # every MLA projection (q_proj or q_a_proj/q_b_proj, whichever the model has)
+    "mla_attention": _MLA_PROJECTIONS,
+    "mla_all": _MLA_PROJECTIONS + MLP_TARGETS,
+}
+
+# ---- HF parameter names of GLM-4.5 (transformers v5 = ours)
+# model.layers.N.<anything>: N is the decoder layer (N == num_hidden_layers is the MTP layer the hub ships)
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# the hub's per-expert tensors: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers v5's (and our) stacked experts: model.layers.N.mlp.experts.{gate_up_proj [E, 2I, H], down_proj [E, H, I]}
+FUSED_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a parameter name belongs to, or None (embeddings, final norm, lm_head)."""
+    m = LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
