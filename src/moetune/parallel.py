@@ -74,6 +74,12 @@ def _srun_env():
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
 
 
+def launch_world_size() -> int:
+    """The number of processes the launcher started (1 without one), before any process group exists."""
+    _srun_env()
+    return int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
+
+
 def init_distributed(ep: int = 1, dp_shard: int = -1, device: str | None = None) -> Dist:
     _srun_env()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -17,7 +18,8 @@ from moetune.errors import NumericalFault, RunDirInUse
 from moetune.model.adapter_io import gather_lora_state, save_adapter
 from moetune.model.lora import format_trainable_table
 from moetune.names import IGNORE_INDEX
-from moetune.parallel import Dist, init_distributed
+from moetune.layout import Layout, gpu_memory_gib, resolve_layout
+from moetune.parallel import Dist, init_distributed, launch_world_size
 from moetune.run_dir import CONFIG, RunDir, RunLock, move_earlier_run_aside
 from moetune.train.bad_steps import StepGuard
 from moetune.train.checkpoint import Checkpointer, load_checkpoint
@@ -57,18 +59,22 @@ class StepResult:
 
 
 def train(cfg: Config) -> TrainState:
-    dist = init_distributed(cfg.parallel.ep, cfg.parallel.dp_shard)
+    # the layout is resolved once, from the config, the world size and the GPU's memory; all that follows takes it
+    layout = resolve_layout(cfg, launch_world_size(), gpu_memory_gib(cfg, int(os.environ.get("LOCAL_RANK", 0))))
+    dist = init_distributed(layout.ep, layout.dp_shard)
     setup_logging(dist)
+    if dist.is_main:
+        log.info(layout.describe())
     lock = take_run_dir(cfg, dist)  # one trainer per run directory, before anything in it is read or touched
     signals = StopSignals()  # installed until the adapter is written: a late signal changes nothing
     try:
-        return _train(cfg, dist, signals, lock)
+        return _train(cfg, dist, layout, signals, lock)
     finally:
         signals.close()
         lock.release()
 
 
-def _train(cfg: Config, dist: Dist, signals: StopSignals, lock: RunLock) -> TrainState:
+def _train(cfg: Config, dist: Dist, layout: Layout, signals: StopSignals, lock: RunLock) -> TrainState:
     run = RunDir(cfg.run_dir)
     torch.manual_seed(cfg.run.seed)
     # Inputs first: a refused resume, bad data or a bad checkpoint stops the run before the run dir is written.
@@ -76,7 +82,7 @@ def _train(cfg: Config, dist: Dist, signals: StopSignals, lock: RunLock) -> Trai
         plan = plan_resume(cfg, dist.world_size, dist.dp_size)  # files only: nothing built yet
         check_trackers(cfg)  # a missing tracker package fails now, not after minutes of model building
         data = setup_data(cfg, dist)
-        model = setup_model(cfg, dist)
+        model = setup_model(cfg, dist, layout)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg.optim, dist.device)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)

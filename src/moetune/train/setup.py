@@ -12,13 +12,14 @@ from moetune.model.config import model_config_for  # noqa: F401  (re-exported: i
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import as_dtype, build_model, cast_model, fill_seeded, init_weights, load_hf_weights
 from moetune.model.lora import apply_lora
+from moetune.layout import Layout
 from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp, place_buffers
 from moetune.tensors import local_tensor
 
 log = logging.getLogger("moetune")
 
 
-def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
+def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     try:
         mcfg = model_config_for(cfg)
     except ValueError as e:  # an architecture we cannot build (ModelConfig.validate names the field)
@@ -42,23 +43,23 @@ def setup_model(cfg, dist: Dist) -> Glm4MoeForCausalLM:
     model.attn_implementation = cfg.model.attn_implementation
     if dist.ep > 1:
         apply_ep(model, dist.mesh["ep"])
-    apply_ac(model, cfg.train.activation_checkpointing)
+    apply_ac(model, layout.activation_checkpointing)
     if cfg.train.compile:
         apply_compile(model)
-    if dist.initialized and (dist.fsdp or cfg.parallel.cpu_offload):
+    if dist.initialized and (dist.fsdp or layout.cpu_offload):
         apply_fsdp(model, dist.mesh, param_dtype=compute_dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
-                   cpu_offload=cfg.parallel.cpu_offload)
+                   cpu_offload=layout.cpu_offload)
     elif full and compute_dtype != torch.float32:
         cast_model(model, compute_dtype)  # no FSDP (one process, replicas): no separate master copy
     # with CPU offload FSDP2 keeps the sharded parameters in host memory and moves each unit in for its compute
-    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
+    model.to_empty(device="cpu" if layout.cpu_offload else dist.device)
     with torch.no_grad():
         if cfg.model.path:
             load_hf_weights(model, cfg.model.path)
         else:
             init_weights(model, cfg.model.init_std, seed=cfg.run.seed)
         init_lora(model, seed=cfg.run.seed)
-    if cfg.parallel.cpu_offload:
+    if layout.cpu_offload:
         place_buffers(model, dist.device)
     return model
 
