@@ -24,20 +24,20 @@ P below means P - P_experts + P_experts/ep, and S = 1.
 Expert parallelism (ep > 1): a rank's experts process the rows it receives, as many as it sends under balanced
   routing, times a skew margin 1 + 0.1·log2(ep) (an assumption, not a measurement: the busiest rank of more ranks
   is further above the mean), applied to the per-row activations (expert terms below) and to the MoE backward
-  working set; plus the all-to-all's receive buffer, b·k·H per token. Without recompute the exchange
-  (model/moe.py) frees the expert output and, for frozen experts, the received rows once they are sent: only the
-  routing weights (4k) stay. With activation checkpointing it keeps them (recompute never repeats the
-  all-to-all): selective keeps the rows (b·k·H); full recomputes only attention and the local expert work, and
-  the MoE half of each layer saves its norm (4H + 4), the normed input (b·H), the router (8E + 32k), the rows and
-  the expert output: 2b·k·H per token and MoE layer, 24 GiB on GLM-4.5-Air at T = 4096.
+  working set; plus the all-to-all's receive buffer, b·k·H per token. The exchange (model/moe.py) keeps the
+  routing weights (4k), frees the expert output (kept only under selective recompute of trainable experts) and
+  the received rows of frozen experts, and never recomputes frozen experts (their internals are saved as without
+  recompute). With full activation checkpointing attention is recomputed but the MoE half of each layer is not:
+  it saves its norm (4H + 4), the normed input (b·H), the router (8E + 32k) and the expert rows (frozen: as
+  without recompute; trainable: their input, b·k·H).
 
 Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
 against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
   attention  4H (fp32 RMSNorm input) + b·H (normed input, when q/k/v have LoRA or in full mode)
              + b·D·(2nH + 2nKV) (q, k, v after RoPE, attention output) + 4·nH (log-sum-exp)
   dense MLP  4H (norm) + 3b·I (gate, up, silu(gate)) [+ b·H + b·I in full mode or with LoRA on it]
-  MoE        4H (norm) + k·Im·(2b + b + 4) (gate_up output, silu(gate), the fp32 SwiGLU the routing weight
-             multiplies) + 3b·Is (shared expert) + 8E + 32k (router scores, indices)
+  MoE        4H (norm) + 2b·k·Im (the gate_up output: the weighted SwiGLU's own backward recomputes the rest,
+             since 82752e3a) + 3b·Is (shared expert) + 8E + 32k (router scores, indices)
              [+ b·k·H + b·k·Im (expert inputs) in full mode or with LoRA on the experts]
   final      4H (norm) + b·H (the loss's saved input gradient) + 2b·rotary_dim (RoPE cos/sin, once)
   full mode  also b·H per RMSNorm (the input its weight's gradient needs)
@@ -58,13 +58,14 @@ Peak = static + max(saved activations + working set [+ gradients when grad_accum
 
 Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1 H200, torch max_memory_allocated):
   LoRA q,k,v,o, torch.compile:   measured 39.2 GiB, estimated 39.2 GiB (+0.1 %)
-  LoRA q,k,v,o, eager:           measured 43.4 GiB, estimated 41.9 GiB (-3.4 %)
+  LoRA q,k,v,o, eager:           measured 43.4 GiB before 82752e3a (the eager SwiGLU then kept 3 more tensors per
+                                 row), estimated 40.1 GiB for today's code: not re-measured
   full fine-tuning, 2 layers:    measured 29.5 GiB, estimated 29.6 GiB compiled (+0.4 %), 30.3 GiB eager (+2.6 %)
 Weights are 33.3 of the 39.2 GiB (LoRA) and 21.4 of the 29.5 GiB (full, with the optimizer), so these figures test
 the activation terms much less than the totals suggest: the activation + working-set part alone is 5.9 GiB measured
-vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %). The compiled formula was written knowing the compiled
-figure. tests/unit/test_observability_inspect.py pins these and checks the eager per-layer formula against a
-census of the tensors autograd saves.
+vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %, before 82752e3a). The compiled formula was written
+knowing the compiled figure. tests/unit/test_observability_inspect.py pins these and checks the eager per-layer
+formula against a census of the tensors autograd saves.
 Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full activation checkpointing, eager,
 issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
 123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
@@ -175,7 +176,7 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
     norm = 4 * H + 4 + (b * H if full else 0)  # fp32 input and rstd (+ the bf16 cast the norm weight's gradient needs)
     attn = (0 if first and not full else norm) + (b * H if qkv_input else 0) + attn_core
     if moe:
-        ffn = norm + k * Im * (3 * b + 4) + 3 * b * Is + router + expert_inputs + shared_inputs
+        ffn = norm + 2 * b * k * Im + 3 * b * Is + router + expert_inputs + shared_inputs
     else:
         ffn = norm + 3 * b * I + mlp_inputs
     return attn + ffn
@@ -192,7 +193,7 @@ def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank
         return rows + k * (2 * b * Im + b * H)
     if mode == "compiled":
         return rows + 2 * b * k * Im
-    return rows + k * Im * (3 * b + 4)
+    return rows + 2 * b * k * Im
 
 
 def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
@@ -279,24 +280,27 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     saved += T * (4 * H + (b * H if full else 0) + b * H + 2 * b * m.rotary_dim)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     if ep > 1 and n_moe:
-        # model/moe.py's exchange keeps each chunk's received rows, their routing weights (fp32) and the expert output
-        # until backward, so that recompute never repeats the all-to-all (those already counted are not added again)
+        # model/moe.py's exchange keeps the routing weights (4k per row); frees the expert output (except under
+        # selective recompute of trainable experts) and the received rows of frozen experts; and never recomputes
+        # frozen experts, whose internals are then saved as without recompute
         k = m.num_experts_per_tok
-        row_mode = "selective" if ac == "selective" else mode
-        row_bytes = expert_row_bytes_per_token(m, row_mode, b, lora, full, cfg.lora.rank)
-        inputs_counted = full or "experts" in lora
-        kept = 4 * k + (0 if row_mode == "selective" else b * k * H) + (0 if inputs_counted else b * k * H)
-        if ac == "none":  # without recompute the exchange frees the expert output and (frozen experts) the rows
-            kept = 4 * k
-        if ac == "full":
-            # attention and the local expert work are recomputed; the MoE half of the layer is not checkpointed:
-            # the post-attention norm (fp32 input, normed output), the router, and the kept rows stay
-            moe_layer = 4 * H + 4 + b * H + (b * H if full else 0) + 8 * m.n_routed_experts + 32 * k
-            saved += T * n_moe * (moe_layer + skew * (2 * b * k * H + 4 * k))
-            saved += (skew - 1) * T * row_bytes  # the recomputed layer's expert rows
+        trainable = full or "experts" in lora
+        expert_ac = ac if trainable else "none"
+        if expert_ac == "full":
+            internals = b * k * H  # the checkpointed expert work keeps its input rows
         else:
-            saved += T * n_moe * (skew * kept + (skew - 1) * row_bytes)
-        how += f"; ep {ep}: kept exchange rows, expert rows × {skew:.2f} (routing skew margin)"
+            internals = expert_row_bytes_per_token(m, "selective" if expert_ac == "selective" else mode, b, lora,
+                                                   full, cfg.lora.rank)
+        if ac == "full":
+            # attention is recomputed, the MoE half of the layer is not checkpointed: the post-attention norm
+            # (fp32 input), the normed input (router, shared expert's checkpoint), the router, the expert rows
+            moe_half = 4 * H + 4 + b * H + (b * H if full else 0) + 8 * m.n_routed_experts + 32 * k
+            saved += T * n_moe * (moe_half + skew * (internals + 4 * k))
+        else:  # the per-layer formula already holds this mode's expert rows once: replace them
+            counted = expert_row_bytes_per_token(m, "selective" if ac == "selective" else mode, b, lora, full,
+                                                 cfg.lora.rank)
+            saved += T * n_moe * (skew * (internals + 4 * k) - counted)
+        how += f"; ep {ep}: expert rows × {skew:.2f} (routing skew margin)"
     add("activations", saved, how)
     k, Im = m.num_experts_per_tok, m.moe_intermediate_size
     layer_ws = T * (2 * b * k * H + 10 * k * Im) if m.n_routed_experts else T * 4 * b * m.intermediate_size
