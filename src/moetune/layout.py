@@ -109,15 +109,6 @@ def make_layout(world_size: int, ep: int = 1, dp_shard: int = -1, activation_che
 
 
 # ------------------------------------------------------------------------------------------------ environment
-def launch_world_size() -> int:
-    """The world size the launcher set (torchrun, accelerate: WORLD_SIZE; srun: SLURM_NTASKS), 1 without one."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ.get("SLURM_NTASKS", 1))
-    return 1
-
-
 def launch_gpus_per_node() -> int | None:
     """Processes per node as the launcher says (torchrun: LOCAL_WORLD_SIZE; srun: SLURM_NTASKS_PER_NODE)."""
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
