@@ -8,7 +8,7 @@ import pytest
 
 from moetune.config import load_config
 from moetune.errors import ConfigError
-from moetune.estimate import build_meta_model, count_params
+from moetune.estimate import FIT_FRACTION, build_meta_model, count_params
 from moetune.layout import Layout, gpu_memory_gib, make_layout, pinned_fields, resolve_layout
 from moetune.model.config import resolve_model_config
 
@@ -16,6 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 AIR, AIR_EXPERTS, GLM45 = (str(CONFIGS / f"{n}.yaml")
                            for n in ("glm45-air-lora", "glm45-air-lora-experts", "glm45-lora"))
 H200, H100 = 139.8, 79.1  # GiB, as torch.cuda reports them
+TIGHT = 132.0  # a card on which Air's ep 2 without recompute (131.4 GiB estimated) does not fit (limit 125.4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,9 +43,10 @@ def shape(layout: Layout):
     (None, [], 1, None, (1, 1, 1, "none", False)),
     (None, [], 2, None, (1, 1, 2, "none", False)),  # replicated: no all-gathers at all
     # GLM-4.5-Air LoRA q,k,v,o (compiled) on 2 x H200: ep 2 holds the rest of the model whole and half the experts,
-    # 106 GiB of weights: 131.4 GiB without recompute, over 90 % of 139.8; with full recompute 124.1 (frozen experts
-    # are not recomputed; FSDP with full recompute would be 114.4, measured 113.7)
-    (AIR, [], 2, H200, (2, 1, 1, "full", False)),
+    # 106 GiB of weights: 131.4 GiB without recompute, under 95 % of 139.8 (measured 132.1 GiB, 5,057 tokens/s per
+    # GPU); on a 132 GiB card ep 2 with full recompute, 124.1 (frozen experts are not recomputed)
+    (AIR, [], 2, H200, (2, 1, 1, "none", False)),
+    (AIR, [], 2, TIGHT, (2, 1, 1, "full", False)),
     (AIR, ["--train.compile", "false"], 2, H200, (2, 1, 1, "full", False)),  # eager: selective too big
     (AIR, [], 8, H200, (8, 1, 1, "none", False)),  # experts stay put, no FSDP: 63.6 GiB
     (AIR, [], 8, H100, (8, 1, 1, "none", False)),
@@ -53,27 +55,28 @@ def shape(layout: Layout):
     # with LoRA on the experts on 8 x 80 GB nothing fits without recompute (ep 8: 87.5 GiB, FSDP: 78.4 > 71.2)
     (AIR_EXPERTS, [], 8, H100, (8, 1, 1, "full", False)),  # 63.5 GiB
     # full fine-tuning of Air on 8 x H200: 16 bytes per parameter do not fit on the GPUs, only with CPU offload
-    (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "full", True)),
-    # GLM-4.5 (355B), eager, 8 x H200: ep 8 holds 77 GiB of experts + the rest whole; FSDP, full recompute (105.9)
-    (GLM45, [], 8, H200, (1, 8, 1, "full", False)),
+    (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "none", True)),  # 130.4 GiB
+    # GLM-4.5 (355B), eager, 8 x H200: ep 8 holds 77 GiB of experts + the rest whole (too much); ep 4 × FSDP 2 with
+    # full recompute: 126.9 GiB
+    (GLM45, [], 8, H200, (4, 2, 1, "full", False)),
     (GLM45, [], 16, H200, (8, 2, 1, "none", False)),  # two nodes of 8: ep within the node, FSDP across: 111.9
 ])
 def test_auto_layout_choices(path, over, world, gpu, want):
     layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)
     assert shape(layout) == want, layout.describe()
     assert layout.auto and layout.world_size == world and layout.gpu_memory_gib == gpu
-    assert gpu is None or layout.estimate_gib <= 0.9 * gpu
+    assert gpu is None or layout.estimate_gib <= FIT_FRACTION * gpu
     assert any("chosen" in r for r in layout.reasons)
 
 
 def test_reasons_give_the_estimate_of_each_layout_considered():
-    layout = layout_for(AIR, 2, H200)
+    layout = layout_for(AIR, 2, TIGHT)
     text = layout.describe()
     assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing full" in text
     rejected = [r for r in layout.reasons if r.endswith("does not fit")]
     # replicated, ep 2 and FSDP without recompute, replicated with full recompute
     assert len(rejected) == 4 and any(r.startswith("expert parallel (ep 2;") and "none" in r for r in rejected)
-    assert "125.8 GiB (90%)" in text and "routed experts are 93% of the parameters" in text
+    assert "125.4 GiB (95%)" in text and "routed experts are 93% of the parameters" in text
     offload = layout_for(AIR, 8, H200, "--finetune.mode", "full")
     assert any("host memory" in r for r in offload.reasons)  # where the offloaded state goes, and how much
 
@@ -117,7 +120,7 @@ def test_explicit_settings_win_even_when_equal_to_the_default():
     # ep 1 is the default value, but written by the user: no expert parallelism
     assert shape(layout_for(AIR, 8, H200, "--parallel.ep", "1")) == (1, 8, 1, "none", False)
     # no recompute, as the user says: the only layout left that fits is FSDP with CPU offload
-    assert shape(layout_for(AIR, 2, H200, "--train.activation_checkpointing", "none")) == (1, 2, 1, "none", True)
+    assert shape(layout_for(AIR, 2, TIGHT, "--train.activation_checkpointing", "none")) == (1, 2, 1, "none", True)
     assert shape(layout_for(AIR, 8, H200, "--parallel.ep", "2")) == (2, 4, 1, "none", False)
     assert shape(layout_for(AIR, 8, H200, "--parallel.dp_shard", "4")) == (1, 4, 2, "none", False)  # HSDP
     kept = layout_for(AIR, 8, H200, "--parallel.ep", "2").reasons
@@ -154,7 +157,7 @@ def test_manual_takes_the_config_as_written():
 ])
 def test_impossible_layouts_are_config_errors(path, over, world, match):
     with pytest.raises(ConfigError, match=match):
-        layout_for(path, world, H200, *over)
+        layout_for(path, world, TIGHT if "--parallel.cpu_offload" in over else H200, *over)
 
 
 def test_make_layout_validates_like_init_distributed():

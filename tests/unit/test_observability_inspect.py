@@ -54,7 +54,8 @@ def test_inspect_placeholders_are_skipped_not_fatal(capsys):
 
 def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
     air = str(CONFIGS / "glm45-air-lora.yaml")
-    assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8"]) == 0
+    # 132 GiB: Air's ep 2 without recompute (131.4 GiB estimated) is over 95 %, ep 2 with full recompute fits
+    assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "132"]) == 0
     out = capsys.readouterr().out
     layout = out.split("=== parallel layout, world size 2")[1].split("=== memory estimate")[0]
     assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing full" \
