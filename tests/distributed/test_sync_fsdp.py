@@ -13,7 +13,6 @@ allocations must stay under 1.25 × the largest layer's wire bytes + one expert'
 import os
 import traceback
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

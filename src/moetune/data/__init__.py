@@ -23,6 +23,7 @@ from .loader import PackedLoader, eval_batches
 from .packing import pack_documents
 
 DEMO_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
+LONGEST_DOCUMENT = 1 << 17  # tokens: GLM-4.5's context; a record that surely exceeds it is never tokenised
 
 
 def build_packs(
@@ -52,13 +53,15 @@ def tokenized_documents(path: str, tokenizer, *, train_on: str = "assistant", sk
                         dist=None, max_tokens: int | None = None) -> tuple[list[tuple[list[int], list[bool]]], int, str]:
     """(documents as (ids, trained mask), malformed records skipped, cache "hit" | "miss" | "off"). A record whose
     text is too long to fit in ``max_tokens`` tokens whatever the tokenizer does is not tokenised at all (a huge line
-    would cost minutes): it stands in as one document of max_tokens + 1 tokens, which packing drops as too long."""
+    would cost minutes): it stands in as a document one token too long, which packing drops. The bound is at least
+    LONGEST_DOCUMENT tokens, so that the cache (which does not depend on seq_len) serves every usual seq_len."""
     options = dict(train_on=train_on, train_reasoning=train_reasoning, train_empty_think=train_empty_think)
-    max_chars = None if max_tokens is None else max_tokens * _max_chars_per_token(tokenizer)
+    bound = None if max_tokens is None else max(max_tokens, LONGEST_DOCUMENT)
+    max_chars = None if bound is None else bound * _max_chars_per_token(tokenizer)
 
     def tokenize(record):
         if max_chars is not None and _record_chars(record) > max_chars:
-            return [0] * (max_tokens + 1), [False] * (max_tokens + 1)
+            return [0] * (bound + 1), [False] * (bound + 1)
         return tokenize_record(record, tokenizer, **options)
 
     if cache_dir is not None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moetune import parallel
 import moetune
+from moetune import parallel
 from moetune.config import Config, config_hash, config_to_yaml
 from moetune.errors import NumericalFault, RunDirInUse
 from moetune.model.adapter_io import gather_lora_state, save_adapter
