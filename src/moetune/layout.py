@@ -188,7 +188,7 @@ def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *,
     """The layout `cfg` runs with on `world_size` processes of `gpu_memory_gib` GiB each (None: no limit).
     `model_config` and `counts` (estimate.count_params) are built from cfg when not given."""
     if model_config is None:
-        from moetune.train.setup import model_config_for
+        from moetune.model.config import model_config_for
 
         model_config = model_config_for(cfg)
     if counts is None:
