@@ -1,4 +1,5 @@
-"""`moetune train | export | inspect | plot` — thin: parse arguments, call the function that does the work."""
+"""`moetune train | export | inspect | plot | generate | chat` — thin: parse arguments, call the function that does
+the work."""
 
 from __future__ import annotations
 
@@ -7,15 +8,68 @@ import sys
 
 from moetune.errors import MoetuneError
 
+CONFIG_REFERENCE = ("the configuration reference is the table in README.md (section 'Configuration reference'); "
+                    "`moetune train --print-config` prints every key with its default")
+
+USAGE = """\
+usage: moetune [--version] [--help] COMMAND [ARGS]
+
+Fine-tune GLM-4.5-family mixture-of-experts models (LoRA or full), on one CPU, one GPU or many.
+
+commands:
+  train [CONFIG.yaml] [--section.key VALUE ...]
+                  train (no CONFIG: the embedded tiny demo on this machine); torchrun/srun/accelerate for many GPUs:
+                  torchrun --nproc-per-node 8 -m moetune train CONFIG.yaml
+  export adapter  write a run's adapter for PEFT (transformers) or vLLM     (moetune export adapter --help)
+  export merged   merge a run's adapter into its base: an HF checkpoint     (moetune export merged --help)
+  generate        generate text from a run directory or an HF model         (moetune generate --help)
+  chat            chat with a run directory or an HF model in the terminal   (moetune chat --help)
+  inspect         preflight a config: parameter counts, memory estimate, a masked sample
+  plot            PNGs of a run's metrics (loss, lr, throughput, memory, expert load)
+
+Run `moetune COMMAND --help` for a command's flags. Configuration: see README.md ('Configuration reference');
+`moetune train --print-config` prints the defaults, `moetune train CONFIG.yaml --print-config` the resolved config.
+"""
+
+TRAIN_HELP = """\
+usage: moetune train [CONFIG.yaml] [--section.key VALUE ...] [--print-config]
+
+Train a GLM-4.5-family MoE model with LoRA or fully. Without CONFIG.yaml: the embedded demo (a tiny random-init
+GLM-4.5 learning to upper-case words, ~25 s on 2 CPU cores). The run directory (run.output_dir/run.name,
+default runs/demo) receives config.yaml, metrics.jsonl, checkpoints/ and adapter/.
+
+arguments:
+  CONFIG.yaml             a YAML file with sections run, model, finetune, lora, data, train, optim, eval,
+                          logging, checkpoint, parallel, resume (configs/ holds GLM-4.5-Air and GLM-4.5 recipes)
+  --section.key VALUE     override one key, e.g. --optim.lr 2e-4 --lora.targets [q_proj,v_proj] (also
+                          --section.key=VALUE; values are YAML)
+  --print-config          print the resolved config (defaults < file < overrides) as YAML and exit
+  -h, --help              show this help and exit
+
+Many GPUs or nodes: torchrun --nproc-per-node 8 -m moetune train CONFIG.yaml (or srun / accelerate launch).
+Afterwards: moetune export adapter|merged --checkpoint RUN_DIR ..., moetune generate RUN_DIR --prompt TEXT,
+moetune plot RUN_DIR.
+{reference}.
+"""
+
 
 def _train(argv):
-    from moetune.config import ConfigError, load_config
+    from moetune.config import ConfigError, check_paths, config_to_yaml, load_config
 
+    if any(a in ("-h", "--help") for a in argv):
+        print(TRAIN_HELP.format(reference=CONFIG_REFERENCE[0].upper() + CONFIG_REFERENCE[1:]))
+        return 0
+    print_config = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
     config_path = None
     if argv and not argv[0].startswith("--"):
         config_path, argv = argv[0], argv[1:]
     try:
         cfg = load_config(config_path, argv)
+        if print_config:
+            print(config_to_yaml(cfg), end="")
+            return 0
+        check_paths(cfg)  # a typo or a placeholder path: one line now, not a hub traceback after model building
     except ConfigError as e:
         print(f"moetune: {e}", file=sys.stderr)
         return 2
@@ -48,18 +102,60 @@ def _shutdown_distributed():
         dist.destroy_process_group()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default where it has a meaningful one (not for None or on/off switches)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+_CHECKPOINT_HELP = ("a run directory (runs/NAME), its adapter/, or a training checkpoint (checkpoints/step_XXXXXX); "
+                    "a run still going or stopped early exports its newest checkpoint")
+_BASE_HELP = ("the base HF checkpoint directory (default: the one the run trained on: model.path, or for a "
+              "random-init run such as the demo its base rebuilt bit for bit into RUN/base/)")
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moetune export", description="Export what a run trained: an adapter for PEFT or vLLM, or a merged "
+        "HF checkpoint. `moetune export adapter --help` / `moetune export merged --help` for each one's flags.")
+    sub = p.add_subparsers(dest="what", required=True, metavar="{adapter,merged}")
+    ad = sub.add_parser(
+        "adapter", help="write the run's LoRA adapter for PEFT or vLLM",
+        description="Write a run's LoRA adapter in the layout PEFT (PeftModel.from_pretrained on transformers' "
+        "Glm4MoeForCausalLM) or vLLM (--lora-modules, per-expert names) loads.",
+        formatter_class=HelpFormatter)
+    ad.add_argument("--checkpoint", required=True, help=_CHECKPOINT_HELP)
+    ad.add_argument("--out", required=True, help="output directory (created; removed again if the export fails)")
+    ad.add_argument("--format", choices=["peft", "vllm"], default="peft", help="the adapter layout")
+    ad.add_argument("--base", default=None, help=_BASE_HELP + "; written as the adapter's base_model_name_or_path")
+    ad.add_argument("--verify", action="store_true",
+                    help="reload the export (PEFT on transformers) and compare its logits to moetune's; prints "
+                         "PASS or FAIL against the tolerance (1e-4 relative) and exits 1 on FAIL")
+    me = sub.add_parser(
+        "merged", help="merge the adapter into its base and write an HF checkpoint",
+        description="Merge a run's adapter into its base (or write a full fine-tuning run's weights) as an HF "
+        "checkpoint in the hub's layout (per-expert names, <= 5 GB shards) that transformers, vLLM and SGLang load.",
+        formatter_class=HelpFormatter)
+    me.add_argument("--checkpoint", required=True, help=_CHECKPOINT_HELP + "; full fine-tuning runs too")
+    me.add_argument("--out", required=True, help="output directory (created; removed again if the export fails)")
+    me.add_argument("--base", default=None, help=_BASE_HELP)
+    me.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="dtype of the written weights (default: the run's model.dtype, i.e. the base's)")
+    me.add_argument("--verify", action="store_true",
+                    help="reload the merged checkpoint with transformers and moetune and compare logits to base + "
+                         "adapter; prints PASS or FAIL against the tolerance (1e-4 relative) and exits 1 on FAIL")
+    return p
+
+
 def _export(argv):
-    p = argparse.ArgumentParser(prog="moetune export")
-    p.add_argument("what", choices=["adapter", "merged"])
-    p.add_argument("--checkpoint", required=True,
-                   help="a run directory, its adapter/, or a training checkpoint (checkpoints/step_XXXXXX); "
-                        "full fine-tuning runs export merged from their checkpoint")
-    p.add_argument("--out", required=True)
-    p.add_argument("--format", choices=["peft", "vllm"], default="peft")
-    p.add_argument("--base", default=None, help="base HF checkpoint (default: the adapter's base_model)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--verify", action="store_true", help="reload the export with transformers/PEFT and compare logits")
-    a = p.parse_args(argv)
+    a = _export_parser().parse_args(argv)
+    if a.what == "adapter":
+        a.dtype = None
+    else:
+        a.format = None
     from moetune.export import cli_export
 
     return cli_export(a)
@@ -77,17 +173,43 @@ def _plot(argv):
     return plot_main(argv)
 
 
-COMMANDS = {"train": _train, "export": _export, "inspect": _inspect, "plot": _plot}
+def _generate(argv):
+    from moetune.generate import generate_main
+
+    return _user_errors(generate_main, argv)
+
+
+def _chat(argv):
+    from moetune.generate import chat_main
+
+    return _user_errors(chat_main, argv)
+
+
+def _user_errors(fn, argv):
+    try:
+        return fn(argv)
+    except MoetuneError as e:
+        print(f"moetune: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+COMMANDS = {"train": _train, "export": _export, "inspect": _inspect, "plot": _plot, "generate": _generate,
+            "chat": _chat}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: moetune {train [CONFIG.yaml] [--section.key value ...] | export adapter|merged ... | "
-              "inspect CONFIG.yaml | plot RUN_DIR}\n"
-              "  moetune train            trains the embedded tiny demo on this machine\n"
-              "  torchrun --nproc-per-node 8 -m moetune train CONFIG.yaml   for many GPUs", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-V", "--version"):
+        from moetune import __version__
+
+        print(f"moetune {__version__}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"moetune: unknown command {argv[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
+        return 2
     return COMMANDS[argv[0]](argv[1:]) or 0
 
 

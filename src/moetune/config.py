@@ -473,3 +473,41 @@ def dump_hash(dump: dict, sections: Sequence[str] = ("model", "lora", "finetune"
     picked = {s: dump[s] for s in sections if not (s == "lora" and full)}
     blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --- paths the config names ------------------------------------------------------------------
+
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+
+
+def _local_looking(path: str, suffixes: Sequence[str] = ()) -> bool:
+    """A path the user means as a local file (not a hub name like `org/name` or `org/name:split`)."""
+    p = path.split(":")[0] if not path.startswith("/") else path
+    return (path.startswith(("/", "./", "../", "~")) or p.count("/") != 1 or p.endswith(tuple(suffixes))
+            or "\\" in path)
+
+
+def check_paths(cfg: Config) -> None:
+    """Every path the config names exists (before any model building or hub lookup): ConfigError naming the key
+    and the path otherwise. Hub names (`org/name`) are left to their loaders."""
+    def missing(key: str, path: str, what: str) -> ConfigError:
+        return ConfigError(f"{key}: {what} not found: {path} (set {key} in the config or pass --{key} PATH)")
+
+    m = cfg.model
+    if m.path is not None:
+        p = Path(m.path).expanduser()
+        if not p.exists():
+            raise missing("model.path", m.path, "HF checkpoint directory")
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.path: {m.path} has no config.json (expected an HF checkpoint directory)")
+    if isinstance(m.config, str) and m.config not in BUILTIN_MODELS and not Path(m.config).expanduser().is_file():
+        raise missing("model.config", m.config, "config.json file")
+    for key in ("train", "eval"):
+        path = getattr(cfg.data, key)
+        if path is not None and not Path(path).expanduser().exists() and _local_looking(path, _DATA_SUFFIXES):
+            raise missing(f"data.{key}", path, "file")
+    tok = cfg.data.tokenizer
+    if tok is not None and not Path(tok).expanduser().exists() and _local_looking(tok):
+        raise missing("data.tokenizer", tok, "tokenizer directory")
+    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
+        raise missing("resume", cfg.resume, "checkpoint directory")

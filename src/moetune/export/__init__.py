@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 
 from moetune.export.adapter import ExportError, convert_adapter, export_adapter, resolve_adapter_dir
@@ -21,30 +23,92 @@ __all__ = ["ExportError", "convert_adapter", "export_adapter", "export_merged", 
 
 
 def cli_export(a) -> int:
-    """`moetune export adapter|merged` on parsed arguments (what, checkpoint, out, format, base, dtype, verify)."""
-    try:
-        if a.what == "adapter":
-            report = export_adapter(a.checkpoint, a.out, format=a.format, base_model_path=a.base, verify=a.verify)
-        elif (ckpt := full_checkpoint(a.checkpoint)) is not None:  # a full fine-tuning run: no adapter, no base
-            if a.verify:
-                print("moetune: note: --verify compares against base + adapter; a full fine-tuning export has "
-                      "none, so it is skipped", file=sys.stderr)
-            report = export_merged_from_checkpoint(ckpt, a.out, dtype=a.dtype)
-        else:
-            from moetune.model.adapter_io import read_adapter_config
+    """`moetune export adapter|merged` on parsed arguments (what, checkpoint, out, format, base, dtype, verify).
+    A run on a random-init base (the demo) needs no --base: its base is rebuilt from the adapter's recipe. --verify
+    prints PASS or FAIL against its tolerance; a failed export leaves nothing in --out (adapters are staged and
+    renamed; a merged export's folder is removed when this command created it, else marked EXPORT_FAILED)."""
+    from moetune.export.verify import TOLERANCE
 
-            adapter = resolve_adapter_dir(a.checkpoint)
-            base = a.base or read_adapter_config(adapter).get("base_model")
-            if not base:
-                raise ExportError("the adapter names no base model: pass --base")
-            report = export_merged(base, adapter, a.out, dtype=a.dtype, verify=a.verify)
+    existed = os.path.exists(a.out)
+    try:
+        report = _run_export(a)
     except MoetuneError as e:
+        if a.what == "merged":
+            _discard(a.out, mark=existed and str(e).startswith("verify"), why=str(e), keep=existed)
+        if str(e).startswith("verify"):
+            print(f"verify: FAIL (tolerance {TOLERANCE:g}, relative logit error): {e}", file=sys.stderr)
         print(f"moetune: error: {e}", file=sys.stderr)
         return 1
-    print(f"exported {a.what} to {report['out_dir']}" + (f" ({a.format})" if a.what == "adapter" else ""))
+    except BaseException:
+        if a.what == "merged":
+            _discard(a.out, mark=False, why="interrupted", keep=existed)
+        raise
+    print(f"exported {a.what} to {report['out_dir']}" + (f" ({a.format})" if a.what == "adapter" else "")
+          + (f", {report['dtype']}" if report.get("dtype") else ""))
+    if report.get("base"):
+        print(f"base: {report['base']}")
     for note in report.get("notes", []):
         print(f"note: {note}")
     if report.get("verify"):
-        print("verify: " + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in report["verify"].items()))
+        print(f"verify: PASS (tolerance {TOLERANCE:g}, relative logit error): "
+              + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in report["verify"].items()))
     return 0
+
+
+def _run_export(a) -> dict:
+    from moetune.export.run_base import resolve_base
+    from moetune.model.adapter_io import read_adapter_config
+
+    if a.what == "merged" and (ckpt := full_checkpoint(a.checkpoint)) is not None:  # full fine-tuning: no base
+        if a.verify:
+            print("moetune: note: --verify compares against base + adapter; a full fine-tuning export has "
+                  "none, so it is skipped", file=sys.stderr)
+        dtype = a.dtype or _run_dtype(ckpt)
+        return dict(export_merged_from_checkpoint(ckpt, a.out, dtype=dtype), dtype=dtype)
+    adapter = resolve_adapter_dir(a.checkpoint)
+    meta = read_adapter_config(adapter)
+    base = resolve_base(adapter, meta, a.base)
+    if a.what == "adapter":
+        if a.verify and not base:
+            raise ExportError(f"{adapter}: the adapter names no base model to verify against: pass --base")
+        report = export_adapter(adapter, a.out, format=a.format, base_model_path=base, verify=a.verify)
+    else:
+        if not base:
+            raise ExportError(f"{adapter}: the adapter names no base model: pass --base")
+        dtype = a.dtype or (meta.get("base_init") or {}).get("dtype") or _config_dtype(base)
+        report = export_merged(base, adapter, a.out, dtype=dtype, verify=a.verify)
+        report["dtype"] = str(dtype)
+    report["base"] = base
+    return report
+
+
+def _config_dtype(base: str) -> str:
+    """The dtype the base checkpoint is stored in (its config.json), else bfloat16."""
+    import json
+
+    try:
+        with open(os.path.join(base, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return "bfloat16"
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def _run_dtype(ckpt: str) -> str:
+    """A full fine-tuning run's model.dtype (its compute dtype), from the checkpoint's config.yaml."""
+    from moetune.config import load_config
+
+    return load_config(os.path.join(ckpt, "config.yaml")).model.dtype
+
+
+def _discard(out: str, mark: bool, why: str, keep: bool = False) -> None:
+    """After a failed merged export: remove the folder it created; mark one that existed before and now holds an
+    export that failed --verify; leave alone one that existed before and was not written (keep)."""
+    if not os.path.exists(out) or (keep and not mark):
+        return
+    if not mark:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    with open(os.path.join(out, "EXPORT_FAILED"), "w") as f:
+        f.write(f"this export failed verification and must not be used: {why}\n")

@@ -59,6 +59,7 @@ def adapter_from_checkpoint(ckpt: str) -> str:
     """Write the LoRA tensors of a DCP training checkpoint as a native adapter (in a temporary directory), with
     the LoRA settings of the config.yaml saved beside them, and return that directory."""
     from moetune.config import load_config
+    from moetune.model.random_base import base_recipe
 
     if not os.path.isfile(os.path.join(ckpt, "config.yaml")):
         raise ExportError(f"{ckpt}: a DCP directory without config.yaml is not a complete moetune checkpoint")
@@ -68,9 +69,20 @@ def adapter_from_checkpoint(ckpt: str) -> str:
     state = {k: v.float() for k, v in load_model_state(ckpt).items() if ".lora" in k}
     c = cfg.lora
     out = tempfile.mkdtemp(prefix="moetune-adapter-")
-    save_adapter(state, out, dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora,
-                                  targets=list(c.targets)), base_model=cfg.model.path)
+    meta = dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora, targets=list(c.targets))
+    if (recipe := base_recipe(cfg, _trained_on(ckpt))) is not None:
+        meta["base_init"] = recipe
+    save_adapter(state, out, meta, base_model=cfg.model.path)
     return out
+
+
+def _trained_on(ckpt: str) -> str:
+    """The device type a checkpoint was trained on (checkpoints before it was recorded: cpu)."""
+    try:
+        with open(os.path.join(ckpt, "trainer_state.json")) as f:
+            return json.load(f).get("device", "cpu")
+    except (OSError, ValueError):
+        return "cpu"
 
 
 def _base_config(base: str | None):

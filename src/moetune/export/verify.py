@@ -15,6 +15,8 @@ from moetune.errors import ExportError
 from moetune.model.adapter_io import read_adapter
 from moetune.model.hf_io import as_dtype
 
+TOLERANCE = 1e-4  # relative logit error ‖a−b‖/‖b‖ an export must stay within
+
 
 def _sample_ids(vocab: int, n: int = 3, seq: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
@@ -40,7 +42,7 @@ def _check(errors: dict, tol: float, what: str) -> dict:
 
 
 @torch.no_grad()
-def verify_peft_adapter(native_dir: str, peft_dir: str, base_path: str, tol: float = 1e-4) -> dict:
+def verify_peft_adapter(native_dir: str, peft_dir: str, base_path: str, tol: float = TOLERANCE) -> dict:
     from peft import PeftModel
 
     ours = moetune.load_model(base_path, dtype="float32", adapter=native_dir)
@@ -57,7 +59,7 @@ def verify_peft_adapter(native_dir: str, peft_dir: str, base_path: str, tol: flo
 
 
 @torch.no_grad()
-def verify_vllm_adapter(native_dir: str, vllm_dir: str, base_path: str, tol: float = 1e-4) -> dict:
+def verify_vllm_adapter(native_dir: str, vllm_dir: str, base_path: str, tol: float = TOLERANCE) -> dict:
     """vLLM is not imported here (it needs a GPU). Checks: (1) the per-expert tensors stack back exactly into the
     native adapter; (2) where PEFT can read this layout (it is the transformers-v4 MoE layout, which PEFT converts
     for v5 models: attention and routed experts, without rsLoRA, whose alpha PEFT's conversion doubles), the
@@ -94,7 +96,7 @@ def _merge_in_memory(model) -> None:
 
 
 @torch.no_grad()
-def verify_merged(base_path: str, adapter_dir: str, merged_dir: str, tol: float = 1e-4) -> dict:
+def verify_merged(base_path: str, adapter_dir: str, merged_dir: str, tol: float = TOLERANCE) -> dict:
     """(1) transformers and moetune read the merged checkpoint alike; (2) it equals moetune's base+adapter merged
     in memory and rounded to the export dtype; (3, information) how far rounding moved it from base+adapter."""
     with open(os.path.join(merged_dir, "config.json")) as f:

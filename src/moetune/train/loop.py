@@ -17,6 +17,7 @@ from moetune.config import Config, config_hash, config_to_yaml
 from moetune.errors import NumericalFault, RunDirInUse
 from moetune.model.adapter_io import gather_lora_state, save_adapter
 from moetune.model.lora import format_trainable_table
+from moetune.model.random_base import base_recipe
 from moetune.names import IGNORE_INDEX
 from moetune.layout import Layout, gpu_memory_gib, resolve_layout
 from moetune.parallel import Dist, init_distributed, launch_world_size
@@ -249,7 +250,7 @@ def trainer_state(cfg: Config, state: TrainState, dist: Dist, loader) -> dict:
     return {**{k: getattr(state, k) for k in RESTORED_FIELDS},
             "config_hash": config_hash(cfg), "moetune_version": moetune.__version__,
             "torch_version": torch.__version__, "finetune_mode": cfg.finetune.mode,
-            "world_size": dist.world_size,
+            "world_size": dist.world_size, "device": dist.device.type,
             "global_batch": dist.dp_size * cfg.train.micro_batch_size * cfg.train.grad_accum,
             "data_position": loader.state_dict(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -276,6 +277,8 @@ def write_adapter(cfg: Config, model, dist: Dist) -> None:
     if dist.is_main:
         c = cfg.lora
         meta = dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora, targets=list(c.targets))
+        if (recipe := base_recipe(cfg, dist.device.type)) is not None:
+            meta["base_init"] = recipe  # a random-init base: what rebuilds it for export (model/random_base.py)
         save_adapter(lora, RunDir(cfg.run_dir).adapter, meta, base_model=cfg.model.path)
 
 

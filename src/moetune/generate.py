@@ -1,0 +1,209 @@
+"""Try a trained model: `moetune generate` and `moetune chat`, and the same from Python.
+
+    model, tokenizer = moetune.load_for_generation("runs/demo")             # a run dir: base + its adapter
+    moetune.generate(model, "upper: abc", tokenizer=tokenizer, max_new_tokens=8)   # -> "ABC"
+    moetune.generate(model, input_ids, max_new_tokens=8)                     # ids in, ids out (greedy)
+
+What is loaded: a run directory (or its adapter/, or a training checkpoint) is its base plus the adapter — the base
+it trained on (model.path, or a random-init base rebuilt bit for bit into RUN/base/), or --base; any other directory
+is an HF checkpoint. Prompts go through the tokenizer's chat template unless --raw. Decoding (model/generation.py)
+keeps a KV cache; greedy by default, --temperature/--top-p sample. CPU for the demo; --device cuda for larger
+models (the whole model on one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from moetune.errors import CheckpointError, MoetuneError
+from moetune.model.generation import generate as generate_ids
+
+# Where GLM's chat format ends an assistant turn: the next role tag, or the end of text.
+_STOP_TOKENS = ("<|user|>", "<|observation|>", "<|endoftext|>")
+
+
+def _is_moetune_source(path: str) -> bool:
+    """A run dir, an adapter dir or a training checkpoint (as opposed to an HF model directory)."""
+    p = os.fspath(path)
+    return any(os.path.exists(os.path.join(p, f)) for f in ("adapter", "adapter_config.json", ".metadata",
+                                                              "checkpoints"))
+
+
+def _pick_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_for_generation(source: str, base: str | None = None, adapter: str | None = None, device: str | None = None,
+                        dtype: str | None = None):
+    """(model, tokenizer) for a run directory / adapter / checkpoint, or an HF checkpoint directory (optionally with
+    a moetune `adapter`). dtype default: bfloat16 on a GPU, float32 on the CPU."""
+    import moetune
+    from moetune.export.adapter import resolve_adapter_dir
+    from moetune.export.run_base import resolve_base
+    from moetune.model.adapter_io import read_adapter_config
+
+    if not os.path.exists(source):
+        raise CheckpointError(f"{source}: no such run directory or model directory")
+    if _is_moetune_source(source):
+        adapter = resolve_adapter_dir(source)
+        meta = read_adapter_config(adapter)
+        base = resolve_base(adapter, meta, base)
+        if not base:
+            raise CheckpointError(f"{adapter}: the adapter names no base model: pass --base")
+    else:
+        base = base or source
+    if not os.path.isfile(os.path.join(base, "config.json")):
+        raise CheckpointError(f"{base}: not an HF checkpoint directory (no config.json)")
+    device = _pick_device(device)
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model = moetune.load_model(base, device=device, dtype=dtype, adapter=adapter)
+    return model, load_tokenizer_for(base)
+
+
+def load_tokenizer_for(model_dir: str):
+    from moetune.data import load_tokenizer
+
+    has_tok = any(os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    return load_tokenizer(model_dir if has_tok else None)
+
+
+def default_stop_ids(tokenizer, model_dir: str | None = None) -> list[int]:
+    """eos, the chat format's turn ends, and generation_config.json's eos_token_id(s)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in _STOP_TOKENS if t in vocab)
+    gen = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if gen and os.path.isfile(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return sorted(ids)
+
+
+def encode_prompt(tokenizer, messages_or_text, chat: bool = True) -> torch.Tensor:
+    """Token ids [1, S] of a prompt: messages (or a text as one user message) through the chat template, ready for
+    the assistant's reply; with chat=False the text as is."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "user", "content": messages_or_text}] if isinstance(messages_or_text, str)
+                    else messages_or_text)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = messages_or_text if isinstance(messages_or_text, str) else "\n".join(m["content"] for m in messages_or_text)
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=torch.long)
+
+
+def generate(model, prompt, tokenizer=None, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int | None = None, chat: bool = True, stop_ids=None):
+    """Generate from `prompt`: a tensor of token ids [B, S] (returns ids [B, S + n]), or a text / a list of
+    messages with `tokenizer` (returns the reply as text, stop tokens removed)."""
+    if isinstance(prompt, torch.Tensor):
+        stops = stop_ids if stop_ids is not None else (default_stop_ids(tokenizer) if tokenizer else [])
+        return generate_ids(model, prompt, max_new_tokens, temperature, top_p, stops, seed)
+    if tokenizer is None:
+        raise ValueError("a text prompt needs the tokenizer (load_for_generation returns it)")
+    ids = encode_prompt(tokenizer, prompt, chat)
+    stops = stop_ids if stop_ids is not None else default_stop_ids(tokenizer)
+    out = generate_ids(model, ids, max_new_tokens, temperature, top_p, stops, seed)
+    return _decode(tokenizer, out[0, ids.shape[1]:].tolist(), stops)
+
+
+def _decode(tokenizer, ids: list[int], stops) -> str:
+    stops = set(stops)
+    cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
+    return tokenizer.decode(ids[:cut], skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def _common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", metavar="RUN_DIR_OR_MODEL",
+                   help="a run directory (runs/NAME: its base + adapter), an adapter dir, a training checkpoint, or "
+                        "an HF checkpoint directory")
+    p.add_argument("--base", default=None, help="the base HF checkpoint for a run/adapter (default: the one it "
+                                                "trained on; a random-init base is rebuilt into RUN/base/)")
+    p.add_argument("--adapter", default=None, help="a moetune adapter to apply to an HF checkpoint SOURCE")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                                                            "whose probability adds up to this")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler (reproducible sampling)")
+    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--system", default=None, help="a system message before the conversation")
+
+
+def _load(a):
+    model, tokenizer = load_for_generation(a.source, base=a.base, adapter=a.adapter, device=a.device, dtype=a.dtype)
+    return model, tokenizer
+
+
+def _check_sampling(a) -> None:
+    if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
+        raise MoetuneError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+
+
+def generate_main(argv) -> int:
+    from moetune.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="moetune generate", formatter_class=HelpFormatter,
+        description="Generate a reply to --prompt with a trained run (base + adapter) or an HF checkpoint, "
+                    "with a KV cache; greedy unless --temperature > 0.")
+    _common_flags(p)
+    p.add_argument("--prompt", required=True, help="the user message (or, with --raw, the text to continue)")
+    p.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
+    a = p.parse_args(argv)
+    _check_sampling(a)
+    model, tokenizer = _load(a)
+    messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
+    reply = generate(model, a.prompt if a.raw else messages, tokenizer, a.max_new_tokens, a.temperature, a.top_p,
+                     a.seed, chat=not a.raw)
+    print(reply)
+    return 0
+
+
+def chat_main(argv, stdin=None) -> int:
+    from moetune.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="moetune chat", formatter_class=HelpFormatter,
+        description="Chat in the terminal with a trained run (base + adapter) or an HF checkpoint. Each line you "
+                    "type is a user message; the conversation so far goes through the chat template. "
+                    "/reset starts over, /exit (or end of input) quits.")
+    _common_flags(p)
+    a = p.parse_args(argv)
+    _check_sampling(a)
+    model, tokenizer = _load(a)
+    stdin = stdin or sys.stdin
+    interactive = stdin.isatty()
+    history = [{"role": "system", "content": a.system}] if a.system else []
+    if interactive:
+        print(f"moetune chat with {a.source} (/reset, /exit)", file=sys.stderr)
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.strip() in ("/exit", "/quit"):
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = generate(model, history, tokenizer, a.max_new_tokens, a.temperature, a.top_p, a.seed)
+        history.append({"role": "assistant", "content": reply})
+        print(("model> " if interactive else "") + reply, flush=True)
+    return 0
