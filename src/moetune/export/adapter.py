@@ -131,6 +131,8 @@ def staged_output(out_dir: str, allowed: tuple[str, ...]):
 def _write_adapter(out_dir: str, state: dict, config: dict) -> None:
     try:
         save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+        # safetensors creates its file 0600; exports are for other users and servers too
+        os.chmod(os.path.join(out_dir, "adapter_model.safetensors"), 0o644)
         with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error

@@ -42,6 +42,7 @@ def save_adapter(state: dict[str, torch.Tensor], out_dir: str, lora_cfg: dict, b
         os.makedirs(out_dir, exist_ok=True)
         tmp = os.path.join(out_dir, ".adapter_model.safetensors.tmp")
         save_file(state, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # safetensors creates its file 0600; the adapter is read by other users and servers too
         os.replace(tmp, os.path.join(out_dir, "adapter_model.safetensors"))
         tmp = os.path.join(out_dir, ".adapter_config.json.tmp")
         with open(tmp, "w") as f:

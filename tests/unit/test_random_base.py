@@ -1,0 +1,110 @@
+"""A run on a random-init base (the demo) closes the loop with no extra flags: the adapter records what rebuilds
+its base bit for bit; export adapter (PEFT, vLLM) and merged find it, --verify says PASS or FAIL, a failed export
+leaves nothing behind, and `generate` runs on the run directory."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moetune.cli import main
+from moetune.config import load_config
+from moetune.model.random_base import base_recipe, build_base
+from moetune.parallel import Dist
+from moetune.train.setup import setup_model
+from helpers import run_inprocess, small_run_args
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rebuilt_base_equals_the_trained_base_bit_for_bit(dtype):
+    cfg = load_config(None, ["--model.dtype", dtype, "--run.seed", "3", "--model.init_std", "0.05",
+                             "--lora.targets", "all"])
+    trained = setup_model(cfg, Dist())
+    rebuilt = build_base(base_recipe(cfg, "cpu"))
+    ours = dict(rebuilt.named_parameters()) | dict(rebuilt.named_buffers())
+    base = {k: v for k, v in list(trained.named_parameters()) + list(trained.named_buffers()) if ".lora" not in k}
+    assert set(ours) == set(base)
+    for k, v in base.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+    assert base_recipe(load_config(None, ["--model.path", "/some/ckpt"]), "cpu") is None
+
+
+def test_gpu_drawn_base_is_not_silently_rebuilt_on_the_cpu(monkeypatch):
+    from moetune.errors import CheckpointError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CheckpointError, match="--base"):
+        build_base(base_recipe(load_config(None, []), "cuda"))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rb")
+    # a random base (no model.path), LoRA on attention, shared and routed experts; 3 steps move B off zero
+    return run_inprocess(small_run_args(tmp, "r", **{"train.steps": 3}))
+
+
+def test_adapter_records_its_base_and_exports_with_no_flags(run, tmp_path, capsys):
+    meta = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    assert meta["base_model"] is None and meta["base_init"]["device"] == "cpu"
+    for fmt in ("peft", "vllm"):
+        out = tmp_path / fmt
+        assert main(["export", "adapter", "--checkpoint", str(run), "--out", str(out), "--format", fmt, "--verify"]) == 0
+        text = capsys.readouterr().out
+        assert "verify: PASS (tolerance 0.0001" in text, text
+        for f in out.iterdir():
+            assert f.stat().st_mode & 0o777 == 0o644, f
+    peft_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert peft_cfg["base_model_name_or_path"] == str(run / "base")
+    assert (run / "base" / "config.json").is_file() and (run / "base" / "tokenizer.json").is_file()
+
+
+def test_merged_defaults_to_the_run_dtype_and_verifies(run, tmp_path, capsys):
+    out = tmp_path / "merged"
+    assert main(["export", "merged", "--checkpoint", str(run), "--out", str(out), "--verify"]) == 0
+    text = capsys.readouterr().out
+    assert "float32" in text and "verify: PASS" in text
+    assert json.loads((out / "config.json").read_text()).get("torch_dtype", "float32") == "float32"
+    assert all(t.dtype == torch.float32 for k, t in load_file(out / "model.safetensors").items())
+
+
+def test_verify_fail_is_reported_and_leaves_nothing(run, tmp_path, capsys):
+    bad = tmp_path / "bad_run"
+    bad.mkdir()
+    os.symlink(run / "config.yaml", bad / "config.yaml")
+    (bad / "adapter").mkdir()
+    (bad / "adapter" / "adapter_config.json").write_text((run / "adapter" / "adapter_config.json").read_text())
+    state = load_file(run / "adapter" / "adapter_model.safetensors")
+    k = next(k for k in state if k.endswith("q_proj.lora_A"))
+    state[k][0, 0] = float("nan")
+    save_file(state, bad / "adapter" / "adapter_model.safetensors")
+    out = tmp_path / "out"
+    rc = main(["export", "adapter", "--checkpoint", str(bad), "--out", str(out), "--format", "peft", "--verify"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "verify: FAIL" in err and "nan" in err
+    assert not out.exists()
+
+
+def test_wrong_base_error_names_the_flag(tmp_path, capsys):
+    from moetune.model.adapter_io import save_adapter
+
+    save_adapter({}, str(tmp_path / "ad"), dict(rank=2, alpha=4, dropout=0.0, rslora=False, targets=["q_proj"]))
+    assert main(["export", "merged", "--checkpoint", str(tmp_path / "ad"), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "--base" in err and "base_model_path" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_generate_and_chat_on_the_run_dir(run, capsys, monkeypatch):
+    import io
+
+    from moetune.generate import chat_main
+
+    assert main(["generate", str(run), "--prompt", "reverse: abc", "--max-new-tokens", "5"]) == 0
+    reply = capsys.readouterr().out
+    assert reply.endswith("\n")
+    assert chat_main([str(run), "--max-new-tokens", "5"], stdin=io.StringIO("reverse: abc\n/reset\nreverse: abc\n")) == 0
+    replies = capsys.readouterr().out.splitlines()
+    assert len(replies) == 2 and replies[0] == replies[1] == reply.rstrip("\n")  # greedy, same history after /reset
