@@ -115,9 +115,21 @@ class LoraConfig(_Section):
         return [t for t in LORA_TARGETS if t in chosen]
 
 
+class DataSource(_Section):
+    path: str = Field(min_length=1)
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)  # uses of each document per epoch (data.mix_documents)
+
+
+# one source, or several mixed by weight: [a.jsonl, {path: b.parquet, weight: 0.5}]
+_Sources = Union[str, list[Union[str, DataSource]], None]
+_COLUMNS = ("text", "messages", "conversations", "instruction", "input", "output", "system")
+
+
 class DataConfig(_Section):
-    train: Optional[str] = None  # JSONL; None -> the embedded demo dataset
-    eval: Optional[str] = None
+    train: _Sources = None  # JSONL, Parquet, Arrow or hub name(s); None -> the embedded demo dataset
+    eval: _Sources = None
+    # our field -> the data's column, for data whose columns have other names: {messages: dialog, output: answer}
+    columns: Optional[dict[str, str]] = None
     tokenizer: Optional[str] = None  # None -> model.path's tokenizer, else the embedded one
     seq_len: int = Field(256, ge=8)
     pack: bool = True
@@ -130,6 +142,22 @@ class DataConfig(_Section):
     train_empty_think: bool = False
     skip_malformed: bool = False
     shuffle: bool = True
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _non_empty_list(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list of data sources")
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, v):
+        for key in v or {}:
+            if key not in _COLUMNS:
+                raise ValueError(f"unknown field {key!r}{_did_you_mean(key, _COLUMNS)} (data.columns maps ours to "
+                                 f"the data's: {', '.join(_COLUMNS)})")
+        return v
     # Tokenized data is cached (Arrow, via Hugging Face datasets) under a key of file content + tokenizer + these
     # options, and reused across runs and ranks. null: $MOETUNE_CACHE_DIR or ~/.cache/moetune/datasets.
     cache: bool = True
@@ -138,6 +166,8 @@ class DataConfig(_Section):
 
 class TrainConfig(_Section):
     steps: int = Field(200, ge=1)  # optimizer steps
+    # passes over the training data; when set, steps is derived from it and the data size (train_steps_for_epochs)
+    epochs: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     micro_batch_size: int = Field(4, ge=1)  # sequences per rank per micro-batch
     grad_accum: int = Field(1, ge=1)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -503,11 +533,22 @@ def check_paths(cfg: Config) -> None:
     if isinstance(m.config, str) and m.config not in BUILTIN_MODELS and not Path(m.config).expanduser().is_file():
         raise missing("model.config", m.config, "config.json file")
     for key in ("train", "eval"):
-        path = getattr(cfg.data, key)
-        if path is not None and not Path(path).expanduser().exists() and _local_looking(path, _DATA_SUFFIXES):
-            raise missing(f"data.{key}", path, "file")
+        sources = getattr(cfg.data, key)
+        sources = [] if sources is None else [sources] if isinstance(sources, str) else sources
+        for src in sources:
+            path = src if isinstance(src, str) else src.path
+            if not Path(path).expanduser().exists() and _local_looking(path, _DATA_SUFFIXES):
+                raise missing(f"data.{key}", path, "file")
     tok = cfg.data.tokenizer
     if tok is not None and not Path(tok).expanduser().exists() and _local_looking(tok):
         raise missing("data.tokenizer", tok, "tokenizer directory")
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise missing("resume", cfg.resume, "checkpoint directory")
+
+
+def train_steps_for_epochs(cfg: Config, batches_per_epoch: int) -> int:
+    """train.steps for train.epochs passes over data of `batches_per_epoch` global micro-batches (the loader's count,
+    the tail that fills no whole global micro-batch dropped), at least 1."""
+    import math
+
+    return max(1, math.ceil(cfg.train.epochs * batches_per_epoch / cfg.train.grad_accum))

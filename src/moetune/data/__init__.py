@@ -1,6 +1,6 @@
-"""The data pipeline: JSONL -> records -> (token ids, trained mask) -> fixed-length packs -> micro-batches.
+"""The data pipeline: JSONL (or Parquet, Arrow, hub; several sources mixed by weight) -> records -> (token ids, trained mask) -> fixed-length packs -> micro-batches.
 
-    formats.py  read and validate JSONL (errors name file:line)
+    formats.py  read and validate JSONL (errors name file:line); Alpaca, ShareGPT, content parts, column mapping
     cache.py    Parquet/Arrow/hub sources through HF datasets; tokenised documents cached on disk across runs and ranks
     chat.py     render conversations with the tokenizer's chat template; which tokens are trained (reasoning too)
     packing.py  documents -> packs with position ids restarting per document and pre-shifted labels
@@ -27,14 +27,25 @@ LONGEST_DOCUMENT = 1 << 17  # tokens: GLM-4.5's context; a record that surely ex
 
 
 def build_packs(
-    path: str, tokenizer, seq_len: int, *, train_on: str = "assistant", pack: bool = True, skip_malformed: bool = False,
+    path, tokenizer, seq_len: int, *, train_on: str = "assistant", pack: bool = True, skip_malformed: bool = False,
     train_reasoning: bool = True, train_empty_think: bool = False, cache_dir: str | None = None, dist=None,
+    columns: dict | None = None, seed: int = 0,
 ) -> tuple[list[dict], dict]:
-    """Read, tokenize and pack one data source (JSONL, Parquet, Arrow, hub name). Stats: those of pack_documents plus
-    "skipped_malformed", and "cache" ("hit", "miss" or "off"). ``cache_dir`` None tokenises in memory, every time."""
-    docs, skipped, cache = tokenized_documents(path, tokenizer, train_on=train_on, skip_malformed=skip_malformed,
-                                               train_reasoning=train_reasoning, train_empty_think=train_empty_think,
-                                               cache_dir=cache_dir, dist=dist, max_tokens=seq_len)
+    """Read, tokenize and pack the data: one source (JSONL, Parquet, Arrow, hub name) or a list of sources, each a
+    path or {"path", "weight"} (see `mix_documents`). Stats: those of pack_documents plus "skipped_malformed",
+    "cache" ("hit", "miss" or "off") and "unk_tokens". ``cache_dir`` None tokenises in memory, every time."""
+    sources = _sources(path)
+    docs, skipped, caches = [], 0, []
+    for src, weight in sources:
+        d, s, cache = tokenized_documents(src, tokenizer, train_on=train_on, skip_malformed=skip_malformed,
+                                          train_reasoning=train_reasoning, train_empty_think=train_empty_think,
+                                          cache_dir=cache_dir, dist=dist, columns=columns, max_tokens=seq_len)
+        _warn_unknown_characters(src, d, tokenizer, dist)
+        docs.append((d, weight))
+        skipped += s
+        caches.append(cache)
+    docs = docs[0][0] if len(docs) == 1 and docs[0][1] == 1.0 else mix_documents(docs, seed)
+    label = path if isinstance(path, str) else ", ".join(src for src, _ in sources)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise DataError("the tokenizer has neither a pad nor an eos token to pad packs with")
@@ -42,15 +53,66 @@ def build_packs(
         packs, stats = pack_documents(docs, seq_len, pad_id, pack=pack)
     except DataError as e:
         suffix = f" ({skipped} malformed lines skipped)" if skipped else ""
-        raise DataError(f"{path}: {e}{suffix}") from None
+        raise DataError(f"{label}: {e}{suffix}") from None
     stats["skipped_malformed"] = skipped
-    stats["cache"] = cache
+    stats["cache"] = caches[0] if len(set(caches)) == 1 else ",".join(caches)
     return packs, stats
+
+
+def _sources(path) -> list[tuple[str, float]]:
+    """[(path, weight)] of data.train / data.eval: a path, or a list of paths and {"path", "weight"} mappings."""
+    if isinstance(path, (str, os.PathLike)):
+        return [(os.fspath(path), 1.0)]
+    out = []
+    for item in path:
+        if isinstance(item, (str, os.PathLike)):
+            out.append((os.fspath(item), 1.0))
+        else:
+            item = item if isinstance(item, dict) else item.model_dump()
+            out.append((item["path"], float(item.get("weight", 1.0))))
+    if not out:
+        raise DataError("the list of data sources is empty")
+    return out
+
+
+def mix_documents(sources: list[tuple[list, float]], seed: int = 0) -> list:
+    """Documents of several sources by weight: a weight is how many times each document of its source is used per
+    epoch — 2.0 repeats every document twice, 0.5 keeps a seeded half, 1.5 every document once plus a seeded
+    half. The packer and the loader's shuffle then interleave the sources."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for docs, weight in sources:
+        whole, frac = int(weight), weight - int(weight)
+        out += docs * whole
+        if frac > 0 and docs:
+            out += rng.sample(docs, round(frac * len(docs)))
+    return out
+
+
+# the share of <unk> tokens above which a data set is said to lose characters
+UNK_WARN_RATIO = 0.001
+
+
+def _warn_unknown_characters(path: str, docs, tokenizer, dist=None) -> None:
+    """The embedded demo tokenizer (and any with an <unk>) silently maps what it cannot represent to <unk>: say so."""
+    unk = tokenizer.unk_token_id
+    if unk is None or not docs or (dist is not None and not getattr(dist, "is_main", True)):
+        return
+    n_unk = sum(ids.count(unk) for ids, _ in docs)
+    total = sum(len(ids) for ids, _ in docs)
+    if n_unk > UNK_WARN_RATIO * total:
+        logging.getLogger("moetune").warning(
+            "%s: %d of %d tokens (%.2f%%) are %s: the tokenizer cannot represent these characters (the embedded demo "
+            "tokenizer knows ASCII only); set data.tokenizer or model.path to the model's tokenizer",
+            path, n_unk, total, 100.0 * n_unk / total, tokenizer.unk_token)
 
 
 def tokenized_documents(path: str, tokenizer, *, train_on: str = "assistant", skip_malformed: bool = False,
                         train_reasoning: bool = True, train_empty_think: bool = False, cache_dir: str | None = None,
-                        dist=None, max_tokens: int | None = None) -> tuple[list[tuple[list[int], list[bool]]], int, str]:
+                        dist=None, columns: dict | None = None, max_tokens: int | None = None
+                        ) -> tuple[list[tuple[list[int], list[bool]]], int, str]:
     """(documents as (ids, trained mask), malformed records skipped, cache "hit" | "miss" | "off"). A record whose
     text is too long to fit in ``max_tokens`` tokens whatever the tokenizer does is not tokenised at all (a huge line
     would cost minutes): it stands in as a document one token too long, which packing drops. The bound is at least
@@ -65,10 +127,11 @@ def tokenized_documents(path: str, tokenizer, *, train_on: str = "assistant", sk
         return tokenize_record(record, tokenizer, **options)
 
     if cache_dir is not None:
-        key_options = dict(options, skip_malformed=skip_malformed, **({"max_chars": max_chars} if max_chars else {}))
+        key_options = dict(options, skip_malformed=skip_malformed, **({"max_chars": max_chars} if max_chars else {}),
+                           **({"columns": columns} if columns else {}))
         return cached_documents(path, tokenizer, tokenize, key_options, cache_dir, dist)
     docs, skipped = [], 0
-    for where, record in iter_source_records(path, skip_malformed):
+    for where, record in iter_source_records(path, skip_malformed, columns=columns):
         if record is None:
             skipped += 1
             continue
@@ -108,7 +171,7 @@ def data_options(data_cfg) -> dict:
         cache_dir = os.path.expanduser(data_cfg.cache_dir) if data_cfg.cache_dir else default_cache_dir()
     return dict(train_on=data_cfg.train_on, pack=data_cfg.pack, skip_malformed=data_cfg.skip_malformed,
                 train_reasoning=data_cfg.train_reasoning, train_empty_think=data_cfg.train_empty_think,
-                cache_dir=cache_dir)
+                cache_dir=cache_dir, columns=getattr(data_cfg, "columns", None) or None)
 
 
 def load_tokenizer(name_or_path: str | None):

@@ -26,7 +26,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-from .formats import DataError, iter_records, validate_record
+from .formats import DataError, iter_records, normalize_record, validate_record
 
 CACHE_VERSION = 1
 COLUMNAR = (".parquet", ".arrow")
@@ -38,18 +38,20 @@ def default_cache_dir() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sources
-def iter_source_records(path: str, skip_malformed: bool = False, cache_dir: str | None = None):
+def iter_source_records(path: str, skip_malformed: bool = False, cache_dir: str | None = None,
+                        columns: dict | None = None):
     """``(where, record)`` pairs, ``where`` being ``file:line`` (JSONL) or ``source: row N``; a malformed record yields
     ``(where, None)`` when skipped and raises DataError naming ``where`` otherwise. ``cache_dir``: where datasets
     may keep its Arrow conversion of a Parquet file or hub download (None: in memory)."""
     if not _is_columnar(path):
-        for lineno, record in iter_records(path, skip_malformed):
+        for lineno, record in iter_records(path, skip_malformed, columns):
             yield f"{path}:{lineno}", record
         return
     for i, row in enumerate(_load_columnar(path, cache_dir)):
         where = f"{path}: row {i}"
         record = _drop_nulls(row)  # Arrow fills a missing optional field (a turn's "train") with null
         try:
+            record = normalize_record(record, columns)
             validate_record(record)
         except DataError as e:
             if not skip_malformed:
@@ -180,7 +182,8 @@ def _complete(entry: Path) -> bool:
 def _build(entry: Path, path: str, tokenize, options: dict, cache_dir: str) -> None:
     ds = _datasets()
     lines, records, skipped = [], [], 0
-    for where, record in iter_source_records(path, options.get("skip_malformed", False), cache_dir):
+    for where, record in iter_source_records(path, options.get("skip_malformed", False), cache_dir,
+                                             options.get("columns")):
         if record is None:
             skipped += 1
         else:

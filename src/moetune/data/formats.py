@@ -4,6 +4,13 @@ Each line is one JSON object, either a plain document ``{"text": "..."}`` or a c
 ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "...", "train": true}]}``.
 Other keys (ids, metadata) are allowed and ignored. Every problem is reported as ``path:line: reason`` so a user can
 jump straight to the bad line of a million-line file.
+
+The formats people bring are turned into those two first (``normalize_record``):
+  - Alpaca: ``{"instruction", "input" (optional), "output", "system" (optional)}`` -> system?, user, assistant;
+  - ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | ..., "value": "..."}]}``;
+  - OpenAI-style content as a list of parts ``[{"type": "text", "text": "..."}]`` (text parts joined; an image or
+    audio part is an error: these models read text);
+  - other column names through ``data.columns`` (our name -> theirs, e.g. ``{messages: dialog, output: answer}``).
 """
 
 from __future__ import annotations
@@ -14,12 +21,18 @@ from collections.abc import Iterator
 from moetune.errors import DataError  # noqa: F401  (re-exported)
 
 ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT's speaker names (and those of its variants) -> our roles
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                  "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "tool": "tool",
+                  "observation": "tool", "function_response": "tool", "function": "tool"}
+# the fields data.columns may rename: what each format reads
+COLUMNS = ("text", "messages", "conversations", "instruction", "input", "output", "system")
 
 
-def read_records(path: str, skip_malformed: bool = False) -> tuple[list[dict], int]:
+def read_records(path: str, skip_malformed: bool = False, columns: dict | None = None) -> tuple[list[dict], int]:
     """All valid records of a JSONL file, and how many malformed lines were skipped (always 0 unless skip_malformed)."""
     records, skipped = [], 0
-    for _lineno, record in iter_records(path, skip_malformed):
+    for _lineno, record in iter_records(path, skip_malformed, columns):
         if record is None:
             skipped += 1
         else:
@@ -27,17 +40,17 @@ def read_records(path: str, skip_malformed: bool = False) -> tuple[list[dict], i
     return records, skipped
 
 
-def iter_records(path: str, skip_malformed: bool = False) -> Iterator[tuple[int, dict | None]]:
+def iter_records(path: str, skip_malformed: bool = False, columns: dict | None = None) -> Iterator[tuple[int, dict | None]]:
     """Yield ``(line number, record)``; a malformed line yields ``(lineno, None)`` when skipped, raises otherwise.
 
     Kept separate from read_records so that later stages (tokenization) can still name the line of a record.
     """
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such data file" + (" (it is a directory)" if os.path.isdir(path) else ""))
+        raise DataError(f"{path}: file not found" + (" (it is a directory)" if os.path.isdir(path) else ""))
     with open(path, "rb") as f:  # bytes, so that a bad encoding is reported with its line instead of mid-read
         for lineno, raw in enumerate(f, start=1):
             try:
-                record = _parse_line(raw, first=lineno == 1)
+                record = _parse_line(raw, first=lineno == 1, columns=columns)
             except DataError as e:
                 if not skip_malformed:
                     raise DataError(f"{path}:{lineno}: {e}") from None
@@ -47,7 +60,7 @@ def iter_records(path: str, skip_malformed: bool = False) -> Iterator[tuple[int,
                 yield lineno, record
 
 
-def _parse_line(raw: bytes, first: bool) -> dict | None:
+def _parse_line(raw: bytes, first: bool, columns: dict | None = None) -> dict | None:
     try:
         line = raw.decode("utf-8-sig" if first else "utf-8")  # tolerate a byte-order mark on line 1
     except UnicodeDecodeError as e:
@@ -62,8 +75,72 @@ def _parse_line(raw: bytes, first: bool) -> dict | None:
         raise DataError("JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise DataError(f"expected a JSON object, got {type(obj).__name__}")
+    obj = normalize_record(obj, columns)
     validate_record(obj)
     return obj
+
+
+def normalize_record(obj: dict, columns: dict | None = None) -> dict:
+    """A text or messages record from any supported format (see the module docstring); others pass unchanged."""
+    if columns:
+        obj = dict(obj)
+        for ours, theirs in columns.items():
+            if theirs in obj and ours not in obj:
+                obj[ours] = obj.pop(theirs)
+    if "text" in obj or ("messages" not in obj and "conversations" not in obj and "instruction" not in obj):
+        return obj
+    if "messages" in obj:
+        messages = obj["messages"]
+    elif "conversations" in obj:
+        messages = _from_sharegpt(obj["conversations"])
+    else:
+        messages = _from_alpaca(obj)
+    if isinstance(messages, list):
+        messages = [_join_parts(m, i) if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                    for i, m in enumerate(messages)]
+    out = {k: v for k, v in obj.items() if k not in ("conversations", "instruction", "input", "output", "system")}
+    out["messages"] = messages
+    return out
+
+
+def _from_alpaca(obj: dict) -> list[dict]:
+    for key in ("instruction", "output"):
+        if not isinstance(obj.get(key), str):
+            raise DataError(f"an Alpaca record needs '{key}' as a string, got {type(obj.get(key)).__name__}")
+    for key in ("input", "system"):
+        if obj.get(key) is not None and not isinstance(obj[key], str):
+            raise DataError(f"Alpaca '{key}' must be a string, got {type(obj[key]).__name__}")
+    user = obj["instruction"] + (f"\n\n{obj['input']}" if obj.get("input") else "")
+    system = [{"role": "system", "content": obj["system"]}] if obj.get("system") else []
+    return system + [{"role": "user", "content": user}, {"role": "assistant", "content": obj["output"]}]
+
+
+def _from_sharegpt(turns) -> list[dict]:
+    if not isinstance(turns, list) or not turns:
+        raise DataError("'conversations' must be a non-empty list")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t or "value" not in t:
+            raise DataError(f"conversations[{i}] must be an object with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(t["from"]).lower())
+        if role is None:
+            raise DataError(f"conversations[{i}]: unknown speaker {t['from']!r} (known: {', '.join(SHAREGPT_ROLES)})")
+        out.append({"role": role, "content": t["value"], **({"train": t["train"]} if "train" in t else {})})
+    return out
+
+
+def _join_parts(m: dict, i: int) -> dict:
+    """OpenAI-style content parts -> one string (text parts only)."""
+    texts = []
+    for j, part in enumerate(m["content"]):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise DataError(f"messages[{i}].content[{j}]: a {kind!r} part; only text parts are supported")
+    return dict(m, content="".join(texts))
 
 
 def validate_record(obj: dict) -> None:

