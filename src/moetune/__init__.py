@@ -12,7 +12,7 @@ def load_model(path, device="cpu", dtype=None, adapter=None):
 
 def load_for_generation(source, base=None, adapter=None, device=None, dtype=None):
     """(model, tokenizer) of a run directory (base + its adapter) or an HF checkpoint directory."""
-    from moetune.generate import load_for_generation as _load
+    from moetune.inference import load_for_generation as _load
 
     return _load(source, base=base, adapter=adapter, device=device, dtype=dtype)
 
@@ -21,7 +21,7 @@ def generate(model, prompt, tokenizer=None, max_new_tokens=64, temperature=0.0, 
              stop_ids=None):
     """Generate with a KV cache on a model from `load_model` / `load_for_generation`: token ids [B, S] in, ids out;
     or a text / a list of chat messages with `tokenizer`, the reply's text out. Greedy unless temperature > 0."""
-    from moetune.generate import generate as _generate
+    from moetune.inference import generate as _generate
 
     return _generate(model, prompt, tokenizer, max_new_tokens, temperature, top_p, seed, chat, stop_ids)
 

@@ -174,13 +174,13 @@ def _plot(argv):
 
 
 def _generate(argv):
-    from moetune.generate import generate_main
+    from moetune.inference import generate_main
 
     return _user_errors(generate_main, argv)
 
 
 def _chat(argv):
-    from moetune.generate import chat_main
+    from moetune.inference import chat_main
 
     return _user_errors(chat_main, argv)
 

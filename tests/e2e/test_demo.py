@@ -43,8 +43,10 @@ def test_demo_trains_then_exports_and_generates_with_no_extra_flags(tmp_path):
 
     p = cli("generate", "runs/demo", "--prompt", "upper: abcdef", "--max-new-tokens", "10", cwd=tmp_path)
     assert p.returncode == 0 and p.stdout.strip().isupper(), (p.stdout, p.stderr[-3000:])
-    # the same from Python; the demo task is upper-casing: the trained model gets most words right (untrained: ~none)
+    # the same from Python. The demo task is upper-casing; after its 200 steps the model gets most letters right
+    # (an untrained one: about none), so that is what a newcomer sees
     model, tokenizer = moetune.load_for_generation(str(run))
-    words = ["abcdef", "jihg", "cafe", "bead", "hija", "ggaaj", "dcba", "fedcb"]
-    right = sum(moetune.generate(model, f"upper: {w}", tokenizer, max_new_tokens=10) == w.upper() for w in words)
-    assert right >= 4, right
+    words = ["abcdef", "jihg", "cafe", "bead", "hija", "ggaaj", "dcba", "fedcb", "hecjab", "aij"]
+    replies = [moetune.generate(model, f"upper: {w}", tokenizer, max_new_tokens=10) for w in words]
+    letters = sum(a == b for w, r in zip(words, replies) for a, b in zip(w.upper(), r)) / sum(map(len, words))
+    assert letters > 0.6 and sum(r == w.upper() for w, r in zip(words, replies)) >= 3, replies
