@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import moetune
+import moetune.inference  # noqa: F401 - once imported, moetune.generate must still be the function
 from moetune.model.generation import KVCache, forward_cached, generate, sample_next
 from helpers import hf_model, random_adapter, save_hf
 
