@@ -85,6 +85,9 @@ def test_verify_fail_is_reported_and_leaves_nothing(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "verify: FAIL" in err and "nan" in err
     assert not out.exists()
+    out.mkdir()  # an --out that existed before is left as it was
+    assert main(["export", "adapter", "--checkpoint", str(bad), "--out", str(out), "--format", "peft", "--verify"]) == 1
+    assert list(out.iterdir()) == []
 
 
 def test_wrong_base_error_names_the_flag(tmp_path, capsys):
