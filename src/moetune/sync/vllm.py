@@ -35,6 +35,14 @@ def load_weights_consumer(model):
     return consume
 
 
+def _layerwise_reload():
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker class (worker_extension_cls): `self.device` and `self.model_runner` are the worker's."""
 
@@ -44,7 +52,20 @@ class WeightSyncExtension:
         self._moetune_sync = connect(address, rank_offset + get_world_group().rank, world_size, self.device)
 
     def receive_weights(self) -> dict:
-        return receive(self._moetune_sync, load_weights_consumer(self.model_runner.model))
+        model = self.model_runner.model
+        reload = _layerwise_reload()
+        if reload is None:  # vLLM before layerwise reload: load_weights straight into the loaded parameters
+            return receive(self._moetune_sync, load_weights_consumer(model))
+        # After loading, vLLM may have replaced parameters with processed kernel tensors (the CPU backend repacks
+        # linear weights; those have no weight_loader), so load_weights cannot run on them again. vLLM's own
+        # weight-transfer engines wrap the update like this: parameters back to their checkpoint form, load,
+        # process again, and copy into the original storage (so CUDA graphs and the KV cache stay valid).
+        initialize, finalize = reload
+        initialize(model)
+        try:
+            return receive(self._moetune_sync, load_weights_consumer(model))
+        finally:
+            finalize(model, self.model_runner.model_config)
 
     def close_weight_sync(self) -> None:
         self._moetune_sync.close()
