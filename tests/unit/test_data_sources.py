@@ -39,7 +39,7 @@ def test_alpaca_sharegpt_and_content_parts_become_messages(tmp_path):
 @pytest.mark.parametrize("row,error", [
     ({"conversations": [{"from": "narrator", "value": "x"}]}, "unknown speaker 'narrator'"),
     ({"instruction": "x"}, "needs 'output'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "'image_url' part"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "content\\[0\\] is 'image_url'"),
 ])
 def test_malformed_new_formats_name_the_line(tmp_path, row, error):
     with pytest.raises(DataError, match=f"d.jsonl:2: .*{error}"):

@@ -54,6 +54,7 @@ def sync(a):
     llm.collective_rpc("init_weight_sync", args=(a["address"], 1, a["world_size"]))
     stats = llm.collective_rpc("receive_weights")[0]
     llm.collective_rpc("close_weight_sync")
+    llm.reset_prefix_cache()  # cached keys/values of the prompt were computed with the old weights
     return {"before": before, "after": prompt_logprobs(llm, a["ids"]), "stats": stats}
 
 

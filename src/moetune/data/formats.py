@@ -133,13 +133,12 @@ def _join_parts(m: dict, i: int) -> dict:
     """OpenAI-style content parts -> one string (text parts only)."""
     texts = []
     for j, part in enumerate(m["content"]):
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise DataError(f"messages[{i}].content[{j}]: a {kind!r} part; only text parts are supported")
+            raise DataError(f"messages[{i}]: content must be a string or a list of text parts "
+                            f"({{\"type\": \"text\", \"text\": ...}}); content[{j}] is {kind!r}")
     return dict(m, content="".join(texts))
 
 
