@@ -109,6 +109,5 @@ def test_weight_sync_into_vllm_equals_the_trainers_merged_model(run, ids):
     assert trainer.returncode == 0, err[-3000:]
     want = torch.tensor(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])["logprobs"])
     before, after = torch.tensor(got["before"]), torch.tensor(got["after"])
-    print("before", before, "after", after, "want", want)
     assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
     assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's

@@ -22,15 +22,17 @@ from moetune.sync.receiver import receive
 from moetune.sync.wire import Bucket
 
 
-def load_weights_consumer(model):
-    """consume(bucket) that hands the bucket's (HF name, tensor) pairs to model.load_weights."""
+def load_weights_consumer(model, copy: bool = False):
+    """consume(bucket) that hands the bucket's (HF name, tensor) pairs to model.load_weights. copy: hand over copies,
+    for a loader that keeps tensors past the call (the bucket's memory is reused for a later bucket)."""
 
     def consume(bucket: Bucket) -> None:
         if bucket.format == "adapter":
             raise ValueError("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync "
                              "merged weights (lora='merge') or serve the adapter "
                              "(`moetune export adapter --format vllm`)")
-        model.load_weights(weights=bucket.tensors())
+        tensors = bucket.tensors()
+        model.load_weights(weights=[(n, t.clone()) for n, t in tensors] if copy else tensors)
 
     return consume
 
@@ -41,6 +43,18 @@ def _layerwise_reload():
     except ImportError:
         return None
     return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def _repack_cpu_experts(model) -> None:
+    """vLLM's CPU MoE backend packs the expert weights into its grouped-GEMM layout once, when the model loads; a
+    weight update skips that step (vLLM 0.32, UnquantizedFusedMoEMethod._setup_kernel runs the experts' own
+    process_weights_after_loading on the first call only), which leaves plain weights where the kernel reads packed
+    ones. Pack them again. GPU backends read the weights as loaded: nothing to do there."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.startswith("CPU"):
+            experts.process_weights_after_loading(module)
 
 
 class WeightSyncExtension:
@@ -59,13 +73,16 @@ class WeightSyncExtension:
         # After loading, vLLM may have replaced parameters with processed kernel tensors (the CPU backend repacks
         # linear weights; those have no weight_loader), so load_weights cannot run on them again. vLLM's own
         # weight-transfer engines wrap the update like this: parameters back to their checkpoint form, load,
-        # process again, and copy into the original storage (so CUDA graphs and the KV cache stay valid).
+        # process again, and copy into the original storage (so CUDA graphs and the KV cache stay valid). A layer is
+        # processed once all its weights have come, which can be a later bucket: until then vLLM keeps the tensors
+        # it was given, so it gets copies (the ring's buffer is overwritten two buckets later).
         initialize, finalize = reload
         initialize(model)
         try:
-            return receive(self._moetune_sync, load_weights_consumer(model))
+            return receive(self._moetune_sync, load_weights_consumer(model, copy=True))
         finally:
             finalize(model, self.model_runner.model_config)
+            _repack_cpu_experts(model)
 
     def close_weight_sync(self) -> None:
         self._moetune_sync.close()
