@@ -4,6 +4,7 @@
     llm.collective_rpc("init_weight_sync", args=("tcp://trainer0:29600", 1, 1 + n_workers))
     ...                                        # per sync, while the trainer runs sender.sync():
     llm.collective_rpc("receive_weights")
+    llm.reset_prefix_cache()                   # cached prompt keys/values were computed with the old weights
 
 Every worker (each tensor-parallel rank) joins the sync group and receives every bucket; the model's own
 load_weights maps HF checkpoint names to its fused and sharded parameters (qkv_proj, gate_up_proj, FusedMoE w13/w2,
