@@ -4,6 +4,7 @@ the work."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from moetune.errors import MoetuneError
@@ -152,6 +153,8 @@ def _export_parser() -> argparse.ArgumentParser:
 
 def _export(argv):
     a = _export_parser().parse_args(argv)
+    # progress (shards written, verify stages) on stderr: an export of a large model runs for minutes
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
     if a.what == "adapter":
         a.dtype = None
     else:

@@ -64,8 +64,11 @@ def test_adapter_records_its_base_and_exports_with_no_flags(run, tmp_path, capsy
 def test_merged_defaults_to_the_run_dtype_and_verifies(run, tmp_path, capsys):
     out = tmp_path / "merged"
     assert main(["export", "merged", "--checkpoint", str(run), "--out", str(out), "--verify"]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "float32" in text and "verify: PASS" in text
+    # long silent work says where it is (issue 12, item 6)
+    assert "export: model.safetensors written (1/1)" in captured.err and "verify: loading the merged" in captured.err
     assert json.loads((out / "config.json").read_text()).get("torch_dtype", "float32") == "float32"
     assert all(t.dtype == torch.float32 for k, t in load_file(out / "model.safetensors").items())
 

@@ -10,11 +10,14 @@ of a shard in memory at once. A safetensors file is an 8-byte little-endian head
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("moetune")
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -138,6 +141,9 @@ class ShardedWriter:
             self._f.close()
             os.replace(path, path[: -len(".tmp")])
             self._f = None
+            # a merged export of a large model writes for minutes: say where it is
+            log.info("export: %s written (%d/%d)", os.path.basename(path[: -len(".tmp")]), self._shard + 1,
+                     len(self.shards))
 
     def write(self, name: str, t: torch.Tensor) -> None:
         if self._pos >= len(self.order) or self.order[self._pos] != name:

@@ -5,6 +5,7 @@ and small models; the numbers it returns are relative errors ‖a−b‖/‖b‖
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 
@@ -17,6 +18,8 @@ from moetune.model.hf_io import as_dtype
 
 TOLERANCE = 1e-4  # relative logit error ‖a−b‖/‖b‖ an export must stay within
 
+
+log = logging.getLogger("moetune")
 
 def _sample_ids(vocab: int, n: int = 3, seq: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
@@ -45,6 +48,7 @@ def _check(errors: dict, tol: float, what: str) -> dict:
 def verify_peft_adapter(native_dir: str, peft_dir: str, base_path: str, tol: float = TOLERANCE) -> dict:
     from peft import PeftModel
 
+    log.info("verify: loading the base with the adapter in moetune and in PEFT (transformers)")
     ours = moetune.load_model(base_path, dtype="float32", adapter=native_dir)
     ids = _sample_ids(ours.config.vocab_size)
     want = ours(ids)
@@ -102,6 +106,7 @@ def verify_merged(base_path: str, adapter_dir: str, merged_dir: str, tol: float 
     with open(os.path.join(merged_dir, "config.json")) as f:
         cfg = json.load(f)
     dtype = as_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    log.info("verify: loading the merged checkpoint in moetune and transformers, and base + adapter in moetune")
     merged = moetune.load_model(merged_dir, dtype="float32")
     ids = _sample_ids(merged.config.vocab_size)
     got = merged(ids)
