@@ -1,6 +1,6 @@
 """moetune: fine-tune GLM-4.5-family mixture-of-experts models with LoRA or fully, on 1 to N processes."""
 
-__version__ = "0.1.0"
+from moetune.version import __version__
 
 
 def load_model(path, device="cpu", dtype=None, adapter=None):

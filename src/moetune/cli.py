@@ -8,6 +8,7 @@ import logging
 import sys
 
 from moetune.errors import MoetuneError
+from moetune.help_format import HelpFormatter
 
 CONFIG_REFERENCE = ("the configuration reference is the table in README.md (section 'Configuration reference'); "
                     "`moetune train --print-config` prints every key with its default")
@@ -101,15 +102,6 @@ def _shutdown_distributed():
             pass
         gc.collect()
         dist.destroy_process_group()
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default where it has a meaningful one (not for None or on/off switches)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 _CHECKPOINT_HELP = ("a run directory (runs/NAME), its adapter/, or a training checkpoint (checkpoints/step_XXXXXX); "

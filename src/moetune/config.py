@@ -482,7 +482,7 @@ def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ())
 def config_to_yaml(cfg: Config) -> str:
     """The fully resolved config as YAML; load_config() on it gives back an equal Config. A comment line names the
     moetune version, so a run directory records what produced it even without a tracker."""
-    from moetune import __version__
+    from moetune.version import __version__
 
     header = f"# resolved config, written by moetune {__version__}\n"
     return header + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)

@@ -81,8 +81,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moetune.names import LOSS_CHUNK_TOKENS
+
 GIB = 2**30
-LOSS_CHUNK = 2048  # Glm4MoeForCausalLM.loss_chunk_tokens
 EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, per doubling of ep (assumed)
 # A layout fits when its estimate is under this share of the GPU's memory: the rest is the CUDA context, NCCL's
 # buffers and allocator fragmentation, which torch.cuda.max_memory_allocated (what we estimate) does not see.
@@ -212,7 +213,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     offload = layout.cpu_offload and launched
     skew = 1 + EP_SKEW_PER_DOUBLING * math.log2(ep)
     T = cfg.train.micro_batch_size * cfg.data.seq_len
-    c = min(T, LOSS_CHUNK)
+    c = min(T, LOSS_CHUNK_TOKENS)
     V, H = m.vocab_size, m.hidden_size
     lora = set(cfg.lora.targets) if not full else set()
     rows, notes = [], []

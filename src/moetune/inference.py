@@ -44,7 +44,7 @@ def load_for_generation(source: str, base: str | None = None, adapter: str | Non
                         dtype: str | None = None):
     """(model, tokenizer) for a run directory / adapter / checkpoint, or an HF checkpoint directory (optionally with
     a moetune `adapter`). dtype default: bfloat16 on a GPU, float32 on the CPU."""
-    import moetune
+    from moetune.model.hf_io import load_model
     from moetune.export.adapter import resolve_adapter_dir
     from moetune.export.run_base import resolve_base
     from moetune.model.adapter_io import read_adapter_config
@@ -63,7 +63,7 @@ def load_for_generation(source: str, base: str | None = None, adapter: str | Non
         raise CheckpointError(f"{base}: not an HF checkpoint directory (no config.json)")
     device = _pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = moetune.load_model(base, device=device, dtype=dtype, adapter=adapter)
+    model = load_model(base, device=device, dtype=dtype, adapter=adapter)
     return model, load_tokenizer_for(base)
 
 
@@ -152,7 +152,7 @@ def _check_sampling(a) -> None:
 
 
 def generate_main(argv) -> int:
-    from moetune.cli import HelpFormatter
+    from moetune.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="moetune generate", formatter_class=HelpFormatter,
@@ -172,7 +172,7 @@ def generate_main(argv) -> int:
 
 
 def chat_main(argv, stdin=None) -> int:
-    from moetune.cli import HelpFormatter
+    from moetune.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="moetune chat", formatter_class=HelpFormatter,

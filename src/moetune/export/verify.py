@@ -11,10 +11,9 @@ import warnings
 
 import torch
 
-import moetune
 from moetune.errors import ExportError
 from moetune.model.adapter_io import read_adapter
-from moetune.model.hf_io import as_dtype
+from moetune.model.hf_io import as_dtype, load_model
 
 TOLERANCE = 1e-4  # relative logit error ‖a−b‖/‖b‖ an export must stay within
 
@@ -49,7 +48,7 @@ def verify_peft_adapter(native_dir: str, peft_dir: str, base_path: str, tol: flo
     from peft import PeftModel
 
     log.info("verify: loading the base with the adapter in moetune and in PEFT (transformers)")
-    ours = moetune.load_model(base_path, dtype="float32", adapter=native_dir)
+    ours = load_model(base_path, dtype="float32", adapter=native_dir)
     ids = _sample_ids(ours.config.vocab_size)
     want = ours(ids)
     with warnings.catch_warnings():
@@ -107,11 +106,11 @@ def verify_merged(base_path: str, adapter_dir: str, merged_dir: str, tol: float 
         cfg = json.load(f)
     dtype = as_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     log.info("verify: loading the merged checkpoint in moetune and transformers, and base + adapter in moetune")
-    merged = moetune.load_model(merged_dir, dtype="float32")
+    merged = load_model(merged_dir, dtype="float32")
     ids = _sample_ids(merged.config.vocab_size)
     got = merged(ids)
     errors = {"transformers_vs_moetune": _rel(_hf(merged_dir)(input_ids=ids).logits, got)}
-    ref = moetune.load_model(base_path, dtype="float32", adapter=adapter_dir)
+    ref = load_model(base_path, dtype="float32", adapter=adapter_dir)
     unrounded = ref(ids)
     _merge_in_memory(ref)
     for name, p in ref.named_parameters():

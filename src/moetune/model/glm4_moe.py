@@ -20,6 +20,7 @@ from torch import nn
 from moetune.model.attention import AttnMeta, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
+from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.moe import experts_forward, permute, unpermute
 from moetune.model.recompute import recompute
 
@@ -248,7 +249,7 @@ class Glm4MoeForCausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "eager" (model.attn_implementation)
-        self.loss_chunk_tokens = 2048  # tokens per lm_head+CE chunk: logits never exist for the whole batch
+        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
 
     def forward(self, input_ids, position_ids=None, labels=None):
         """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.model.moe import grouped_linear, local_experts
+from moetune.model.moe import grouped_linear
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
+from moetune.tensors import local_tensor
 
 _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the other, by q_lora_rank
 
@@ -84,7 +85,7 @@ class ExpertLoRA(nn.Module):
     def delta(self, x, A, B, offs):
         """scaling · B(A x) per expert for rows x sorted by expert; A, B are this module's gate_up or down pair
         (under expert parallelism: this rank's experts)."""
-        A, B = _pad_rank(local_experts(A).to(x.dtype), local_experts(B).to(x.dtype))
+        A, B = _pad_rank(local_tensor(A).to(x.dtype), local_tensor(B).to(x.dtype))
         return grouped_linear(grouped_linear(self.dropout(x), A, offs), B, offs) * self.scaling
 
 

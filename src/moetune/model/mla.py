@@ -23,6 +23,7 @@ from moetune.model.config import GLM_MOE_DSA, ModelConfig
 from moetune.model.glm4_moe import MLP, MoE, RMSNorm, apply_rope, rope_cos_sin
 from moetune.model.recompute import recompute
 from moetune.model.loss import linear_cross_entropy
+from moetune.names import LOSS_CHUNK_TOKENS
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -136,7 +137,7 @@ class MLAForCausalLM(nn.Module):
         self.model = MLABackbone(cfg, self.attention_cls)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "eager" (model.attn_implementation)
-        self.loss_chunk_tokens = 2048  # tokens per lm_head+CE chunk: logits never exist for the whole batch
+        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
 
     def attn_meta(self, position_ids) -> AttnMeta:
         return build_attn_meta(position_ids, self.attn_implementation)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetune.model.recompute import recompute as recompute_fn
+from moetune.tensors import local_tensor
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -40,15 +41,10 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def local_experts(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a stacked weight: the local shard of an expert-parallel DTensor, else itself."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
-
-
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T, for weight [E, out, in] and int32 offsets [E]
     (under expert parallelism: this rank's experts, `offs` counting only the rows it received)."""
-    weight = local_experts(weight)
+    weight = local_tensor(weight)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     return _ContiguousGrad.apply(_grouped_mm(x, weight.transpose(-2, -1), offs=offs))
@@ -288,7 +284,7 @@ class AllToAllDispatcher:
         outputs [T, H], global rows per expert [E], side_work's result)."""
         ep = self.group.size()
         T = topk_idx.shape[0]
-        weights = [local_experts(w) for w in weights]
+        weights = [local_tensor(w) for w in weights]
         n_local = num_experts // ep
         bounds = [T * c // self.chunks for c in range(self.chunks + 1)]
         perms = [permute(topk_idx[a:b], num_experts) for a, b in zip(bounds, bounds[1:])]

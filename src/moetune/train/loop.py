@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-import moetune
 from moetune import parallel
+from moetune.version import __version__
 from moetune.config import Config, config_hash, config_to_yaml
 from moetune.errors import NumericalFault, RunDirInUse
 from moetune.model.adapter_io import gather_lora_state, save_adapter
@@ -248,7 +248,7 @@ def start_run_dir(cfg: Config, run: RunDir, plan) -> None:
 
 def trainer_state(cfg: Config, state: TrainState, dist: Dist, loader) -> dict:
     return {**{k: getattr(state, k) for k in RESTORED_FIELDS},
-            "config_hash": config_hash(cfg), "moetune_version": moetune.__version__,
+            "config_hash": config_hash(cfg), "moetune_version": __version__,
             "torch_version": torch.__version__, "finetune_mode": cfg.finetune.mode,
             "world_size": dist.world_size, "device": dist.device.type,
             "global_batch": dist.dp_size * cfg.train.micro_batch_size * cfg.train.grad_accum,

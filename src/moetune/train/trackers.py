@@ -51,7 +51,7 @@ def check_trackers(cfg) -> list[str]:
 def run_description(cfg) -> dict:
     import torch
 
-    from moetune import __version__
+    from moetune.version import __version__
     from moetune.config import config_to_yaml
 
     try:
