@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import run_inprocess, run_torchrun, small_run_args, step_losses
-from moetune.train.checkpoint_files import load_model_state
+from moetune.run_dir import load_model_state
 
 DSA = dict(model_type="glm_moe_dsa", vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
