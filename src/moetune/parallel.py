@@ -164,12 +164,13 @@ def sync_replicated_grads(params, dist: Dist) -> None:
             whole.append(p.grad)
         elif mesh.mesh_dim_names == ("ep",):
             ep_only.append(p.grad.to_local())
-    if whole:
-        flat = torch.cat([g.reshape(-1) for g in whole])
+    for dtype in {g.dtype for g in whole}:  # one bucket per dtype
+        grads = [g for g in whole if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce_sum(flat)
         flat.div_(dist.world_size)
         offset = 0
-        for g in whole:
+        for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
     for g in ep_only:
