@@ -186,9 +186,8 @@ class _ExchangeAndCompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, dispatcher, chunks, compute, recompute, rows, row_weights, *weights):
-        group = dispatcher.group
-        grad = dispatcher.grad_enabled
+    def forward(ctx, group, chunks, compute, recompute, grad, rows, row_weights, *weights):
+        # grad: whether the caller records gradients (inside forward autograd is always off)
         starts = [0]
         for ch in chunks:
             starts.append(starts[-1] + ch.n_send)
@@ -221,7 +220,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
                     _release(r_in)
         for _, work in back:
             work.wait()
-        ctx.dispatcher, ctx.chunks, ctx.starts, ctx.graphs = dispatcher, chunks, starts, graphs
+        ctx.group, ctx.chunks, ctx.starts, ctx.graphs = group, chunks, starts, graphs
         ctx.weights_need_grad = [t.requires_grad for t in weights]
         ctx.rows_shape, ctx.rows_need_grad = rows.shape, rows.requires_grad
         ctx.weights_dtype, ctx.row_weights_need_grad = row_weights.dtype, row_weights.requires_grad
@@ -229,7 +228,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        group, chunks, starts = ctx.dispatcher.group, ctx.chunks, ctx.starts
+        group, chunks, starts = ctx.group, ctx.chunks, ctx.starts
         incoming = [_all_to_all(grad_out[a:b], ch.recv_splits, ch.send_splits, group)
                     for ch, a, b in zip(chunks, starts, starts[1:])]
         going, weight_grads = [], None
@@ -257,7 +256,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
             work.wait()
         it = iter(weight_grads or [])
         grad_weights = [next(it) if need else None for need in ctx.weights_need_grad]
-        return (None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
+        return (None, None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
 
 
 class AllToAllDispatcher:
@@ -273,7 +272,6 @@ class AllToAllDispatcher:
 
     def __init__(self, group, chunks: int = 1):
         self.group, self.chunks = group, max(1, int(chunks))
-        self.grad_enabled = False
         self._copy_stream = None
 
     @torch.compiler.disable  # collectives with data-dependent sizes: a graph break, the layer's rest stays compiled
@@ -313,8 +311,8 @@ class AllToAllDispatcher:
             unsort[order] = torch.arange(order.numel(), device=order.device)
             offs = per_source.sum(0).cumsum(0).to(torch.int32)
             chunks.append(_Chunk(p, send_splits[c], recv_splits[c], order, unsort, offs))
-        self.grad_enabled = torch.is_grad_enabled()
-        y = _ExchangeAndCompute.apply(self, chunks, compute, recompute, rows, row_weights, *weights)
+        y = _ExchangeAndCompute.apply(self.group, chunks, compute, recompute, torch.is_grad_enabled(), rows, row_weights,
+                                      *weights)
         # each chunk's rows sit after the previous chunks' in y: one gather brings every (token, slot) back
         starts = [0]
         for ch in chunks:
