@@ -243,10 +243,11 @@ class Backbone(nn.Module):
 
 
 class Glm4MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backbone: nn.Module | None = None):
+        """`backbone`: the `model.*` stack, GLM-4.5's by default (the MLA family passes its own)."""
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = backbone if backbone is not None else Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "eager" (model.attn_implementation)
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
@@ -259,13 +260,19 @@ class Glm4MoeForCausalLM(nn.Module):
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
-        attn = build_attn_meta(position_ids, self.attn_implementation)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+        x = self.run_layers(x, cos, sin, self.attn_meta(position_ids))
         x = self.model.norm(x)
         if labels is None:
             return self.lm_head(x)
         return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_tokens)
+
+    def attn_meta(self, position_ids) -> AttnMeta:
+        return build_attn_meta(position_ids, self.attn_implementation)
+
+    def run_layers(self, x, cos, sin, attn):
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return x
 
     def moe_layers(self):
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]

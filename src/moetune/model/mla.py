@@ -18,12 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetune.model.attention import AttnMeta, attend, build_attn_meta
+from moetune.model.attention import AttnMeta, attend
 from moetune.model.config import GLM_MOE_DSA, ModelConfig
-from moetune.model.glm4_moe import MLP, MoE, RMSNorm, apply_rope, rope_cos_sin
+from moetune.model.glm4_moe import MLP, Glm4MoeForCausalLM, MoE, RMSNorm, apply_rope
 from moetune.model.recompute import recompute
-from moetune.model.loss import linear_cross_entropy
-from moetune.names import LOSS_CHUNK_TOKENS
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -126,38 +124,17 @@ class MLABackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class MLAForCausalLM(nn.Module):
-    """The causal LM around MLA layers; the same interface as Glm4MoeForCausalLM."""
+class MLAForCausalLM(Glm4MoeForCausalLM):
+    """The causal LM around MLA layers: GLM-4.5's, with its own backbone and the indexer's top-k handed from layer
+    to layer (a "shared" DSA layer reuses the previous one's)."""
 
     attention_cls = MLAttention
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = MLABackbone(cfg, self.attention_cls)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "eager" (model.attn_implementation)
-        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
+        super().__init__(cfg, MLABackbone(cfg, self.attention_cls))
 
-    def attn_meta(self, position_ids) -> AttnMeta:
-        return build_attn_meta(position_ids, self.attn_implementation)
-
-    def forward(self, input_ids, position_ids=None, labels=None):
-        """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32
-        cross-entropy over the target tokens (the trainer divides by the global token count)."""
-        B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
-        attn = self.attn_meta(position_ids)
+    def run_layers(self, x, cos, sin, attn):
         topk = None
         for layer in self.model.layers:
             x, topk = layer(x, cos, sin, attn, topk)
-        x = self.model.norm(x)
-        if labels is None:
-            return self.lm_head(x)
-        return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_tokens)
-
-    def moe_layers(self):
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        return x
