@@ -133,7 +133,7 @@ def shard_experts(experts, ep_mesh, overlap_chunks: int = 1) -> None:
     and loading by global offset, DCP and export keep working — and give `Experts` the all-to-all dispatcher."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from moetune.model.moe import AllToAllDispatcher
+    from moetune.model.expert_parallel import AllToAllDispatcher
 
     if experts.num_experts % ep_mesh.size():
         raise ValueError(f"parallel.ep ({ep_mesh.size()}) must divide the number of routed experts "
@@ -207,7 +207,7 @@ def apply_ac(model, mode: str) -> None:
 
 def apply_compile(model, backend: str = "inductor") -> None:
     """torch.compile per decoder layer: one graph per layer type, no recompiles across layers. Under expert
-    parallelism the exchange is a graph break (moe.AllToAllDispatcher); what surrounds it stays compiled."""
+    parallelism the exchange is a graph break (expert_parallel.AllToAllDispatcher); what surrounds it stays compiled."""
     for layer in model.model.layers:
         layer.compile(dynamic=False, backend=backend)
 

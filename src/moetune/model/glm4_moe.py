@@ -128,7 +128,7 @@ class Experts(nn.Module):
     """Routed experts as stacked weights; `lora` (an ExpertLoRA) is attached by `apply_lora` when targeted.
 
     Under expert parallelism `parallel.apply_ep` shards the weights by expert and injects a `dispatcher`
-    (moe.AllToAllDispatcher) that moves each rank's rows to the rank holding their expert and back; routing
+    (expert_parallel.AllToAllDispatcher) that moves each rank's rows to the rank holding their expert and back; routing
     stays local."""
 
     def __init__(self, cfg: ModelConfig):

@@ -1,0 +1,303 @@
+"""Expert parallelism: the all-to-all dispatcher `parallel.apply_ep` injects into `Experts`.
+
+Each rank holds experts [rank·E/ep, (rank+1)·E/ep) of every MoE layer (DTensor Shard(0) over the ep group). A token
+travels once to every rank that holds at least one of its experts, with its routing (expert ids and weights), and
+not once per (token, expert) pair: with GLM-4.5-Air's top-8 over 2 ranks that is 2 rows per token instead of 8, a
+quarter of the bytes (over 8 ranks about 5.3 instead of 8). The receiving rank expands its rows to the (token,
+expert) pairs it serves, runs the grouped GEMMs, and sums each token's weighted outputs before one row goes back;
+the sending rank sums the rows that come back from each rank. Both sums are the adjoints of the expansions, so
+each direction of the backward moves the same bytes as the forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moetune.model.recompute import recompute as recompute_fn
+from moetune.tensors import local_tensor
+
+
+@dataclass
+class Bags:
+    """A many-to-one map of `n` item rows onto `m` bag rows: item i belongs to bag `bag[i]`; `members` lists the
+    items bag by bag and `starts[j]` is where bag j's list begins (so a bag sum is one `embedding_bag`)."""
+
+    bag: torch.Tensor  # [n]
+    members: torch.Tensor  # [n]
+    starts: torch.Tensor  # [m]
+
+
+def _bag_sum(src: torch.Tensor, bags: Bags) -> torch.Tensor:
+    """[n, H] item rows -> [m, H] sums per bag, accumulated in fp32 (deterministic: no atomics)."""
+    if src.shape[0] == 0:
+        return src.new_zeros((bags.starts.shape[0],) + tuple(src.shape[1:]))
+    return F.embedding_bag(bags.members, src, bags.starts, mode="sum")
+
+
+class _Expand(torch.autograd.Function):
+    """bag rows [m, H] -> item rows [n, H] (each item a copy of its bag's row); the backward sums per bag."""
+
+    @staticmethod
+    def forward(ctx, src, bags):
+        ctx.bags = bags
+        return src.index_select(0, bags.bag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _bag_sum(grad.contiguous(), ctx.bags), None
+
+
+class _Combine(torch.autograd.Function):
+    """item rows [n, H] -> bag rows [m, H] (the sum of each bag's items); the backward copies per item."""
+
+    @staticmethod
+    def forward(ctx, src, bags):
+        ctx.bags = bags
+        return _bag_sum(src, bags)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.bags.bag), None
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts, 0) - counts
+
+
+def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Flat indices of the first `n` True entries of `mask` in order — `n` is known on the host, so unlike
+    `nonzero` this needs no device→host synchronisation."""
+    return torch.argsort((~mask).flatten().to(torch.uint8), stable=True)[:n]
+
+
+@dataclass
+class _Chunk:
+    """One pipeline chunk's exchange (sizes on the host; the receiving side's plan is built once its routing has
+    arrived, inside the exchange)."""
+
+    start: int  # first row of this chunk in the send buffer
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    recv_pairs: int  # (token, local expert) pairs those rows carry
+    routing: torch.Tensor | None = None  # the received [weights | expert ids] per row (fp32), once arrived
+    routing_work: object = None
+    back_work: object = None  # the results' way back
+
+    @property
+    def n_send(self) -> int:
+        return sum(self.send_splits)
+
+    @property
+    def n_recv(self) -> int:
+        return sum(self.recv_splits)
+
+
+@dataclass
+class _Received:
+    """What a rank does with the rows it received: expand each to its local pairs, sorted by local expert."""
+
+    pairs: Bags  # pair -> received row
+    order: torch.Tensor  # [P] flat (row, slot) of each pair, sorted by local expert
+    offs: torch.Tensor  # [E_local] int32 group ends over the pairs
+    weights: torch.Tensor  # [R, k] routing weights of the received rows
+
+
+def _plan_received(routing: torch.Tensor, k: int, first_expert: int, n_local: int, n_pairs: int,
+                   weights_dtype) -> _Received:
+    weights, experts = routing[:, :k].to(weights_dtype), routing[:, k:].long() - first_expert
+    local = (experts >= 0) & (experts < n_local)
+    key = torch.where(local, experts, n_local).flatten()
+    order = torch.argsort(key, stable=True)[:n_pairs]
+    offs = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0).to(torch.int32)
+    pairs = Bags(bag=order // k, members=torch.argsort(order), starts=_exclusive_cumsum(local.sum(1)))
+    return _Received(pairs, order, offs, weights)
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, out=None):
+    """Asynchronous all-to-all of rows (dim 0) into `out` (new if None); returns (output, work). With NCCL,
+    `work.wait()` only orders the current stream after the transfer, so compute queued before it runs under it."""
+    if out is None:
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, work
+
+
+def _release(t: torch.Tensor) -> None:
+    """Free a tensor's memory while autograd keeps the tensor object (as a graph output or input) for its
+    shape. On a GPU the caching allocator reuses the block only after the work queued on this stream, which
+    includes every kernel reading it."""
+    t.untyped_storage().resize_(0)
+
+
+class _ExchangeAndCompute(torch.autograd.Function):
+    """Dispatch → expert compute → combine, pipelined over chunks, forward and backward.
+
+    Forward: every chunk's dispatch is issued at once; chunk c's experts run while chunk c+1's rows are still in
+    flight, and chunk c's results travel back while chunk c+1 computes. Backward mirrors it. The expert computation
+    of each chunk is its own small autograd graph (built in forward, differentiated in backward with autograd.grad),
+    so the order of communication and compute is ours, not the autograd engine's. Activation checkpointing
+    (`recompute`) recomputes only the local expert work of trainable experts from the rows the exchange delivered,
+    never the exchange itself. `row_weights` are the routing weights of the sent rows: their values travel with the
+    routing (`_Chunk.routing`), their gradients come back here.
+    """
+
+    @staticmethod
+    def forward(ctx, group, chunks, plan, compute, recompute, grad, rows, row_weights, *weights):
+        # grad: whether the caller records gradients (inside forward autograd is always off)
+        sent = [_all_to_all(rows[ch.start:ch.start + ch.n_send], ch.recv_splits, ch.send_splits, group)
+                for ch in chunks]
+        result = rows.new_empty(rows.shape)  # one row back per row sent
+        trainable = any(t.requires_grad for t in weights)
+        # Recomputing frozen experts would keep their received rows to save outputs backward never reads.
+        recompute = recompute if trainable else "none"
+        graphs = []
+        for ch, (r, work) in zip(chunks, sent):
+            ch.routing_work.wait()
+            rec = plan(ch)
+            work.wait()
+            with torch.enable_grad() if grad else torch.no_grad():
+                r_in = r.detach().requires_grad_(grad and rows.requires_grad)
+                w_in = rec.weights.detach().requires_grad_(grad and row_weights.requires_grad)
+                local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
+
+                def run(r_rows, w_rows, *local_weights, rec=rec):
+                    pair_rows = _Expand.apply(r_rows, rec.pairs)
+                    pair_weights = w_rows.reshape(-1)[rec.order]
+                    return _Combine.apply(compute(pair_rows, rec.offs, pair_weights, *local_weights), rec.pairs)
+
+                y = recompute_fn(run, recompute, r_in, w_in, *local)
+            graphs.append((y, r_in, w_in, local))
+            back = _all_to_all(y.detach(), ch.send_splits, ch.recv_splits, group,
+                               out=result[ch.start:ch.start + ch.n_send])
+            ch.back_work = back[1]
+            if grad and recompute == "none":
+                # Backward reads the received rows only in a recompute (the expanded pairs are what the GEMMs keep).
+                _release(r_in)
+        for ch, (y, *_) in zip(chunks, graphs):
+            ch.back_work.wait()
+            if grad:  # read by no derivative; freed once sent (gloo reads it from another thread until then)
+                _release(y)
+        ctx.group, ctx.chunks, ctx.graphs = group, chunks, graphs
+        ctx.weights_need_grad = [t.requires_grad for t in weights]
+        ctx.rows_shape, ctx.rows_need_grad = rows.shape, rows.requires_grad
+        ctx.row_weights_like, ctx.row_weights_shape = row_weights.new_empty(0), row_weights.shape
+        ctx.row_weights_need_grad = row_weights.requires_grad
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group, chunks = ctx.group, ctx.chunks
+        incoming = [_all_to_all(grad_out[ch.start:ch.start + ch.n_send], ch.recv_splits, ch.send_splits, group)
+                    for ch in chunks]
+        grad_rows = grad_out.new_empty(ctx.rows_shape) if ctx.rows_need_grad else None
+        grad_row_weights = ctx.row_weights_like.new_empty(ctx.row_weights_shape) if ctx.row_weights_need_grad else None
+        going, weight_grads = [], None
+        for ch, (g, work), (y, r_in, w_in, local) in zip(chunks, incoming, ctx.graphs):
+            work.wait()
+            inputs = [t for t in (r_in, w_in, *local) if t.requires_grad]
+            grads = list(torch.autograd.grad(y, inputs, g, allow_unused=True)) if inputs else []
+            g_rows = grads.pop(0) if r_in.requires_grad else None
+            g_w = grads.pop(0) if w_in.requires_grad else None
+            if r_in.requires_grad:
+                g_rows = torch.zeros_like(r_in) if g_rows is None else g_rows
+                going.append(_all_to_all(g_rows, ch.send_splits, ch.recv_splits, group,
+                                         out=grad_rows[ch.start:ch.start + ch.n_send])[1])
+            if w_in.requires_grad:
+                g_w = torch.zeros_like(w_in) if g_w is None else g_w
+                going.append(_all_to_all(g_w, ch.send_splits, ch.recv_splits, group,
+                                         out=grad_row_weights[ch.start:ch.start + ch.n_send])[1])
+            if grads:
+                grads = [torch.zeros_like(t) if gr is None else gr
+                         for gr, t in zip(grads, [t for t in local if t.requires_grad])]
+                weight_grads = grads if weight_grads is None else [a + b for a, b in zip(weight_grads, grads)]
+        ctx.graphs = None
+        for work in going:
+            work.wait()
+        it = iter(weight_grads or [])
+        grad_weights = [next(it) if need else None for need in ctx.weights_need_grad]
+        return (None, None, None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
+
+
+class AllToAllDispatcher:
+    """Expert parallelism for one MoE layer's `Experts` (see the module docstring).
+
+    `chunks` > 1 splits each rank's tokens into that many pipeline chunks so that the exchange may overlap the
+    expert computation (1: the plain exchange; on H200 the transfers do not run beside the grouped GEMMs,
+    BENCHMARKS.md). Every rank takes part in every collective whatever its tokens route to (split sizes may be 0),
+    so uneven routing cannot desynchronise them. Split sizes must be host integers: one device→host copy per layer,
+    taken while the GPU runs the shared expert (`side_work`).
+    """
+
+    def __init__(self, group, chunks: int = 1):
+        self.group, self.chunks = group, max(1, int(chunks))
+        self._copy_stream = None
+
+    @torch.compiler.disable  # collectives with data-dependent sizes: a graph break, the layer's rest stays compiled
+    def __call__(self, x, topk_idx, topk_weights, weights, compute, num_experts: int, side_work=None,
+                 recompute: str = "none"):
+        """x [T, H] this rank's tokens, topk_idx/topk_weights [T, k]; `weights` the local expert tensors
+        `compute(rows, offs, row_weights, *weights)` takes. Returns (sum of each token's weighted expert
+        outputs [T, H], global rows per expert [E], side_work's result)."""
+        ep, rank = self.group.size(), self.group.rank()
+        T, k = topk_idx.shape
+        weights = [local_tensor(w) for w in weights]
+        n_local = num_experts // ep
+        bounds = [T * c // self.chunks for c in range(self.chunks + 1)]
+        dest = topk_idx // n_local
+        hits = [torch.zeros(b - a, ep, dtype=torch.bool, device=x.device).scatter_(1, dest[a:b], True)
+                for a, b in zip(bounds, bounds[1:])]
+        # [dest rank, chunk, (rows, pairs)]
+        send_counts = torch.stack([torch.stack([h.sum(0), torch.bincount(dest[a:b].flatten(), minlength=ep)], -1)
+                                   for h, a, b in zip(hits, bounds, bounds[1:])], 1)
+        recv_counts = torch.empty_like(send_counts)  # [source rank, chunk, (rows, pairs)]
+        routed = torch.cuda.current_stream().record_event() if x.is_cuda else None
+        work = dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
+        side = side_work() if side_work is not None else None  # queued on the GPU while we wait for the counts
+        host = self._to_host(lambda: torch.cat([send_counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
+        send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
+        recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
+
+        chunks, bag, members, start = [], [], [], 0
+        for c, (h, a, b) in enumerate(zip(hits, bounds, bounds[1:])):
+            n, t = int(send_rows[:, c].sum()), max(b - a, 1)  # t: a chunk may hold no token
+            sel = _first_true(h.t(), n)  # (dest, token) of each row sent, dest-major: the send buffer's order
+            position = torch.empty(h.numel(), dtype=torch.long, device=x.device)
+            position[sel] = torch.arange(start, start + n, device=x.device)
+            bag.append(sel % t + a)
+            by_token = _first_true(h, n)  # (token, dest), token-major: where each token's rows come back
+            members.append(position[(by_token % ep) * t + by_token // ep])
+            chunks.append(_Chunk(start, send_rows[:, c].tolist(), recv[:, c, 0].tolist(), int(recv[:, c, 1].sum())))
+            start += n
+        origin = Bags(torch.cat(bag), torch.cat(members), _exclusive_cumsum(torch.cat([h.sum(1) for h in hits])))
+
+        routing = torch.cat([topk_weights.detach().float(), topk_idx.float()], 1)[origin.bag]
+        for ch in chunks:
+            ch.routing, ch.routing_work = _all_to_all(routing[ch.start:ch.start + ch.n_send], ch.recv_splits,
+                                                      ch.send_splits, self.group)
+
+        def plan(ch):
+            return _plan_received(ch.routing, k, rank * n_local, n_local, ch.recv_pairs, topk_weights.dtype)
+
+        rows = _Expand.apply(x, origin)
+        row_weights = topk_weights[origin.bag]
+        y = _ExchangeAndCompute.apply(self.group, chunks, plan, compute, recompute, torch.is_grad_enabled(), rows,
+                                      row_weights, *weights)
+        return _Combine.apply(y, origin), torch.bincount(topk_idx.flatten(), minlength=num_experts), side
+
+    def _to_host(self, make, work, routed) -> list[int]:
+        """`make()` (the split sizes, computed once the counts exchange `work` is done) on the host. On a GPU this
+        runs on a side stream that waits for the routing and the exchange only, so the compute stream keeps
+        running what was queued after them (the shared expert) while the host waits."""
+        if routed is None:
+            work.wait()
+            return make().tolist()
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(routed)
+            work.wait()
+            return make().to("cpu").tolist()
