@@ -148,8 +148,14 @@ def build_ours(cfg: dict, targets, extra, device):
 
 
 def ours_step_fn(model, full: bool, offload: bool = False):
+    from types import SimpleNamespace
+
+    from moetune.train.optim import build_optimizer
+
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=not (offload or CPU_DRY_RUN))  # offload: steps on the host
+    # the trainer's AdamW (its param groups keep EP's DTensor experts apart from plain tensors); offload: on the host
+    opt = build_optimizer(params, SimpleNamespace(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                                  fused=not (offload or CPU_DRY_RUN)), torch.device("cuda"))
 
     def step(ids, labels, pos):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()

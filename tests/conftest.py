@@ -9,6 +9,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # against another busy process make tiny matmuls ~100x slower.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without a GPU our Triton kernels run under Triton's interpreter, so the tests check them against the torch
+# reference on the CPU (read when a kernel is defined, so before any moetune module is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -137,3 +137,31 @@ def test_weighted_swiglu_backward_equals_autograd(dtype):
     assert torch.equal(got, ref)
     torch.testing.assert_close(got_h, ref_h, rtol=0, atol=0)
     torch.testing.assert_close(got_w, ref_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bag_sum_kernel_equals_the_torch_reference(dtype):
+    """The EP exchange's combine (model/bag_sum.py): the Triton kernel (on the CPU under TRITON_INTERPRET=1,
+    conftest) equals the torch reference, with empty slots, bags of one, empty bags and a width that is not a
+    multiple of the kernel's block; and the reference is the plain sum it claims to be."""
+    from moetune.model.bag_sum import BLOCK, bag_sum, bag_sum_torch, kernel_available
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert kernel_available(device), "triton is a test dependency (pyproject) and TRITON_INTERPRET=1 is set"
+    g = torch.Generator().manual_seed(0)
+    n, H = 23, BLOCK + 70
+    src = torch.randn(n, H, generator=g).to(device, dtype)
+    slots = torch.randint(-1, n, (9, 3), generator=g)
+    slots[0] = -1  # an empty bag
+    slots[1] = torch.tensor([5, -1, -1])  # a bag of one
+    slots = slots.to(device)
+    ref = bag_sum_torch(src, slots)
+    expected = torch.stack([sum((src[s].float() for s in row if s >= 0), torch.zeros(H, device=device))
+                            for row in slots.tolist()]).to(dtype)
+    torch.testing.assert_close(ref, expected, rtol=0, atol=0) if dtype == torch.float32 else \
+        torch.testing.assert_close(ref, expected)
+    out = bag_sum(src, slots, use_kernel=True)
+    assert out.dtype == dtype and out.shape == (9, H)
+    # bf16: one rounding of the same fp32 sum (the interpreter truncates instead of rounding: one ulp)
+    torch.testing.assert_close(out, ref, **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}))
+    assert out[0].abs().sum() == 0 and torch.equal(out[1], src[5])

@@ -15,27 +15,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from moetune.model.bag_sum import bag_sum
 from moetune.model.recompute import recompute as recompute_fn
 from moetune.tensors import local_tensor
 
 
 @dataclass
 class Bags:
-    """A many-to-one map of `n` item rows onto `m` bag rows: item i belongs to bag `bag[i]`; `members` lists the
-    items bag by bag and `starts[j]` is where bag j's list begins (so a bag sum is one `embedding_bag`)."""
+    """A many-to-one map of `n` item rows onto `m` bag rows: item i belongs to bag `bag[i]`, and `slots[j]` lists
+    bag j's items (−1: an empty slot)."""
 
     bag: torch.Tensor  # [n]
-    members: torch.Tensor  # [n]
-    starts: torch.Tensor  # [m]
-
-
-def _bag_sum(src: torch.Tensor, bags: Bags) -> torch.Tensor:
-    """[n, H] item rows -> [m, H] sums per bag, accumulated in fp32 (deterministic: no atomics)."""
-    if src.shape[0] == 0:
-        return src.new_zeros((bags.starts.shape[0],) + tuple(src.shape[1:]))
-    return F.embedding_bag(bags.members, src, bags.starts, mode="sum")
+    slots: torch.Tensor  # [m, J]
 
 
 class _Expand(torch.autograd.Function):
@@ -48,7 +40,7 @@ class _Expand(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _bag_sum(grad.contiguous(), ctx.bags), None
+        return bag_sum(grad, ctx.bags.slots), None
 
 
 class _Combine(torch.autograd.Function):
@@ -57,15 +49,11 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src, bags):
         ctx.bags = bags
-        return _bag_sum(src, bags)
+        return bag_sum(src, bags.slots)
 
     @staticmethod
     def backward(ctx, grad):
         return grad.index_select(0, ctx.bags.bag), None
-
-
-def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts, 0) - counts
 
 
 def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -113,8 +101,9 @@ def _plan_received(routing: torch.Tensor, k: int, first_expert: int, n_local: in
     key = torch.where(local, experts, n_local).flatten()
     order = torch.argsort(key, stable=True)[:n_pairs]
     offs = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0).to(torch.int32)
-    pairs = Bags(bag=order // k, members=torch.argsort(order), starts=_exclusive_cumsum(local.sum(1)))
-    return _Received(pairs, order, offs, weights)
+    slots = torch.full_like(key, -1)
+    slots[order] = torch.arange(n_pairs, device=key.device)
+    return _Received(Bags(bag=order // k, slots=slots.view(-1, k)), order, offs, weights)
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, out=None):
@@ -261,18 +250,17 @@ class AllToAllDispatcher:
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
         recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
 
-        chunks, bag, members, start = [], [], [], 0
+        chunks, bag, slots, start = [], [], [], 0
         for c, (h, a, b) in enumerate(zip(hits, bounds, bounds[1:])):
             n, t = int(send_rows[:, c].sum()), max(b - a, 1)  # t: a chunk may hold no token
             sel = _first_true(h.t(), n)  # (dest, token) of each row sent, dest-major: the send buffer's order
-            position = torch.empty(h.numel(), dtype=torch.long, device=x.device)
+            position = torch.full((ep * (b - a),), -1, dtype=torch.long, device=x.device)
             position[sel] = torch.arange(start, start + n, device=x.device)
             bag.append(sel % t + a)
-            by_token = _first_true(h, n)  # (token, dest), token-major: where each token's rows come back
-            members.append(position[(by_token % ep) * t + by_token // ep])
+            slots.append(position.view(ep, b - a).t())  # where each token's rows come back, by rank
             chunks.append(_Chunk(start, send_rows[:, c].tolist(), recv[:, c, 0].tolist(), int(recv[:, c, 1].sum())))
             start += n
-        origin = Bags(torch.cat(bag), torch.cat(members), _exclusive_cumsum(torch.cat([h.sum(1) for h in hits])))
+        origin = Bags(torch.cat(bag), torch.cat(slots))
 
         routing = torch.cat([topk_weights.detach().float(), topk_idx.float()], 1)[origin.bag]
         for ch in chunks:
