@@ -141,10 +141,10 @@ def test_weighted_swiglu_backward_equals_autograd(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bag_sum_kernel_equals_the_torch_reference(dtype):
-    """The EP exchange's combine (model/bag_sum.py): the Triton kernel (on the CPU under TRITON_INTERPRET=1,
+    """The EP exchange's combine (model/kernels.py): the Triton kernel (on the CPU under TRITON_INTERPRET=1,
     conftest) equals the torch reference, with empty slots, bags of one, empty bags and a width that is not a
     multiple of the kernel's block; and the reference is the plain sum it claims to be."""
-    from moetune.model.bag_sum import BLOCK, bag_sum, bag_sum_torch, kernel_available
+    from moetune.model.kernels import BLOCK, bag_sum, bag_sum_torch, kernel_available
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert kernel_available(device), "triton is a test dependency (pyproject) and TRITON_INTERPRET=1 is set"
@@ -165,3 +165,31 @@ def test_bag_sum_kernel_equals_the_torch_reference(dtype):
     # bf16: one rounding of the same fp32 sum (the interpreter truncates instead of rounding: one ulp)
     torch.testing.assert_close(out, ref, **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}))
     assert out[0].abs().sum() == 0 and torch.equal(out[1], src[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_swiglu_kernels_equal_the_torch_reference(dtype):
+    """The Triton forward and backward of the weighted SwiGLU (the EP path's eager expert activation) against
+    the torch reference the CPU runs, for an intermediate size that is not a power of two."""
+    from moetune.model.kernels import (kernel_available, weighted_swiglu_bwd, weighted_swiglu_bwd_torch,
+                                       weighted_swiglu_fwd, weighted_swiglu_fwd_torch)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert kernel_available(device)
+    g = torch.Generator().manual_seed(0)
+    N, I = 19, 88
+    h = (torch.randn(N, 2 * I, generator=g) * 2).to(device, dtype)
+    w = torch.rand(N, generator=g).to(device)
+    dy = torch.randn(N, I, generator=g).to(device, dtype)
+    # The kernels compute in fp32 from the bf16 inputs and round once: the reference on the upcast inputs, within
+    # one bf16 rounding of the output (the interpreter truncates instead of rounding).
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-5}
+    out = weighted_swiglu_fwd(h, w, use_kernel=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), weighted_swiglu_fwd_torch(h.float(), w), **tol)
+    got_h, got_w = weighted_swiglu_bwd(h, w, dy, True, use_kernel=True)
+    ref_h, ref_w = weighted_swiglu_bwd_torch(h.float(), w, dy.float(), True)
+    assert got_h.dtype == dtype and got_w.dtype == w.dtype
+    torch.testing.assert_close(got_h.float(), ref_h, **tol)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-5)
+    assert weighted_swiglu_bwd(h, w, dy, False, use_kernel=True)[1] is None

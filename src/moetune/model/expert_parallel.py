@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetune.model.bag_sum import bag_sum
+from moetune.model.kernels import bag_sum
 from moetune.model.recompute import recompute as recompute_fn
 from moetune.tensors import local_tensor
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd
 from moetune.tensors import local_tensor
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -82,7 +83,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
     """swiglu(h) scaled by each row's routing weight in fp32, back in h's dtype. Compiled, Inductor fuses it and
     keeps only h; in eager mode (the expert-parallel exchange is a graph break) `_WeightedSwiGLU` does the same by
-    hand instead of autograd keeping silu(gate), the product and its fp32 copy (2.5× the memory of h)."""
+    hand instead of autograd keeping silu(gate), the product and its fp32 copy (2.5× the memory of h), one Triton
+    kernel each way on CUDA (model/kernels.py)."""
     if torch.compiler.is_compiling():
         return (swiglu(h).float() * row_weights.unsqueeze(-1)).to(h.dtype)
     return _WeightedSwiGLU.apply(h, row_weights)
@@ -92,19 +94,12 @@ class _WeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, row_weights):
         ctx.save_for_backward(h, row_weights)
-        return (swiglu(h).float() * row_weights.unsqueeze(-1)).to(h.dtype)
+        return weighted_swiglu_fwd(h, row_weights)
 
     @staticmethod
     def backward(ctx, grad):
-        # the same operations autograd would run on the recomputed silu(gate) and product
         h, row_weights = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        silu = F.silu(gate)
-        grad = grad.float()
-        grad_weights = (silu * up).float().mul(grad).sum(-1) if ctx.needs_input_grad[1] else None
-        grad_product = (grad * row_weights.unsqueeze(-1)).to(h.dtype)
-        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
-        return torch.cat([grad_gate, grad_product * silu], dim=-1), grad_weights
+        return weighted_swiglu_bwd(h, row_weights, grad, ctx.needs_input_grad[1])
 
 
 def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None) -> torch.Tensor:
