@@ -18,7 +18,8 @@ EP=${EP:-1}
 MICRO=${MICRO:-1}
 STEPS=${STEPS:-30}
 LAYOUT=()
-[ -n "${LAYOUT_AUTO:-}" ] || LAYOUT=(--parallel.ep "$EP")
+# EP and AC as given (layout manual: no memory-estimate veto), unless LAYOUT_AUTO is set
+[ -n "${LAYOUT_AUTO:-}" ] || LAYOUT=(--parallel.layout manual --parallel.ep "$EP")
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --model.init_std 0.02
         --model.dtype bfloat16 --data.train null --data.eval null --data.seq_len "$SEQ" --lora.targets "$TARGETS"

@@ -263,6 +263,8 @@ def worker(name: str) -> dict:
     }
     if targets is None:
         res["mfu6p"] = round(6 * active_params(cfg) * tokens / st / PEAK, 4)
+    if extra.get("offload"):  # host-bound steps (AdamW on the CPU): a kernel breakdown says little and takes minutes
+        return res
     try:
         res["breakdown_ms"] = breakdown(step, batch)
     except Exception as e:  # the profiler is a nice-to-have, never a reason to lose the numbers
