@@ -69,8 +69,28 @@ def _dispatch_combine_worker(rank, port):
         # expert parallel: this rank's tokens only
         x, idx, w, g = inputs[rank]
         x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y, counts, _ = ep(x, idx, w)
-        (y * g).sum().backward()
+        rows_sent = []  # hidden-width rows each all-to-all takes from this rank
+        send = dist.all_to_all_single
+
+        def spy(out, inp, *a, **kw):
+            if inp.dim() == 2 and inp.shape[1] == H:
+                rows_sent.append(inp.shape[0])
+            return send(out, inp, *a, **kw)
+
+        dist.all_to_all_single = spy
+        try:
+            y, counts, _ = ep(x, idx, w)
+            (y * g).sum().backward()
+        finally:
+            dist.all_to_all_single = send
+        # each token travels once to each rank holding any of its experts (not once per expert), forward and back
+        per_rank = E // WORLD
+        distinct = sum(len({e // per_rank for e in row}) for row in idx.tolist())
+        # order of the hidden-width exchanges: dispatch, results back (forward); output grads, row grads (backward)
+        assert len(rows_sent) == 4 * chunks
+        assert sum(rows_sent[:chunks]) == sum(rows_sent[2 * chunks:3 * chunks]) == distinct, (rows_sent, distinct)
+        if routes[rank] == list(range(E)):
+            assert distinct < idx.numel()  # some tokens have both experts on one rank: fewer rows than pairs
 
         torch.testing.assert_close(y, ref_y[rank])
         torch.testing.assert_close(counts, torch.bincount(idx.reshape(-1), minlength=E))
