@@ -11,9 +11,12 @@ from safetensors import safe_open
 import moetune
 from family_models import hf_dsa, hf_lite
 from helpers import save_hf
+from moetune.model.config import BUILTIN, ModelConfig
+from moetune.model.hf_io import build_model, cast_model
 from moetune.model.lora import apply_lora
 from moetune.sync import receive, receive_into
 from moetune.sync.fp8 import FP8, dequantize, error_bound, quantize
+from moetune.sync.plan import _expert_staging, build_plan
 from moetune.sync.vllm import load_weights_consumer
 from test_sync import NameRecorder, merged_reference, run_sync
 
@@ -113,3 +116,29 @@ def test_sender_allocations_stay_under_the_bound(tmp_path, kind, fmt):
     assert stats["experts_per_unit"] > 1
     assert stats["peak_alloc"] <= stats["bound"]
     assert stats["peak_alloc"] >= 2 * min(stats["bucket"], stats["largest_group"] // 2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("shape", ["glm5", "glm47-flash"])
+def test_full_width_plans_fit_their_bound(shape, fmt):
+    """The plan of a full-width model (built on the meta device: shapes only), LoRA merged: the ring of two buckets
+    plus one unit's staging fits 1.25 × the largest group + one expert, and for GLM-5 with fp8 experts that bound
+    (a MoE layer: 256 experts × 3 × 2048 × 6144 fp8 bytes + MLA + indexer) is far below the 31 GiB per layer the
+    reference system needed after its fix."""
+    cfg = ModelConfig.from_hf_dict(dict(BUILTIN[shape], num_hidden_layers=4))
+    model = build_model(cfg, "meta")
+    cast_model(model, torch.bfloat16)
+    apply_lora(model, TARGETS, 16, 32.0)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    plan = build_plan(model, tensors, fmt, "merge")
+    prefix = f"model.layers.{cfg.num_hidden_layers - 1}.mlp.experts"
+    I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    lora = {"gate_up": (f"{prefix}.lora.gate_up_A", f"{prefix}.lora.gate_up_B")}
+    staging = plan.experts_per_unit * _expert_staging(tensors, prefix, I, H, lora)
+    assert 2 * plan.bucket + staging <= plan.bound
+    assert tensors["lm_head.weight"].numel() * 2 <= plan.largest_group / 2
+    layer = cfg.n_routed_experts * 3 * I * H * (1 if fmt == "fp8" else 2)
+    if shape == "glm5":
+        assert layer <= plan.largest_group <= 1.1 * layer  # the largest group is a MoE layer
+        if fmt == "fp8":
+            assert plan.bound < 13 * (1 << 30) < 31 * (1 << 30)
