@@ -141,3 +141,13 @@ def test_merged_export_from_a_model_in_memory(tmp_path, make):
     with torch.no_grad():
         want = ours(ids)
     assert rel_err(_hf_logits(tmp_path / "merged", ids), want) < 1e-4
+
+
+def test_cli_export_adapter_verify_passes_for_glm5(tmp_path, capsys):
+    from moetune.cli import main
+
+    base = save_hf(hf_dsa(seed=9), tmp_path / "base")
+    random_adapter(base, tmp_path / "adapter", MLA + ["experts"])
+    assert main(["export", "adapter", "--checkpoint", str(tmp_path / "adapter"), "--out", str(tmp_path / "peft"),
+                 "--verify"]) == 0
+    assert "verify: PASS" in capsys.readouterr().out
