@@ -308,7 +308,9 @@ def main():
     secs, peak, _ = measure(bucketed, device, a.iters, rank)
     rows["broadcast in sync's buckets"] = {"seconds": secs, "bytes": sum(sizes[0]), "peak": peak}
     del ring
-    sink = torch.empty(rows["sync bf16"]["bytes"], dtype=torch.uint8, device=device) if rank == 1 else None
+    largest = [stats["bf16"]["largest_group"] if rank == 0 else None]  # a layer at a time arrives: one layer's room
+    dist.broadcast_object_list(largest, src=0)
+    sink = torch.empty(largest[0], dtype=torch.uint8, device=device) if rank == 1 else None
     end = torch.zeros(1, dtype=torch.int64, device=device)
 
     def naive():
