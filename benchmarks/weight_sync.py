@@ -1,14 +1,25 @@
 """Weight sync from trainer to inference worker: throughput and memory, next to a plain broadcast of the same bytes.
 
     torchrun --nproc-per-node 2 benchmarks/weight_sync.py                      # 2 GPUs, AIR shapes
+    torchrun --nproc-per-node 2 benchmarks/weight_sync.py --shape glm5         # 2 GPUs, GLM-5 layers at full width
     torchrun --nproc-per-node 2 benchmarks/weight_sync.py --device cpu --tiny  # a check on CPU (gloo), tiny shapes
+    torchrun --nproc-per-node 2 benchmarks/weight_sync.py --device cpu --shape glm5 --scale-down 8 --layers 3
+                                                                   # a CPU rehearsal of the GLM-5 run, 1/8 the width
 
 Layout: rank 0 is the trainer, a training group of one with the model whole on cuda:0 (an FSDP group of one holds
 the same tensors), rank 1 the inference worker on cuda:1. The sync and the plain broadcast run on the sync group
 (its own rendezvous, as deployed); torchrun's world only lines the two processes up between measurements.
 
-Model: GLM-4.5-Air shapes (hidden 4096, 128 experts × 1408, vocab 151552), --layers decoder layers (layer 0 dense,
-the rest MoE), random weights, LoRA rank 16 on attention and experts with random B (so the merge is real work).
+Model (--shape): GLM-4.5-Air (hidden 4096, 128 experts × 1408, vocab 151552; the default), GLM-5 (`glm5`: hidden
+6144, MLA with q_lora 2048 / kv_lora 512 and 64 heads, the DSA indexer, 256 experts × 2048, vocab 154880; one MoE layer
+is 19.3 GB in bf16, 9.7 GB in fp8) or GLM-4.7-Flash (`glm47-flash`); --layers decoder layers (layer 0 dense, the rest
+MoE), random weights, LoRA rank 16 on attention (MLA: q_a, q_b, kv_a, kv_b, o) and experts with random B (so the
+merge is real work). --scale-down K divides every width (hidden, intermediate sizes, experts, heads, latent ranks) by
+K and the vocabulary by K² (so the embeddings keep their proportion to a layer), keeping the architecture: a
+rehearsal of a shape that does not fit the machine.
+The GLM-5 rows answer issue 14: the sender's and the worker's transient per sync against the 1.25 × largest-layer
+bound (the plan's 1.25·L + one expert), and against the 31 GiB per layer the reference RL system needed after its
+fix (49 GiB before), with fp8 experts, and bytes/s against a plain broadcast.
 Rows, each the best of --iters after a warm-up:
   sync bf16 merged       WeightSender(format="bf16")  -> receive_into(a moetune bf16 model on the worker)
   sync bf16 base         the same, LoRA not merged (lora="base"): the copy-only path
@@ -35,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moetune.model.config import GLM45_AIR, TINY, ModelConfig
+from moetune.model.config import GLM5, GLM45_AIR, GLM47_FLASH, TINY, ModelConfig
 from moetune.model.hf_io import build_model, cast_model, init_weights
 from moetune.model.lora import apply_lora
 from moetune.sync import ModelUpdater, WeightSender, connect, receive
@@ -43,23 +54,53 @@ from moetune.sync.plan import lora_sources
 from moetune.sync.wire import Bucket
 
 GiB = 1 << 30
+SHAPES = {"air": GLM45_AIR, "glm5": GLM5, "glm47-flash": GLM47_FLASH, "tiny": TINY}
+REFERENCE_GIB = {"glm5": 31}  # the reference system's transient per GLM-5.2 layer after its fix (issue 14)
+_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_attention_heads",
+           "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "index_n_heads")
 
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="the tiny demo shapes (for --device cpu)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers: 1 dense + (layers-1) MoE")
+    p.add_argument("--shape", default="air", choices=sorted(SHAPES), help="model shapes (default: GLM-4.5-Air)")
+    p.add_argument("--tiny", action="store_true", help="the tiny demo shapes (= --shape tiny; for --device cpu)")
+    p.add_argument("--scale-down", type=int, default=1, metavar="K", help="divide every width by K (CPU rehearsal)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers: 1 dense + (layers-1) MoE (default 4; glm5: 3, two 19.3 GB MoE layers)")
+    p.add_argument("--no-naive", action="store_true", help="skip the gather-everything row (its fp32 whole-stack "
+                   "merge needs ~4× a layer's bf16 bytes)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    return p.parse_args()
+    a = p.parse_args()
+    if a.tiny:
+        a.shape = "tiny"
+    if a.layers is None:
+        a.layers = 3 if a.shape == "glm5" else 4
+    return a
+
+
+def model_config(a) -> ModelConfig:
+    """The shape's config with --layers layers (the first dense, the rest MoE), widths divided by --scale-down."""
+    d = dict(SHAPES[a.shape], num_hidden_layers=a.layers, first_k_dense_replace=1)
+    if a.scale_down > 1:
+        for k in _WIDTHS:
+            if d.get(k):
+                d[k] = max(1, d[k] // a.scale_down)
+        # a layer's experts shrink by K³ (experts × hidden × intermediate), the embeddings by K × (vocab / K²): the
+        # non-layer group keeps its proportion to a layer, so the largest group is a MoE layer, as at full width
+        d["vocab_size"] = max(1, d["vocab_size"] // a.scale_down**2)
+        d["num_experts_per_tok"] = min(d["num_experts_per_tok"], d["n_routed_experts"])
+    return ModelConfig.from_hf_dict(d)
 
 
 def build_trainer_model(cfg, device, rank):
     model = build_model(cfg, "meta")
     cast_model(model, torch.bfloat16)
-    apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "experts"], rank, 2.0 * rank)
+    attention = (["q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] if cfg.is_mla
+                 else ["q_proj", "k_proj", "v_proj", "o_proj"])
+    apply_lora(model, attention + ["experts"], rank, 2.0 * rank)
     model.to_empty(device=device)
     with torch.no_grad():
         init_weights(model, seed=0)
@@ -209,7 +250,7 @@ def main():
     rank = dist.get_rank()
     assert dist.get_world_size() == 2, "run with torchrun --nproc-per-node 2 (rank 0 trainer, rank 1 worker)"
     torch.manual_seed(0)
-    cfg = ModelConfig.from_hf_dict(dict(TINY if a.tiny else GLM45_AIR, num_hidden_layers=a.layers))
+    cfg = model_config(a)
     port = [None]
     if rank == 0:
         with socket.socket() as s:
@@ -267,17 +308,28 @@ def main():
     secs, peak, _ = measure(bucketed, device, a.iters, rank)
     rows["broadcast in sync's buckets"] = {"seconds": secs, "bytes": sum(sizes[0]), "peak": peak}
     del ring
-    sink = torch.empty(rows["sync bf16"]["bytes"], dtype=torch.uint8, device=device) if rank == 1 else None
+    largest = [stats["bf16"]["largest_group"] if rank == 0 else None]  # a layer at a time arrives: one layer's room
+    dist.broadcast_object_list(largest, src=0)
+    sink = torch.empty(largest[0], dtype=torch.uint8, device=device) if rank == 1 else None
     end = torch.zeros(1, dtype=torch.int64, device=device)
 
     def naive():
         if rank == 1:
             return gather_everything_recv(group, sink)
-        gather_everything_send(model, group)
-        group.broadcast(end).wait()
+        try:
+            gather_everything_send(model, group)
+        except torch.OutOfMemoryError:  # what this approach does at full width; the worker gets the end marker
+            torch.cuda.empty_cache()
+            return "out of memory"
+        finally:
+            group.broadcast(end).wait()
 
-    secs, peak, _ = measure(naive, device, max(1, a.iters - 1), rank)
-    rows["gather-everything bf16"] = {"seconds": secs, "bytes": rows["sync bf16"]["bytes"], "peak": peak}
+    if not a.no_naive:
+        secs, peak, failed = measure(naive, device, max(1, a.iters - 1), rank)
+        failed = [failed]
+        dist.broadcast_object_list(failed, src=0)
+        rows["gather-everything bf16"] = {"seconds": secs, "bytes": rows["sync bf16"]["bytes"], "peak": peak,
+                                          "failed": failed[0]}
     del sink
     for key in ("bf16", "fp8"):
         fn = (lambda: pack_only(senders[key], device)) if rank == 0 else (lambda: None)
@@ -300,20 +352,33 @@ def main():
 
 
 def report(a, cfg, device, rows, peaks, fused):
+    shape = a.shape + (f" / {a.scale_down}" if a.scale_down > 1 else "")
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "shapes": "tiny" if a.tiny else "glm45-air", "layers": cfg.num_hidden_layers, "lora_rank": a.rank,
-           "fused_check": fused,
+           "shapes": shape, "layers": cfg.num_hidden_layers, "lora_rank": a.rank, "fused_check": fused,
+           "reference_transient_gib": REFERENCE_GIB.get(a.shape) if a.scale_down == 1 else None,
            "rows": {k: dict(r, peak_sender=peaks[0][k], peak_worker=peaks[1][k]) for k, r in rows.items()}}
-    unit = GiB if not a.tiny else 1 << 20
-    u = "GiB" if not a.tiny else "MiB"
-    print(f"\nweight sync, {out['shapes']} × {cfg.num_hidden_layers} layers, {out['device']}")
+    small = rows["sync bf16"]["bytes"] < GiB
+    unit, u = (1 << 20, "MiB") if small else (GiB, "GiB")
+    print(f"\nweight sync, {shape} × {cfg.num_hidden_layers} layers, {out['device']}")
     print(f"{'':26}{'bytes/s':>12}{'vs bcast':>10}{'seconds':>10}{u + ' wire':>10}{'peak send':>11}{'peak recv':>11}"
           f"{'bound':>9}")
     for k, r in out["rows"].items():
+        if r.get("failed"):
+            print(f"{k:26}{r['failed']:>12}  (peak send {(r['peak_sender'] or 0) / unit:.2f} {u})")
+            continue
         bound = r.get("bound")
         print(f"{k:26}{r['bytes_per_s'] / GiB:>8.2f} GiB{r['ratio_to_broadcast']:>10.2f}{r['seconds']:>10.4f}"
               f"{r['bytes'] / unit:>10.2f}{(r['peak_sender'] or r.get('tracked_peak') or 0) / unit:>11.2f}"
               f"{r['peak_worker'] / unit:>11.2f}{bound / unit if bound else float('nan'):>9.2f}")
+    print("\ntransient per sync (= per layer: a sync holds one layer's buckets and staging at a time)")
+    for key in ("sync bf16", "sync fp8"):
+        r = out["rows"][key]
+        sender = r["peak_sender"] or r.get("tracked_peak") or 0
+        ref = out["reference_transient_gib"]
+        print(f"  {key[5:]:5} largest layer {r['largest_layer'] / unit:.2f} {u}, bound 1.25·L + e {r['bound'] / unit:.2f} {u}:"
+              f" sender {sender / unit:.2f} {u} ({sender / r['bound']:.2f} of the bound), worker "
+              + (f"{r['peak_worker'] / unit:.2f} {u}" if device.type == "cuda" else "not measured on CPU")
+              + (f"; the reference system: {ref} GiB" if ref else ""))
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "weight_sync.json")
     with open(path, "w") as f:

@@ -21,25 +21,36 @@ from helpers import free_port
 SCALING = 2.0  # alpha 8 / rank 4
 SYNCS = [("lora", dict(format="bf16")), ("lora", dict(format="fp8")), ("lora", dict(lora="adapter")),
          ("full", dict(format="bf16")), ("full", dict(format="fp8"))]
-TARGETS = ["q_proj", "v_proj", "o_proj", "shared_experts", "experts"]
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
+TARGETS = {"glm4_moe": ["q_proj", "v_proj", "o_proj", "shared_experts", "experts"],
+           "glm4_moe_lite": MLA_TARGETS, "glm_moe_dsa": MLA_TARGETS}
+_MLA = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1)
+FAMILY = {  # GLM-4.7-Flash; GLM-5 with index_topk 8 < the 16 tokens of a step, so the indexer selects
+    "glm4_moe_lite": dict(_MLA, model_type="glm4_moe_lite"),
+    "glm_moe_dsa": dict(_MLA, model_type="glm_moe_dsa", index_topk=8, index_head_dim=16, index_n_heads=4,
+                        indexer_types=["full", "shared", "full"]),
+}
 
 
-def _config():
+def _config(kind="glm4_moe"):
     from moetune.model.config import TINY, ModelConfig
 
-    return ModelConfig.from_hf_dict(dict(TINY, num_hidden_layers=3, n_routed_experts=6))  # 6 experts: 3 a rank
+    base = TINY if kind == "glm4_moe" else FAMILY[kind]
+    return ModelConfig.from_hf_dict(dict(base, num_hidden_layers=3, n_routed_experts=6))  # 6 experts: 3 a rank
 
 
-def _trainer_model(dist, full: bool, ep: int):
+def _trainer_model(dist, full: bool, ep: int, kind: str):
     from moetune import parallel
     from moetune.model.hf_io import _param_seed, build_model, cast_model, init_weights
     from moetune.tensors import local_index, local_tensor
     from moetune.model.lora import apply_lora
 
-    model = build_model(_config(), "meta")
+    model = build_model(_config(kind), "meta")
     cast_model(model, torch.float32 if full else torch.bfloat16)
     if not full:
-        apply_lora(model, TARGETS, 4, 8.0)
+        apply_lora(model, TARGETS[kind], 4, 8.0)
     if ep > 1:
         parallel.apply_ep(model, dist.mesh["ep"])
     parallel.apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16)
@@ -74,14 +85,14 @@ def _guard(fn, out_dir, role, *args):
         raise
 
 
-def _trainer(out_dir, rank, world, train_port, sync_addr, ep):
+def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(train_port))
     from moetune.parallel import init_distributed
     from moetune.sync import WeightSender, connect
 
     dist = init_distributed(ep=ep, device="cpu")
-    (lora, lora_step), (full, _) = _trainer_model(dist, False, ep), _trainer_model(dist, True, ep)
+    (lora, lora_step), (full, _) = _trainer_model(dist, False, ep, kind), _trainer_model(dist, True, ep, kind)
     models = {"lora": lora, "full": full}
     group = connect(sync_addr, 0, 2, "cpu", timeout_s=120) if rank == 0 else None
     senders = [WeightSender(models[which], group, **kw) for which, kw in SYNCS]
@@ -104,15 +115,15 @@ def _trainer(out_dir, rank, world, train_port, sync_addr, ep):
     torch.distributed.destroy_process_group()
 
 
-def _receiver(out_dir, sync_addr):
+def _receiver(out_dir, sync_addr, kind):
     from moetune.model.hf_io import build_model, cast_model
     from moetune.model.lora import apply_lora
     from moetune.sync import connect, receive_into
 
-    plain = build_model(_config(), "cpu")
+    plain = build_model(_config(kind), "cpu")
     cast_model(plain, torch.bfloat16)
-    with_lora = build_model(_config(), "cpu")
-    apply_lora(with_lora, TARGETS, 4, 8.0)
+    with_lora = build_model(_config(kind), "cpu")
+    apply_lora(with_lora, TARGETS[kind], 4, 8.0)
     group = connect(sync_addr, 1, 2, "cpu", timeout_s=120)
     got = []
     for _, kw in SYNCS + SYNCS[:1]:
@@ -123,14 +134,14 @@ def _receiver(out_dir, sync_addr):
     group.close()
 
 
-def _run(tmp_path, trainers=2, ep=1):
+def _run(tmp_path, trainers=2, ep=1, kind="glm4_moe"):
     out = str(tmp_path)
     sync_addr = f"tcp://127.0.0.1:{free_port()}"
     train_port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_guard, args=(_trainer, out, f"trainer{r}", r, trainers, train_port, sync_addr, ep))
-             for r in range(trainers)]
-    procs.append(ctx.Process(target=_guard, args=(_receiver, out, "receiver", sync_addr)))
+    procs = [ctx.Process(target=_guard, args=(_trainer, out, f"trainer{r}", r, trainers, train_port, sync_addr, ep,
+                                              kind)) for r in range(trainers)]
+    procs.append(ctx.Process(target=_guard, args=(_receiver, out, "receiver", sync_addr, kind)))
     for p in procs:
         p.start()
     for p in procs:
@@ -161,10 +172,10 @@ def _merged_fp32(state: dict) -> dict:
     return out
 
 
-def _check(trainer, receiver):
+def _check(trainer, receiver, kind="glm4_moe"):
     from moetune.sync.fp8 import dequantize, error_bound, quantize
 
-    I = _config().moe_intermediate_size
+    I = _config(kind).moe_intermediate_size
     syncs = SYNCS + [("lora_again", SYNCS[0][1])]  # the last: after another step, on the first sender's cached plan
     assert len(receiver) == len(trainer["stats"]) == len(syncs)
     first, again = receiver[0]["state"], receiver[-1]["state"]
@@ -206,3 +217,19 @@ def test_fsdp_and_ep_trainer_to_receiver(tmp_path):
     trainer, receiver = _run(tmp_path, trainers=4, ep=2)
     assert trainer["local_experts"] == 2, trainer["placements"]
     _check(trainer, receiver)
+
+
+def test_mla_fsdp_trainer_to_receiver(tmp_path):
+    """GLM-4.7-Flash: LoRA on every MLA projection, FSDP over 2 ranks."""
+    trainer, receiver = _run(tmp_path, kind="glm4_moe_lite")
+    assert trainer["local_experts"] == 3, trainer["placements"]
+    assert any(".kv_a_proj_with_mqa." in n for n in receiver[0]["state"])
+    _check(trainer, receiver, "glm4_moe_lite")
+
+
+def test_dsa_ep_trainer_to_receiver(tmp_path):
+    """GLM-5 (MLA + indexer, which trains no weights but is streamed) on 2 ranks, ep 2: each rank holds 3 experts."""
+    trainer, receiver = _run(tmp_path, ep=2, kind="glm_moe_dsa")
+    assert trainer["local_experts"] == 3, trainer["placements"]
+    assert any(".indexer.weights_proj." in n for n in receiver[0]["state"])
+    _check(trainer, receiver, "glm_moe_dsa")

@@ -15,9 +15,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large part of the machine
 
 
-def _llm(model, **kw):
+def _llm(model, native_rope=False, **kw):
     from vllm import LLM
 
+    if native_rope:
+        # MLA models: vLLM-CPU 0.32's rotary kernel (ops.rotary_embedding, GPT-J style) rotates a 3-D query
+        # [tokens, heads, 64] wrongly (a flat [tokens, heads·64] one right); MLA passes q_pe 3-D. The torch path is right.
+        kw["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     return LLM(model, dtype="float32", max_model_len=256, enforce_eager=True, seed=0, **kw)
 
 
@@ -32,13 +36,13 @@ def prompt_logprobs(llm, ids):
 
 
 def serve(a):
-    return {"logprobs": prompt_logprobs(_llm(a["model"]), a["ids"])}
+    return {"logprobs": prompt_logprobs(_llm(a["model"], a.get("native_rope", False)), a["ids"])}
 
 
 def lora(a):
     from vllm.lora.request import LoRARequest
 
-    llm = _llm(a["base"], enable_lora=True, max_lora_rank=a["rank"], max_loras=1)
+    llm = _llm(a["base"], a.get("native_rope", False), enable_lora=True, max_lora_rank=a["rank"], max_loras=1)
     results = {}
     for i, path in enumerate(a["adapters"], start=1):
         try:
@@ -49,7 +53,7 @@ def lora(a):
 
 
 def sync(a):
-    llm = _llm(a["base"], worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
+    llm = _llm(a["base"], a.get("native_rope", False), worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
     before = prompt_logprobs(llm, a["ids"])
     llm.collective_rpc("init_weight_sync", args=(a["address"], 1, a["world_size"]))
     stats = llm.collective_rpc("receive_weights")[0]

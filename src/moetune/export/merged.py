@@ -23,6 +23,7 @@ import torch
 from moetune.export.adapter import ExportError, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.adapter_io import read_adapter
+from moetune.model.config import GLM4_MOE_LITE, GLM_MOE_DSA
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
@@ -159,6 +160,11 @@ def _write_config(base_path: str, out_dir: str, dtype: torch.dtype) -> None:
 def write_config_dict(cfg: dict, out_dir: str, dtype: torch.dtype) -> None:
     """config.json of `cfg` with its dtype set to what the export writes."""
     cfg = dict(cfg)
+    types = cfg.get("mlp_layer_types")
+    if cfg.get("model_type") in (GLM4_MOE_LITE, GLM_MOE_DSA) and "first_k_dense_replace" not in cfg and types:
+        # transformers 5 writes mlp_layer_types only; vLLM (0.32: glm4_moe_lite.py, deepseek_v2.py) reads
+        # first_k_dense_replace, as the hub configs carry it
+        cfg["first_k_dense_replace"] = next((i for i, t in enumerate(types) if t != "dense"), len(types))
     name = str(dtype).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
     for k in keys:

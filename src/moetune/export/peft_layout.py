@@ -1,7 +1,9 @@
 """moetune LoRA names/layouts <-> PEFT's, as PEFT 0.21 on transformers 5.17 lays them out (verified by
 tests/unit/test_lora_peft_parity.py against PEFT itself; every fact below is checked there).
 
-Linear targets (q/k/v/o_proj; dense-layer and shared-expert gate/up/down_proj):
+Linear targets (GQA q/k/v/o_proj; MLA q_proj or q_a_proj + q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj;
+dense-layer and shared-expert gate/up/down_proj; the same for glm4_moe, glm4_moe_lite and glm_moe_dsa, whose
+module names are transformers'):
     ours  model.layers.N.self_attn.q_proj.lora_A            [r, in]
     PEFT  base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight   (same tensor; lora_B likewise)
 
@@ -28,7 +30,11 @@ import re
 
 import torch
 
-from moetune.model.lora import ATTENTION
+from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
+
+# attention projections PEFT adapts as LoRA Linear (target_modules), GQA's then MLA's
+ATTENTION = ATTENTION_TARGETS + MLA_ATTENTION_TARGETS
+QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # an MLA model has q_proj or q_a_proj + q_b_proj
 
 PREFIX = "base_model.model."
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -47,7 +53,8 @@ _EXPERT_OURS = {  # our suffix -> (PEFT suffix, factor)
 _EXPERT_PEFT = {v[0]: (k, v[1]) for k, v in _EXPERT_OURS.items()}
 _OURS_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(lora\.(?:gate_up|down)_[AB])$")
 _PEFT_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:base_layer\.)?lora_[AB]\.weight)$")
-_LINEAR_RE = re.compile(r"^(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts)\.\w+_proj)\.(lora_[AB])$")
+_LINEAR_RE = re.compile(r"^(model\.layers\.\d+\.(?:self_attn\.(?:" + "|".join(ATTENTION) + r")"
+                        r"|mlp\.(?:shared_experts\.)?(?:gate|up|down)_proj))\.(lora_[AB])$")
 
 
 # ------------------------------------------------------------------------------------------ tensor layouts
@@ -99,7 +106,7 @@ def our_key(peft_key_: str) -> str:
         return f"{m.group(1)}.{_EXPERT_PEFT[m.group(2)][0]}"
     if key.endswith(".weight") and _LINEAR_RE.match(key[: -len(".weight")]):
         return key[: -len(".weight")]
-    raise ValueError(f"{peft_key_} is not a LoRA key moetune can map (GLM-4.5 q/k/v/o, dense/shared MLP, experts)")
+    raise ValueError(f"{peft_key_} is not a LoRA key moetune can map (attention projections, dense/shared MLP, experts)")
 
 
 def targets_of(state: dict) -> list[str]:
@@ -154,7 +161,9 @@ def to_peft_state_dict(our_state: dict, cfg: dict, base_model: str | None = None
     state holds.
     """
     rank = int(cfg["rank"])
-    targets = cfg.get("targets") or targets_of(our_state)
+    present = targets_of(our_state)
+    # the mla_attention alias names both query forms; the adapter holds the one its model has
+    targets = [t for t in cfg.get("targets") or present if t not in QUERY_FORMS or t in present]
     out = {}
     for k, v in our_state.items():
         m = _OURS_EXPERT_RE.match(k)

@@ -14,6 +14,9 @@ import torch
 from moetune.errors import ExportError
 from moetune.model.adapter_io import read_adapter
 from moetune.model.hf_io import as_dtype, load_model
+from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
+
+ATTENTION = ATTENTION_TARGETS + MLA_ATTENTION_TARGETS  # LoRA Linear in PEFT (unlike the MLPs, see verify_vllm_adapter)
 
 TOLERANCE = 1e-4  # relative logit error ‖a−b‖/‖b‖ an export must stay within
 
@@ -77,7 +80,7 @@ def verify_vllm_adapter(native_dir: str, vllm_dir: str, base_path: str, tol: flo
         diff = sorted(set(back) ^ set(native))[:3] or [k for k in native if not torch.equal(back[k], native[k])][:3]
         raise ExportError(f"verify vllm: the exported tensors do not map back to the adapter (e.g. {diff})")
     report = {"tensors_round_trip": True}
-    if set(meta["targets"]) <= {"q_proj", "k_proj", "v_proj", "o_proj", "experts"} and not meta.get("rslora"):
+    if set(meta["targets"]) <= set(ATTENTION) | {"experts"} and not meta.get("rslora"):
         report.update(verify_peft_adapter(native_dir, vllm_dir, base_path, tol))
     return report
 

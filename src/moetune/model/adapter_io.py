@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moetune.errors import CheckpointError, NumericalFault, OutputError
-from moetune.model.glm4_moe import Glm4MoeForCausalLM
+from moetune.model.hf_io import build_model
 from moetune.model.lora import apply_lora
 from moetune.names import LORA_TARGETS
 from moetune.tensors import full_tensor
@@ -134,8 +134,7 @@ _RANK_DIM = {"lora_A": (0, "lora_B"), "lora_B": (-1, "lora_A"), "gate_up_A": (-2
 
 def expected_adapter_shapes(model_config, meta: dict) -> dict[str, tuple]:
     """{name: shape} of the LoRA tensors an adapter of `meta` has on a model of `model_config` (built on meta)."""
-    with torch.device("meta"):
-        model = Glm4MoeForCausalLM(model_config)
+    model = build_model(model_config, "meta")  # the class of its model_type: MLA models have other projections
     try:
         apply_lora(model, meta["targets"], meta["rank"], meta["alpha"], 0.0, meta.get("rslora", False))
     except ValueError as e:

@@ -10,7 +10,7 @@ Trainer (every rank of the training group; the sending rank also holds the sync 
 Inference worker (rank 1..n of the sync group):
 
     group = connect("tcp://trainer0:29600", rank=1, world_size=1 + n_workers)
-    receive_into(group, model)                               # moetune or transformers Glm4MoeForCausalLM
+    receive_into(group, model)                               # moetune's or transformers' model (GLM-4.5, 4.7-Flash, 5)
     receive(group, lambda bucket: engine.load_weights(bucket.tensors()))
     # vLLM: worker_extension_cls="moetune.sync.vllm.WeightSyncExtension"
 

@@ -14,7 +14,8 @@ them (fewer, larger broadcasts). For GLM shapes the largest tensor (lm_head) is 
 bf16: 2 × 1.16 GiB against L = 4.7 GiB). The staging budget is what remains of 1.25·L + e; it decides how many
 experts a unit holds and how many rows of a plain tensor are staged at once. So the total stays under 1.25·L + e
 whenever one expert's staging (≤ 16·I·H bytes: fp32 rows gathered + fp32 scratch) fits that remainder, as it does
-for any GLM-4.5 shape (tested; the plan reports its bound and the sender its tracked peak).
+for any GLM-4.5, GLM-4.7-Flash or GLM-5 shape (tested; the plan reports its bound and the sender its tracked peak).
+The architecture does not enter: MLA projections and the DSA indexer's weights are plain tensors like any other.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The inference side of a weight sync: `receive` takes one sync off the group and hands each bucket to a consumer.
 
     group = connect("tcp://trainer0:29600", rank=1, world_size=2)
-    receive(group, ModelUpdater(model))                       # a moetune or a transformers Glm4MoeForCausalLM
+    receive(group, ModelUpdater(model))                       # a moetune or a transformers GLM model
     receive(group, lambda b: engine_model.load_weights(b.tensors()))   # what the vLLM extension does (vllm.py)
 
 The header (wire.py) arrives first; the receiver then allocates two bucket buffers and keeps the next bucket's
@@ -48,8 +48,9 @@ def receive(group: SyncGroup, consume: Callable[[Bucket], None]) -> dict:
 
 
 class ModelUpdater:
-    """Copies received weights into a model in place. moetune's Glm4MoeForCausalLM and transformers' name every
-    tensor alike (experts fused as gate_up_proj [E, 2I, H] and down_proj [E, H, I]), so one updater serves both.
+    """Copies received weights into a model in place. moetune's models and transformers' (Glm4MoeForCausalLM,
+    Glm4MoeLiteForCausalLM, GlmMoeDsaForCausalLM) name every tensor alike (experts fused as gate_up_proj [E, 2I, H]
+    and down_proj [E, H, I]), so one updater serves both.
 
     bf16 buckets: plain tensors by name, expert sections as one copy per projection. fp8 buckets: experts are
     dequantized (q·s, fp8.py) one expert at a time into the model's dtype. Adapter buckets: LoRA tensors by name
@@ -94,7 +95,7 @@ class ModelUpdater:
 
 
 def receive_into(group: SyncGroup, model) -> dict:
-    """Receive one sync into `model` (moetune or transformers Glm4MoeForCausalLM) in place; the stats also list
+    """Receive one sync into `model` (moetune's or transformers' GLM model) in place; the stats also list
     which of the model's tensors were updated ("updated")."""
     updater = ModelUpdater(model)
     stats = receive(group, updater)

@@ -21,7 +21,8 @@ keeps the scale grid of its own HF tensor:
     w13_scale [n, 2⌈I/128⌉, ⌈H/128⌉], w2_scale [n, ⌈H/128⌉, ⌈I/128⌉].
 The HF per-expert tensors are views of the section: experts.{e}.gate_proj.weight = w13[e-a, :I], up_proj = w13[e-a,
 I:], down_proj = w2[e-a], and their `.weight_scale_inv` likewise — what vLLM's load_weights expects of bf16 and
-block-fp8 GLM-4.5 checkpoints.
+block-fp8 GLM-4.5 checkpoints. MLA models (GLM-4.7-Flash, GLM-5) send their checkpoint names too (q_a_proj,
+kv_a_proj_with_mqa, indexer.wk, ...): vLLM's load_weights packs them (fused_qkv_a_proj, wk_weights_proj) itself.
 """
 
 from __future__ import annotations
