@@ -82,7 +82,7 @@ import math
 from dataclasses import dataclass, field
 
 from moetune.model.config import GLM_MOE_DSA
-from moetune.names import ATTENTION_TARGETS, INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS, MLA_PROJECTIONS
+from moetune.names import ATTENTION_TARGETS, INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS, MLA_PROJECTIONS, NO_GRADIENT_RE
 
 GIB = 2**30
 EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, per doubling of ep (assumed)
@@ -148,7 +148,8 @@ def build_meta_model(cfg, m):
     model = build_model(m, "meta")
     if cfg.finetune.mode == "full":
         for name, p in model.named_parameters():
-            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+            p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+                             and not NO_GRADIENT_RE.search(name))
     else:
         apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
     return model

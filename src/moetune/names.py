@@ -32,6 +32,10 @@ LORA_ALIASES = {
     "mla_all": MLA_PROJECTIONS + MLP_TARGETS,
 }
 
+# ---- parameters no gradient reaches: GLM-5's DSA indexer runs without one (as in transformers). Full fine-tuning
+# keeps them frozen, so the optimizer holds no state for them (a checkpoint would lack what a resume expects)
+NO_GRADIENT_RE = re.compile(r"\.self_attn\.indexer\.")
+
 # ---- HF parameter names of GLM-4.5 (transformers v5 = ours)
 # model.layers.N.<anything>: N is the decoder layer (N == num_hidden_layers is the MTP layer the hub ships)
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
