@@ -48,6 +48,19 @@ against a census of saved tensors on CPU in tests/unit/test_observability_inspec
   selective activation checkpointing keeps the GEMM and attention outputs: b·H + b·D(2nH + 2nKV) + 4nH + b·H
              (o_proj) + [3b·I dense | k·(2b·Im + b·H) + 3b·Is + 4E MoE].
   full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time.
+MLA attention (GLM-4.7-Flash, GLM-5; nH heads, qk = nope + rope, v per head, latents r_q = q_lora_rank (if any) and
+  r_kv = kv_lora_rank), in place of GQA's b·D·(2nH + 2nKV) + 4nH:
+             b·nH·(2qk + nope + v + v) (q, k, the kv_b_proj output v is a view of, the attention output) + 4nH
+             + per latent 4r + 4 (its RMSNorm's fp32 input, rstd; + b·r in full mode) + b·r when its B projection
+             (q_b_proj, kv_b_proj) trains; b·H (normed input) when q_proj / q_a_proj / kv_a_proj_with_mqa train.
+             Layer 0 of a LoRA run keeps q, k, v and a latent's norm only when a projection upstream of them trains.
+             Compiled: the latent norms keep b·r + 4. Selective: the GEMM outputs b·(r_q + r_kv + rope +
+             nH·(qk + nope + v + v)) + 4nH.
+  DSA (GLM-5) past index_topk tokens: each layer attends through its own mask of the selected keys, saved as the
+             attention's float bias: b·S per token (S the sequence length), + S (bool) once for the document mask.
+             The indexer runs without gradient: it saves nothing, and its transient — a chunk of fp32 scores
+             (names.INDEXER_CHUNK_SCORES), the top-k indices 8·k·S and masks (2 + b)·S per token of a sequence — is
+             a forward working set, counted when larger than the backward's.
 Working set on top of the saved activations, at the start of backward: one MoE layer's backward
   (2b·k·H + 10·k·Im per token: gradients of the permuted rows, of the expert output and of the fp32 SwiGLU) and the
   loss: 2b·c·V (one chunk's logits and their gradient); when lm_head trains, the larger of that plus its fp32

@@ -141,7 +141,11 @@ def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
     if m is None:
         return None
     print(describe_architecture(m))
-    model = build_meta_model(cfg, m)
+    try:
+        model = build_meta_model(cfg, m)
+    except ValueError as e:  # LoRA targets this architecture does not have (q_proj/k_proj/v_proj on MLA)
+        print(f"error: {e}")
+        return False
     counts = count_params(model)
     base = counts.total - counts.lora
     active = active_matmul_params(m)

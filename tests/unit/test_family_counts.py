@@ -87,3 +87,9 @@ def test_recipes_inspect_with_the_builtin_shapes(recipe, world, gpu, want, capsy
     for text in want:
         assert text in out, text
     assert "q_a_proj" in out and "kv_b_proj" in out and "q_proj " not in out  # LoRA on the MLA projections
+
+
+def test_inspect_says_in_one_line_which_lora_targets_an_mla_model_lacks(capsys):
+    assert main(["inspect", str(CONFIGS / "glm47-flash-lora.yaml"), "--lora.targets", "[attention]"]) == 1
+    out = capsys.readouterr().out
+    assert "error: lora.targets ['q_proj', 'k_proj', 'v_proj'] match no module of this model (glm4_moe_lite" in out
