@@ -46,4 +46,5 @@ def test_glm5_full_finetune_resumes_exactly(tmp_path):
     assert "model.layers.2.self_attn.indexer.wq_b.weight" in a and any(k.endswith("experts.gate_up_proj") for k in a)
     _assert_identical(a, b)
     start = load_model_state(straight / "checkpoints" / f"step_{N // 2:06d}")
-    assert not torch.equal(start["model.layers.1.self_attn.kv_b_proj.weight"], a["model.layers.1.self_attn.kv_b_proj.weight"])
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert not torch.equal(start[name], a[name])  # it trained after the checkpoint it resumed from

@@ -268,7 +268,8 @@ _GLM4_MOE_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "moe_interme
                   "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
                   "first_k_dense_replace", "partial_rotary_factor", "rope_theta", "use_qk_norm", "attention_bias",
                   "rms_norm_eps"}
-GLM45_AIR = dict({f.name: f.default for f in fields(ModelConfig) if f.name in _GLM4_MOE_KEYS}, num_nextn_predict_layers=1)
+GLM45_AIR = dict({f.name: f.default for f in fields(ModelConfig) if f.name in _GLM4_MOE_KEYS},
+                 num_nextn_predict_layers=1)
 GLM45 = dict(
     GLM45_AIR, hidden_size=5120, num_hidden_layers=92, n_routed_experts=160, moe_intermediate_size=1536,
     intermediate_size=12288, first_k_dense_replace=3, routed_scaling_factor=2.5, use_qk_norm=True,
