@@ -12,16 +12,25 @@ def build_hf(model_cfg: dict, lora_targets: list[str], rank: int = 16, alpha: in
     from peft import LoraConfig, get_peft_model
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    cfg = dict(model_cfg)
-    rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
-            "partial_rotary_factor": cfg.pop("partial_rotary_factor")}
-    cfg.pop("num_nextn_predict_layers", None)
-    hf_cfg = Glm4MoeConfig(**cfg, rope_parameters=rope)
+    if model_cfg.get("model_type", "glm4_moe") != "glm4_moe":  # GLM-4.7-Flash / GLM-5: the config.json we write
+        from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+        from moetune.model.config import ModelConfig
+
+        config_cls, model_cls = {"glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
+                                 "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM)}[model_cfg["model_type"]]
+        hf_cfg = config_cls.from_dict(ModelConfig.from_hf_dict(model_cfg).to_hf_dict())
+    else:
+        cfg = dict(model_cfg)
+        rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
+                "partial_rotary_factor": cfg.pop("partial_rotary_factor")}
+        cfg.pop("num_nextn_predict_layers", None)
+        hf_cfg, model_cls = Glm4MoeConfig(**cfg, rope_parameters=rope), Glm4MoeForCausalLM
     if experts_implementation:
         hf_cfg._experts_implementation = experts_implementation
     torch.manual_seed(0)
     with torch.device(device):
-        model = Glm4MoeForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
+        model = model_cls._from_config(hf_cfg, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -3,6 +3,8 @@
     python benchmarks/train_throughput.py                      # the default variant list, 1 GPU
     python benchmarks/train_throughput.py --variants ours_qkvo_4x1024 hf_qkvo_4x1024
     python benchmarks/train_throughput.py --two-gpu            # adds FSDP2 on 2 GPUs (torchrun)
+    python benchmarks/train_throughput.py --variants hf_flash_mla_1x4096 ours_flash_mla_1x4096 \
+        hf_flash_mlaexperts_1x4096 ours_flash_mlaexperts_1x4096   # full-size GLM-4.7-Flash, 1 GPU
 
 Each variant runs in its own process (peak memory is honest), warms up 3 steps and times 8 (median,
 synchronised wall clock around forward + backward + optimizer). The AIR-8 proxy: GLM-4.5-Air shapes with 8
@@ -62,6 +64,25 @@ VARIANTS = {
     "ours_ep8rank_experts_1x4096": ("ours", 1, 4096, QKVO + ["experts"], {"layers": 46, "experts": 16,
                                                                           "compile": True}),
 }
+# GLM-4.7-Flash (glm4_moe_lite, MLA) at FULL size (47 layers, 64 experts, bf16 base 56 GiB) on one GPU, seq 4096: LoRA
+# on every MLA projection, and on them + the routed experts; against transformers' Glm4MoeLiteForCausalLM + PEFT
+FLASH_MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+FLASH_VARIANTS = {
+    "hf_flash_mla_1x4096": ("hf", 1, 4096, FLASH_MLA, {"model": "glm47-flash"}),
+    "ours_flash_mla_1x4096": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash"}),
+    "ours_flash_mla_1x4096_eager": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "compile": False}),
+    "hf_flash_mlaexperts_1x4096": ("hf", 1, 4096, FLASH_MLA + ["experts"], {"model": "glm47-flash"}),
+    "ours_flash_mlaexperts_1x4096": ("ours", 1, 4096, FLASH_MLA + ["experts"], {"model": "glm47-flash"}),
+}
+VARIANTS.update(FLASH_VARIANTS)
+# the HF row each of them is compared with in the table
+FAMILY_REFERENCE = {k: ("hf_flash_mlaexperts_1x4096" if "mlaexperts" in k else "hf_flash_mla_1x4096")
+                    for k in FLASH_VARIANTS if k.startswith("ours_")}
+# the CPU rehearsal's stand-in for GLM-4.7-Flash: its architecture (MLA with q_lora_rank, v = nope + rope) tiny
+TINY_FLASH = dict(model_type="glm4_moe_lite", vocab_size=160, hidden_size=128, intermediate_size=384,
+                  moe_intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=24,
+                  qk_rope_head_dim=8, v_head_dim=32, pad_token_id=0, eos_token_id=0)
 for _k, _v in list(VARIANTS.items()):
     if _v[0] == "ours" and "nproc" not in _v[4] and not _k.endswith("_compile"):
         _v[4].setdefault("compile", True)  # torch.compile per block is the default for our GPU numbers
@@ -220,6 +241,8 @@ def worker(name: str) -> dict:
 
         dev, B, S = torch.device("cpu"), 2, 64
         cfg = dict(BUILTIN["tiny"], num_hidden_layers=min(extra.get("layers", 3), 3))
+        if "model" in extra:
+            cfg = dict(TINY_FLASH)
         extra = {k: v for k, v in extra.items() if k not in ("compile", "offload")}
         for f in ("synchronize", "reset_peak_memory_stats"):
             setattr(torch.cuda, f, lambda *a, **k: None)
@@ -228,6 +251,10 @@ def worker(name: str) -> dict:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(dev)
         cfg = air8(extra.get("layers", 8), extra.get("experts"))
+        if "model" in extra:  # a builtin shape at full size
+            from moetune.model.config import BUILTIN
+
+            cfg = dict(BUILTIN[extra["model"]])
     docs = extra.get("docs", 1)
     if stack == "hf":
         from hf_reference import build_hf, hf_step_fn
@@ -306,7 +333,7 @@ def table(results):
         # the reference of the same LoRA targets and batch: hf_<targets>_<batch>
         parts = r["variant"].split("_")
         targets = "experts" if "experts" in parts else "qkvo"
-        base = ref.get(f"hf_{targets}_{r['batch']}")
+        base = ref.get(FAMILY_REFERENCE.get(r["variant"], f"hf_{targets}_{r['batch']}"))
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and r["stack"] != "hf" else ""
         lines.append(f"{r['variant']:<30}{r['tokens_per_s']:>10,.0f}{100 * r['mfu4p']:>7.1f}%{ratio:>7}"
                      f"{r['peak_alloc_gib']:>10.1f}{r['peak_reserved_gib']:>9.1f}{r['step_s']:>8.3f}")

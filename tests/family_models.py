@@ -1,6 +1,7 @@
-"""Tiny random GLM-4.7-Flash (glm4_moe_lite) and GLM-5 (glm_moe_dsa) models built by transformers itself."""
+"""Tiny random GLM-4.7-Flash (glm4_moe_lite) and GLM-5 (glm_moe_dsa) models built by transformers itself (weights
+randomised as helpers.hf_model's GLM-4.5)."""
 
-import torch
+from helpers import randomize_weights
 
 TINY_MLA = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -15,28 +16,12 @@ TINY_DSA = dict(TINY_MLA, num_hidden_layers=4, first_k_dense_replace=1, index_to
                 index_n_heads=8, indexer_types=["full", "shared", "full", "shared"])
 
 
-def _randomize(m, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-        for layer in m.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(layer.mlp.gate.num_experts))
-    return m.float().eval()
-
-
 def hf_lite(seed=0, **overrides):
     """transformers' Glm4MoeLiteForCausalLM (GLM-4.7-Flash) with random weights."""
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
 
     cfg = Glm4MoeLiteConfig(**dict(TINY_MLA, **overrides), rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return _randomize(Glm4MoeLiteForCausalLM(cfg), seed)
+    return randomize_weights(Glm4MoeLiteForCausalLM(cfg), seed).float().eval()
 
 
 def hf_dsa(seed=0, **overrides):
@@ -44,4 +29,4 @@ def hf_dsa(seed=0, **overrides):
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     cfg = GlmMoeDsaConfig(**dict(TINY_DSA, **overrides), rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return _randomize(GlmMoeDsaForCausalLM(cfg), seed)
+    return randomize_weights(GlmMoeDsaForCausalLM(cfg), seed).float().eval()

@@ -19,7 +19,15 @@ def hf_model(seed=0, **overrides):
     prf = kw.pop("partial_rotary_factor")
     cfg = Glm4MoeConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": prf})
     torch.manual_seed(seed)
-    m = Glm4MoeForCausalLM(cfg).float().eval()
+    return randomize_weights(Glm4MoeForCausalLM(cfg).float().eval())
+
+
+def randomize_weights(m, seed=None):
+    """Random weights for any transformers GLM model (GLM-4.5, GLM-4.7-Flash, GLM-5): norms near 1, biases and the
+    router's correction bias small and random (so they matter), the rest N(0, 0.08). Seeded here when seed is given,
+    else from the current RNG state."""
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
@@ -30,7 +38,8 @@ def hf_model(seed=0, **overrides):
                 p.normal_(0.0, 0.08)
         for layer in m.model.layers:
             if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(cfg.n_routed_experts))
+                bias = layer.mlp.gate.e_score_correction_bias
+                bias.copy_(0.05 * torch.randn(bias.shape))
     return m
 
 

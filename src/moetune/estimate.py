@@ -48,6 +48,19 @@ against a census of saved tensors on CPU in tests/unit/test_observability_inspec
   selective activation checkpointing keeps the GEMM and attention outputs: b·H + b·D(2nH + 2nKV) + 4nH + b·H
              (o_proj) + [3b·I dense | k·(2b·Im + b·H) + 3b·Is + 4E MoE].
   full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time.
+MLA attention (GLM-4.7-Flash, GLM-5; nH heads, qk = nope + rope, v per head, latents r_q = q_lora_rank (if any) and
+  r_kv = kv_lora_rank), in place of GQA's b·D·(2nH + 2nKV) + 4nH:
+             b·nH·(2qk + nope + v + v) (q, k, the kv_b_proj output v is a view of, the attention output) + 4nH
+             + per latent 4r + 4 (its RMSNorm's fp32 input, rstd; + b·r in full mode) + b·r when its B projection
+             (q_b_proj, kv_b_proj) trains; b·H (normed input) when q_proj / q_a_proj / kv_a_proj_with_mqa train.
+             Layer 0 of a LoRA run keeps q, k, v and a latent's norm only when a projection upstream of them trains.
+             Compiled: the latent norms keep b·r + 4. Selective: the GEMM outputs b·(r_q + r_kv + rope +
+             nH·(qk + nope + v + v)) + 4nH.
+  DSA (GLM-5) past index_topk tokens: each layer attends through its own mask of the selected keys, saved as the
+             attention's float bias: b·S per token (S the sequence length), + S (bool) once for the document mask.
+             The indexer runs without gradient: it saves nothing, and its transient — a chunk of fp32 scores
+             (names.INDEXER_CHUNK_SCORES), the top-k indices 8·k·S and masks (2 + b)·S per token of a sequence — is
+             a forward working set, counted when larger than the backward's.
 Working set on top of the saved activations, at the start of backward: one MoE layer's backward
   (2b·k·H + 10·k·Im per token: gradients of the permuted rows, of the expert output and of the fp32 SwiGLU) and the
   loss: 2b·c·V (one chunk's logits and their gradient); when lm_head trains, the larger of that plus its fp32
@@ -81,7 +94,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moetune.names import LOSS_CHUNK_TOKENS
+from moetune.model.config import GLM_MOE_DSA
+from moetune.names import ATTENTION_TARGETS, INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS, MLA_PROJECTIONS, NO_GRADIENT_RE
 
 GIB = 2**30
 EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, per doubling of ep (assumed)
@@ -147,25 +161,60 @@ def build_meta_model(cfg, m):
     model = build_model(m, "meta")
     if cfg.finetune.mode == "full":
         for name, p in model.named_parameters():
-            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+            p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+                             and not NO_GRADIENT_RE.search(name))
     else:
         apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
     return model
 
 
+def sparse_attention(m, seq: int) -> bool:
+    """Whether a DSA model selects keys at this sequence length (longer than index_topk): it then attends through a
+    dense mask per layer, and its indexers run."""
+    return m.model_type == GLM_MOE_DSA and seq > m.index_topk
+
+
+def attention_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, first: bool = False, seq: int = 0,
+                              rank: int = 16):
+    """(bytes one layer's attention saves per token past its input norm, whether it also keeps the normed input):
+    the module docstring's attention terms, GQA or MLA."""
+    nH = m.num_attention_heads
+    if not m.is_mla:
+        D, nKV = m.head_dim, m.num_key_value_heads
+        core = b * D * (2 * nH + 2 * nKV) + 4 * nH + b * rank * len(lora & set(ATTENTION_TARGETS))
+        return core, bool(full or lora & {"q_proj", "k_proj", "v_proj"})
+    qk, nope, v, R = m.qk_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_rope_head_dim
+    core = b * rank * len(lora & set(MLA_PROJECTIONS))
+    frozen_input = first and not full  # layer 0 of a LoRA run: no gradient flows into its input
+    if frozen_input and not lora & {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}:
+        return core + (b * nH * v if "o_proj" in lora else 0), False  # o_proj's LoRA keeps its input
+    latents = [(m.kv_lora_rank, "kv_a_proj_with_mqa", "kv_b_proj")]
+    latents += [(m.q_lora_rank, "q_a_proj", "q_b_proj")] if m.q_lora_rank else []
+    core += 4 * nH + (b * seq if sparse_attention(m, seq) else 0)  # LSE; a DSA layer's mask, as float bias
+    if mode == "selective":  # the GEMM outputs and the attention's
+        core += b * (sum(r for r, _, _ in latents) + R + nH * (qk + nope + v + v))
+    else:  # q, k (all heads), the kv_b_proj output v is a view of, the attention output
+        core += b * nH * (2 * qk + nope + v + v)
+        for r, producer, consumer in latents:
+            if not frozen_input or producer in lora:  # RMSNorm: fp32 input (compiled: recomputed from bf16), rstd
+                core += (b if mode == "compiled" else 4) * r + 4 + (b * r if full and mode == "eager" else 0)
+            core += b * r if full or consumer in lora else 0  # the normed latent, for the B projection's gradient
+    return core, bool(full or lora & {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"})
+
+
 def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
-                               rank: int = 16) -> float:
-    """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective."""
-    H, D, nH, nKV = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_key_value_heads
+                               rank: int = 16, seq: int = 0) -> float:
+    """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective;
+    seq: the sequence length (DSA's sparse attention saves a mask row per token)."""
+    H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
     # LoRA's rank-sized intermediates (x·Aᵀ), one per adapted linear; the experts' rank is padded to 16 bytes
-    linears = len(lora & {"q_proj", "k_proj", "v_proj", "o_proj"}) + 3 * (
-        "shared_experts" in lora if moe else "dense_mlp" in lora)
+    linears = 3 * ("shared_experts" in lora if moe else "dense_mlp" in lora)
     r_pad = -(-rank * b // 16) * 16 // b
     lora_small = b * rank * linears + (2 * b * k * r_pad if moe and "experts" in lora else 0)
-    attn_core = b * D * (2 * nH + 2 * nKV) + 4 * nH + lora_small
-    qkv_input = bool(full or lora & {"q_proj", "k_proj", "v_proj"})
+    attention, qkv_input = attention_bytes_per_token(m, mode, b, lora, full, first, seq, rank)
+    attn_core = attention + lora_small
     expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
     mlp_inputs = (b * H + b * I) if (full or "dense_mlp" in lora) else 0
     shared_inputs = (b * H + b * Is) if (full or "shared_experts" in lora) else 0
@@ -266,14 +315,15 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     # ---- activations of one micro-batch
     ac = layout.activation_checkpointing
     mode = "compiled" if cfg.train.compile else "eager"
-    per_layer = [activation_bytes_per_token(m, m.is_moe_layer(i), mode, b, lora, full, i == 0, cfg.lora.rank)
+    seq = cfg.data.seq_len
+    per_layer = [activation_bytes_per_token(m, m.is_moe_layer(i), mode, b, lora, full, i == 0, cfg.lora.rank, seq)
                  for i in range(m.num_hidden_layers)]
     if ac == "full":
         saved = T * (b * H * m.num_hidden_layers + max(per_layer))
         how = f"full checkpointing: layer inputs {b}·H·T·L + one layer recomputed"
     elif ac == "selective":
-        sel = [activation_bytes_per_token(m, m.is_moe_layer(i), "selective", b, lora, full, i == 0, cfg.lora.rank)
-               for i in range(m.num_hidden_layers)]
+        sel = [activation_bytes_per_token(m, m.is_moe_layer(i), "selective", b, lora, full, i == 0, cfg.lora.rank,
+                                          seq) for i in range(m.num_hidden_layers)]
         saved = T * sum(sel)
         how = f"selective checkpointing: GEMM/attention outputs, {sum(sel) / m.num_hidden_layers / (b * H):.1f}·{b}H per token·layer"
     else:
@@ -281,6 +331,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         how = f"{mode}: {sum(per_layer) / m.num_hidden_layers / (b * H):.1f}·{b}H bytes per token·layer × T={T:,}"
     # final norm (+ its weight's input in full mode), the loss's input gradient, RoPE's cos/sin (shared by the layers)
     saved += T * (4 * H + (b * H if full else 0) + b * H + 2 * b * m.rotary_dim)
+    if sparse_attention(m, seq):
+        saved += T * seq  # the document-causal boolean mask every DSA layer selects within (one for all layers)
     n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     if ep > 1 and n_moe:
         # model/moe.py's exchange keeps the routing weights (4k per row); frees the expert output (except under
@@ -319,8 +371,17 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         how = f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V"
     add("logits / loss", logits, how)
     add("backward working set", layer_ws, ws_how)
+    transient = logits + layer_ws
+    if sparse_attention(m, seq):
+        # DSA in the forward (the loss and backward buffers do not exist yet): a chunk of the indexer's fp32
+        # scores, its top-k indices (int64), the selection and the selected mask (bool), the mask as float bias
+        mb = cfg.train.micro_batch_size
+        indexer = 4 * INDEXER_CHUNK_SCORES + mb * seq * (8 * min(m.index_topk, seq) + (2 + b) * seq)
+        add("DSA indexer (forward)", indexer, "fp32 score chunk + top-k indices + masks, while the forward runs: "
+            "the larger of this and the two rows above counts")
+        transient = max(transient, indexer)
 
-    forward = static + gathered + saved + logits + layer_ws + (grads if cfg.train.grad_accum > 1 else 0)
+    forward = static + gathered + saved + transient + (grads if cfg.train.grad_accum > 1 else 0)
     end = static + gathered + grads
     total, phase = (forward, "start of backward") if forward >= end else (end, "end of backward (gradients)")
     if not full:

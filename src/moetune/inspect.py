@@ -95,9 +95,35 @@ def resolve_model(cfg):
 
 def _builtin_from_name(path: str) -> str | None:
     name = os.path.basename(os.path.normpath(path)).lower()
+    if re.search(r"glm-?5", name):
+        return "glm5"
+    if re.search(r"glm-?4\.?7-?flash", name):
+        return "glm47-flash"
     if re.search(r"glm-?4\.?[567]", name):
         return "glm45-air" if "air" in name else "glm45"
     return None
+
+
+def describe_architecture(m) -> str:
+    from moetune.model.config import GLM4_MOE_LITE, GLM_MOE_DSA
+
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    name = {GLM4_MOE_LITE: "GLM-4.7-Flash (glm4_moe_lite, MLA)", GLM_MOE_DSA: "GLM-5 (glm_moe_dsa, MLA + DSA)"}.get(
+        m.model_type, "GLM-4.5 MoE (glm4_moe)")
+    if m.is_mla:
+        q = f"q_lora {m.q_lora_rank}" if m.q_lora_rank else "q_proj (no q_lora)"
+        attention = (f"{m.num_attention_heads} heads MLA ({q}, kv_lora {m.kv_lora_rank}, qk {m.qk_nope_head_dim} + "
+                     f"rope {m.qk_rope_head_dim}, v {m.v_head_dim})")
+    else:
+        attention = f"{m.num_attention_heads} heads / {m.num_key_value_heads} KV × {m.head_dim}"
+    text = (f"{name}: {m.num_hidden_layers} layers ({m.num_hidden_layers - n_moe} dense + {n_moe} MoE), hidden "
+            f"{m.hidden_size}, {attention}, {m.n_routed_experts} experts top-{m.num_experts_per_tok} + "
+            f"{m.n_shared_experts} shared (intermediate {m.moe_intermediate_size}), vocab {m.vocab_size:,}")
+    if m.model_type == GLM_MOE_DSA:
+        own = sum(m.indexer_type(i) == "full" for i in range(m.num_hidden_layers))
+        text += (f"\nDSA indexer: {m.index_n_heads} heads × {m.index_head_dim}, top-{m.index_topk} keys per query "
+                 f"({own} layers compute it, {m.num_hidden_layers - own} reuse the previous layer's)")
+    return text
 
 
 def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
@@ -114,20 +140,21 @@ def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
         print(f"note: {note}")
     if m is None:
         return None
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-    print(f"GLM-4.5 MoE: {m.num_hidden_layers} layers ({m.num_hidden_layers - n_moe} dense + {n_moe} MoE), hidden "
-          f"{m.hidden_size}, {m.num_attention_heads} heads / {m.num_key_value_heads} KV × {m.head_dim}, "
-          f"{m.n_routed_experts} experts top-{m.num_experts_per_tok} + {m.n_shared_experts} shared "
-          f"(intermediate {m.moe_intermediate_size}), vocab {m.vocab_size:,}")
-    model = build_meta_model(cfg, m)
+    print(describe_architecture(m))
+    try:
+        model = build_meta_model(cfg, m)
+    except ValueError as e:  # LoRA targets this architecture does not have (q_proj/k_proj/v_proj on MLA)
+        print(f"error: {e}")
+        return False
     counts = count_params(model)
     base = counts.total - counts.lora
     active = active_matmul_params(m)
     mtp = (f"; the checkpoint's {m.num_nextn_predict_layers} MTP layer(s) are not loaded and not counted"
            if m.num_nextn_predict_layers else "")
     print(f"parameters, total:        {base:>18,}  ({_b(base)}{mtp})")
-    print(f"active per token:         {active:>18,}  ({_b(active)}: matmul weights a token passes through — attention,"
-          f" dense MLP or top-{m.num_experts_per_tok} + shared experts, router, lm_head)")
+    indexer = " with the DSA indexer's projections" if m.model_type == "glm_moe_dsa" else ""
+    print(f"active per token:         {active:>18,}  ({_b(active)}: matmul weights a token passes through — attention"
+          f"{indexer}, dense MLP or top-{m.num_experts_per_tok} + shared experts, router, lm_head)")
     print(f"trainable ({cfg.finetune.mode}):" + " " * max(1, 17 - len(cfg.finetune.mode)) + f"{counts.trainable:>18,}  "
           f"({_b(counts.trainable)})")
     print(format_trainable_table(model))

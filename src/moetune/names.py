@@ -13,20 +13,28 @@ IGNORE_INDEX = -100
 # ---- tokens per lm_head + cross-entropy chunk: the logits never exist for more tokens than this at once
 LOSS_CHUNK_TOKENS = 2048
 
+# ---- fp32 scores the DSA indexer holds at once (index heads × queries × keys): it scores a chunk of queries at a
+# time, so seq 4096 × 32 index heads needs 128 MiB, not the 2 GiB of every query's scores together
+INDEXER_CHUNK_SCORES = 2**25
+
 # ---- LoRA targets, in canonical order (the saved config, the resume hash and exports use this order)
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # MLA (GLM-4.7-Flash, GLM-5): q_proj or q_a_proj + q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
 MLA_ATTENTION_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP_TARGETS = ("dense_mlp", "shared_experts", "experts")
 LORA_TARGETS = ATTENTION_TARGETS + MLA_ATTENTION_TARGETS + MLP_TARGETS
-_MLA_PROJECTIONS = ("q_proj",) + MLA_ATTENTION_TARGETS + ("o_proj",)
+MLA_PROJECTIONS = ("q_proj",) + MLA_ATTENTION_TARGETS + ("o_proj",)
 LORA_ALIASES = {
     "attention": ATTENTION_TARGETS,
     "all": ATTENTION_TARGETS + MLP_TARGETS,
     # every MLA projection (q_proj or q_a_proj/q_b_proj, whichever the model has)
-    "mla_attention": _MLA_PROJECTIONS,
-    "mla_all": _MLA_PROJECTIONS + MLP_TARGETS,
+    "mla_attention": MLA_PROJECTIONS,
+    "mla_all": MLA_PROJECTIONS + MLP_TARGETS,
 }
+
+# ---- parameters no gradient reaches: GLM-5's DSA indexer runs without one (as in transformers). Full fine-tuning
+# keeps them frozen, so the optimizer holds no state for them (a checkpoint would lack what a resume expects)
+NO_GRADIENT_RE = re.compile(r"\.self_attn\.indexer\.")
 
 # ---- HF parameter names of GLM-4.5 (transformers v5 = ours)
 # model.layers.N.<anything>: N is the decoder layer (N == num_hidden_layers is the MTP layer the hub ships)

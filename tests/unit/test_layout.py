@@ -13,8 +13,9 @@ from moetune.layout import Layout, gpu_memory_gib, make_layout, pinned_fields, r
 from moetune.model.config import resolve_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-AIR, AIR_EXPERTS, GLM45 = (str(CONFIGS / f"{n}.yaml")
-                           for n in ("glm45-air-lora", "glm45-air-lora-experts", "glm45-lora"))
+AIR, AIR_EXPERTS, GLM45, FLASH, GLM5 = (str(CONFIGS / f"{n}.yaml") for n in (
+    "glm45-air-lora", "glm45-air-lora-experts", "glm45-lora", "glm47-flash-lora", "glm5-lora"))
+AS_FLASH, AS_GLM5 = ["--model.config", "glm47-flash"], ["--model.config", "glm5"]
 H200, H100 = 139.8, 79.1  # GiB, as torch.cuda reports them
 TIGHT = 132.0  # a card on which Air's ep 2 without recompute (131.4 GiB estimated) does not fit (limit 125.4)
 
@@ -60,6 +61,19 @@ def shape(layout: Layout):
     # full recompute: 126.9 GiB
     (GLM45, [], 8, H200, (4, 2, 1, "full", False)),
     (GLM45, [], 16, H200, (8, 2, 1, "none", False)),  # two nodes of 8: ep within the node, FSDP across: 111.9
+    # GLM-4.7-Flash (MLA), its recipe: one H200 without recompute (74.5 GiB: 56 of weights), also under 95 % of an
+    # 80 GB card; LoRA on the experts too needs full recompute there (65.1); 8 GPUs replicate LoRA, and full
+    # fine-tuning goes expert parallel (71.5)
+    (FLASH, AS_FLASH, 1, H200, (1, 1, 1, "none", False)),
+    (FLASH, AS_FLASH, 1, H100, (1, 1, 1, "none", False)),
+    (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, H100, (1, 1, 1, "full", False)),
+    (FLASH, AS_FLASH, 8, H200, (1, 1, 8, "none", False)),
+    (FLASH, AS_FLASH + ["--finetune.mode", "full"], 8, H200, (8, 1, 1, "none", False)),
+    # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with full recompute (95.5 GiB); 8 nodes
+    # need only selective (114.0); 2 nodes fit only with the weights offloaded to the host (47.1)
+    (GLM5, AS_GLM5, 32, H200, (8, 4, 1, "full", False)),
+    (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "selective", False)),
+    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, "full", True)),
 ])
 def test_auto_layout_choices(path, over, world, gpu, want):
     layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)

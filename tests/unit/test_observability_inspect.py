@@ -14,7 +14,7 @@ from moetune.data import DEMO_TOKENIZER_DIR
 from moetune.estimate import activation_bytes_per_token, count_params, estimate_memory
 from moetune.inspect import build_meta_model, render_pack
 from moetune.layout import make_layout
-from moetune.model.config import ModelConfig
+from moetune.model.config import ModelConfig, resolve_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -202,3 +202,65 @@ def test_eager_activation_formula_matches_what_autograd_saves(mode, targets):
         measured = (big[i] - small[i]) / 64
         formula = activation_bytes_per_token(m, m.is_moe_layer(i), "eager", 2, set(targets), full, i == 0, 4)
         assert formula == pytest.approx(measured, rel=0.03), (i, formula, measured)
+
+
+MLA_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                v_head_dim=20)  # v = nope + rope as in GLM-4.7-Flash and GLM-5: SDPA's fused CPU kernel, as on GPU
+MLA_ATTN = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+@pytest.mark.parametrize("config, mode, targets", [
+    (dict(MLA_TINY, model_type="glm4_moe_lite"), "lora", MLA_ATTN),
+    (dict(MLA_TINY, model_type="glm4_moe_lite"), "lora", ["q_b_proj", "kv_b_proj"]),  # layer 0 keeps less
+    (dict(MLA_TINY, model_type="glm4_moe_lite", q_lora_rank=None), "lora",
+     ["q_proj", "kv_a_proj_with_mqa", "o_proj", "dense_mlp", "shared_experts", "experts"]),
+    (dict(MLA_TINY, model_type="glm4_moe_lite"), "lora", ["o_proj"]),
+    (dict(MLA_TINY, model_type="glm4_moe_lite", q_lora_rank=None), "full", []),
+    # index_topk 32 < both lengths: every layer attends through its own selected-keys mask
+    (dict(MLA_TINY, model_type="glm_moe_dsa", index_topk=32, index_head_dim=16, index_n_heads=4,
+          indexer_types=["full", "shared"]), "lora", MLA_ATTN),
+    (dict(MLA_TINY, model_type="glm_moe_dsa", index_topk=32, index_head_dim=16, index_n_heads=4,
+          indexer_types=["full", "shared"]), "full", []),
+], ids=["lite-lora-attn", "lite-lora-b-proj", "lite-no-q-lora-mlp", "lite-lora-o", "lite-no-q-lora-full",
+        "dsa-lora-attn", "dsa-full"])
+def test_eager_mla_activation_formula_matches_what_autograd_saves(config, mode, targets):
+    from moetune.model.hf_io import build_model, cast_model, init_weights
+    from moetune.model.lora import apply_lora
+
+    m = ModelConfig.from_hf_dict(config)
+    model = build_model(m, "cpu")
+    cast_model(model, torch.bfloat16)
+    init_weights(model, 0.1, seed=0)
+    full = mode == "full"
+    if full:
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.endswith("mlp.gate.weight"))
+    else:
+        apply_lora(model, targets, 4, 8)
+    small, big = saved_bytes_by_layer(model, 64), saved_bytes_by_layer(model, 128)
+    for i in range(m.num_hidden_layers):
+        measured = (big[i] - small[i]) / 64
+        # per token at each length (DSA's mask row grows with the sequence): the difference of the totals
+        f64, f128 = (activation_bytes_per_token(m, m.is_moe_layer(i), "eager", 2, set(targets), full, i == 0, 4, seq)
+                     for seq in (64, 128))
+        formula = (128 * f128 - 64 * f64) / 64
+        assert formula == pytest.approx(measured, rel=0.03), (i, formula, measured)
+
+
+def test_dsa_estimate_counts_the_sparse_attention_only_past_index_topk():
+    """GLM-5 at seq_len ≤ index_topk attends densely (no per-layer mask, no indexer); past it every layer saves its
+    selected-keys mask (as the attention's bf16 bias: 2·seq bytes per token) and the indexer runs."""
+    def rows(seq):
+        cfg = load_config(CONFIGS / "glm5-lora.yaml", ["--model.config", "glm5", "--data.seq_len", str(seq),
+                                                      "--train.compile", "false"])
+        m = resolve_model_config(None, "glm5")
+        e = estimate_memory(cfg, m, count_params(build_meta_model(cfg, m)), make_layout(64, 8, 8, "none"))
+        return {r[0]: r[1] for r in e.rows}
+
+    dense, sparse = rows(2048), rows(4096)
+    assert "DSA indexer (forward)" not in dense and 0.1 < sparse["DSA indexer (forward)"] < 0.5
+    # per token and layer the sparse run saves 2·4096 bytes more for the mask (and 4096 once for the shared one)
+    per_token = (sparse["activations"] / 4096 - dense["activations"] / 2048) * 2**30
+    assert per_token == pytest.approx(78 * 2 * 4096 + 4096, rel=1e-6)

@@ -27,8 +27,33 @@ _TYPE_FIELDS = {
 }
 
 
+# transformers 5.17's config defaults (Glm4MoeLiteConfig, GlmMoeDsaConfig): GLM-4.7-Flash's and GLM-5's shapes.
+_HF_DEFAULTS = {
+    GLM4_MOE_LITE: dict(
+        vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
+        num_hidden_layers=47, num_attention_heads=20, num_key_value_heads=20, n_shared_experts=1,
+        n_routed_experts=64, routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
+        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=True,
+        max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000.0, rope_interleave=True,
+        attention_bias=False,
+    ),
+    GLM_MOE_DSA: dict(
+        vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
+        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
+        max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False,
+        index_topk=2048, index_head_dim=128, index_n_heads=32, first_k_dense_replace=3,
+    ),
+}
+
+_DSA = _HF_DEFAULTS[GLM_MOE_DSA]  # the MLA fields' defaults below (unused by glm4_moe)
+
+
 @dataclass
 class ModelConfig:
+    """Defaults: GLM-4.5-Air (glm4_moe), the one table of its numbers (the builtin `glm45-air` is these)."""
+
     model_type: str = GLM4_MOE
     vocab_size: int = 151552
     hidden_size: int = 4096
@@ -61,16 +86,16 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     # MLA (glm4_moe_lite, glm_moe_dsa); head_dim is then qk_rope_head_dim, as transformers maps it
     q_lora_rank: int | None = None  # None: one q_proj instead of q_a_proj → q_a_layernorm → q_b_proj
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 192
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 256
+    kv_lora_rank: int = _DSA["kv_lora_rank"]
+    qk_nope_head_dim: int = _DSA["qk_nope_head_dim"]
+    qk_rope_head_dim: int = _DSA["qk_rope_head_dim"]
+    v_head_dim: int = _DSA["v_head_dim"]
     rope_interleave: bool = True  # glm4_moe_lite only; glm_moe_dsa always interleaves
     mlp_layer_types: list[str] | None = None  # "dense" / "sparse" per layer (MLA types)
     # DSA indexer (glm_moe_dsa)
-    index_topk: int = 2048
-    index_head_dim: int = 128
-    index_n_heads: int = 32
+    index_topk: int = _DSA["index_topk"]
+    index_head_dim: int = _DSA["index_head_dim"]
+    index_n_heads: int = _DSA["index_n_heads"]
     indexer_types: list[str] | None = None  # "full" (own top-k) / "shared" (the previous layer's) per layer
     # keys of the source config.json we do not model; kept so that export writes them back unchanged
     extra: dict = field(default_factory=dict, repr=False)
@@ -237,34 +262,14 @@ def _mla_from_hf(d: dict) -> None:
             d["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
-# transformers 5.17's config defaults (Glm4MoeLiteConfig, GlmMoeDsaConfig): GLM-4.7-Flash's and GLM-5's shapes.
-_HF_DEFAULTS = {
-    GLM4_MOE_LITE: dict(
-        vocab_size=154880, hidden_size=2048, intermediate_size=10240, moe_intermediate_size=1536,
-        num_hidden_layers=47, num_attention_heads=20, num_key_value_heads=20, n_shared_experts=1,
-        n_routed_experts=64, routed_scaling_factor=1.8, kv_lora_rank=512, q_lora_rank=768, qk_rope_head_dim=64,
-        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=True,
-        max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000.0, rope_interleave=True,
-        attention_bias=False,
-    ),
-    GLM_MOE_DSA: dict(
-        vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
-        num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
-        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
-        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
-        max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False,
-        index_topk=2048, index_head_dim=128, index_n_heads=32, first_k_dense_replace=3,
-    ),
-}
-
 # Builtin shapes (DESIGN.md §4). Weights for these are never downloaded: they serve proxies and `inspect`.
-GLM45_AIR = dict(
-    vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
-    n_routed_experts=128, num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1,
-    routed_scaling_factor=1.0, norm_topk_prob=True, first_k_dense_replace=1, partial_rotary_factor=0.5,
-    rope_theta=1e6, use_qk_norm=False, attention_bias=True, rms_norm_eps=1e-5, num_nextn_predict_layers=1,
-)
+_GLM4_MOE_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "n_routed_experts", "num_experts_per_tok",
+                  "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                  "first_k_dense_replace", "partial_rotary_factor", "rope_theta", "use_qk_norm", "attention_bias",
+                  "rms_norm_eps"}
+GLM45_AIR = dict({f.name: f.default for f in fields(ModelConfig) if f.name in _GLM4_MOE_KEYS},
+                 num_nextn_predict_layers=1)
 GLM45 = dict(
     GLM45_AIR, hidden_size=5120, num_hidden_layers=92, n_routed_experts=160, moe_intermediate_size=1536,
     intermediate_size=12288, first_k_dense_replace=3, routed_scaling_factor=2.5, use_qk_norm=True,

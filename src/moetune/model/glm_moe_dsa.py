@@ -24,6 +24,7 @@ from torch import nn
 from moetune.model.attention import AttnMeta, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.mla import MLAForCausalLM, MLAttention, apply_rope_interleaved
+from moetune.names import INDEXER_CHUNK_SCORES
 
 
 class Indexer(nn.Module):
@@ -45,12 +46,21 @@ class Indexer(nn.Module):
         k_rot, k_pass = self.k_norm(self.wk(x)).unsqueeze(2).split(split, dim=-1)
         q = torch.cat((apply_rope_interleaved(q_rot, cos, sin), q_pass), dim=-1)  # [B, S, h, D]
         k = torch.cat((apply_rope_interleaved(k_rot, cos, sin), k_pass), dim=-1).squeeze(2)  # [B, T, D]
-        # fp32 scores and head weights, as transformers (which also keeps weights_proj itself in fp32)
-        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5)
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, h]
-        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, S, T]
-        index_scores = index_scores.masked_fill(~allowed, float("-inf"))
-        return index_scores.topk(min(self.topk, index_scores.shape[-1]), dim=-1).indices
+        k_t = k.transpose(-1, -2).float().unsqueeze(1)  # [B, 1, D, T]
+        T = k_t.shape[-1]
+        top = min(self.topk, T)
+        # A chunk of queries at a time: the per-head scores [B, c, h, T] are the indexer's largest tensor
+        chunk = max(1, INDEXER_CHUNK_SCORES // (B * self.n_heads * T))
+        indices = torch.empty(B, S, top, dtype=torch.long, device=x.device)
+        for s0 in range(0, S, chunk):
+            s1 = min(s0 + chunk, S)
+            # fp32 scores and head weights, as transformers (which also keeps weights_proj itself in fp32)
+            scores = torch.matmul(q[:, s0:s1].float(), k_t).mul_(self.head_dim**-0.5).relu_()  # [B, c, h, T]
+            index_scores = torch.matmul(weights[:, s0:s1].unsqueeze(-2), scores).squeeze(-2)  # [B, c, T]
+            index_scores.masked_fill_(~allowed[:, s0:s1], float("-inf"))
+            indices[:, s0:s1] = index_scores.topk(top, dim=-1).indices
+        return indices
 
 
 class DSAttention(MLAttention):

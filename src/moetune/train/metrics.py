@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from moetune.errors import OutputError
-from moetune.model.config import ModelConfig
+from moetune.model.config import GLM_MOE_DSA, ModelConfig
 
 log = logging.getLogger("moetune")
 
@@ -27,14 +27,30 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+def attention_matmul_params(cfg: ModelConfig, layer_idx: int) -> int:
+    """Weights of one layer's attention projections (biases aside). GQA: q, k, v, o. MLA: q_proj, or q_a_proj +
+    q_b_proj through q_lora_rank; kv_a_proj_with_mqa (latent + the one shared RoPE key), kv_b_proj, o_proj. A DSA
+    layer that computes its own top-k ("full") adds its indexer's wq_b, wk and weights_proj."""
+    H, nH = cfg.hidden_size, cfg.num_attention_heads
+    if not cfg.is_mla:
+        return H * cfg.head_dim * (2 * nH + 2 * cfg.num_key_value_heads)
+    q = H * nH * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (H + nH * cfg.qk_head_dim)
+    kv = H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * nH * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    total = q + kv + nH * cfg.v_head_dim * H
+    if cfg.model_type == GLM_MOE_DSA and cfg.indexer_type(layer_idx) == "full":
+        nI, dI = cfg.index_n_heads, cfg.index_head_dim
+        total += cfg.q_lora_rank * nI * dI + H * dI + H * nI
+    return total
+
+
 def active_matmul_params(cfg: ModelConfig) -> int:
-    """Matmul parameters one token passes through: attention, dense MLP or (top-k + shared) experts and
-    router, lm_head. Embedding lookups and norms are not matmuls."""
-    H, D = cfg.hidden_size, cfg.head_dim
-    attn = H * D * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    """Matmul parameters one token passes through: attention (with the DSA indexer's projections), dense MLP or
+    (top-k + shared) experts and router, lm_head. Embedding lookups, norms and biases are not counted, nor the
+    attention's and the indexer's score products (they grow with the sequence, not with the parameters)."""
+    H = cfg.hidden_size
     total = cfg.vocab_size * H
     for i in range(cfg.num_hidden_layers):
-        total += attn
+        total += attention_matmul_params(cfg, i)
         if cfg.is_moe_layer(i):
             expert = 3 * H * cfg.moe_intermediate_size
             total += expert * (cfg.num_experts_per_tok + cfg.n_shared_experts) + cfg.n_routed_experts * H

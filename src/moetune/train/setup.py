@@ -12,6 +12,7 @@ from moetune.model.config import model_config_for  # noqa: F401  (re-exported: i
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import as_dtype, build_model, cast_model, fill_seeded, init_weights, load_hf_weights
 from moetune.model.lora import apply_lora
+from moetune.names import NO_GRADIENT_RE
 from moetune.layout import Layout
 from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp, place_buffers
 from moetune.tensors import local_tensor
@@ -31,7 +32,8 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     cast_model(model, torch.float32 if full else compute_dtype)
     if full:
         for name, p in model.named_parameters():
-            p.requires_grad_(cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+            p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+                             and not NO_GRADIENT_RE.search(name))
     else:
         try:
             apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
