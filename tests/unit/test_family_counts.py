@@ -93,3 +93,17 @@ def test_inspect_says_in_one_line_which_lora_targets_an_mla_model_lacks(capsys):
     assert main(["inspect", str(CONFIGS / "glm47-flash-lora.yaml"), "--lora.targets", "[attention]"]) == 1
     out = capsys.readouterr().out
     assert "error: lora.targets ['q_proj', 'k_proj', 'v_proj'] match no module of this model (glm4_moe_lite" in out
+
+
+def test_mfu_counts_the_indexer_forward_only():
+    """GLM-5's indexer runs without backward: 2 flops per parameter and token, whatever the fine-tuning mode."""
+    from moetune.train.metrics import indexer_matmul_params, mfu
+
+    m = resolve_model_config(None, "glm5")
+    P = active_matmul_params(m)
+    idx = sum(indexer_matmul_params(m, i) for i in range(m.num_hidden_layers))
+    assert idx == 78 * (2048 * 32 * 128 + 6144 * 128 + 6144 * 32)
+    assert mfu(1000.0, m, False, 1e15) == pytest.approx((4 * (P - idx) + 2 * idx) * 1000 / 1e15, rel=1e-12)
+    assert mfu(1000.0, m, True, 1e15) == pytest.approx((6 * (P - idx) + 2 * idx) * 1000 / 1e15, rel=1e-12)
+    flash = resolve_model_config(None, "glm47-flash")
+    assert mfu(1000.0, flash, False, 1e15) == pytest.approx(4 * active_matmul_params(flash) * 1000 / 1e15, rel=1e-12)

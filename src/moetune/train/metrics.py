@@ -36,11 +36,15 @@ def attention_matmul_params(cfg: ModelConfig, layer_idx: int) -> int:
         return H * cfg.head_dim * (2 * nH + 2 * cfg.num_key_value_heads)
     q = H * nH * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (H + nH * cfg.qk_head_dim)
     kv = H * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * nH * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    total = q + kv + nH * cfg.v_head_dim * H
-    if cfg.model_type == GLM_MOE_DSA and cfg.indexer_type(layer_idx) == "full":
-        nI, dI = cfg.index_n_heads, cfg.index_head_dim
-        total += cfg.q_lora_rank * nI * dI + H * dI + H * nI
-    return total
+    return q + kv + nH * cfg.v_head_dim * H + indexer_matmul_params(cfg, layer_idx)
+
+
+def indexer_matmul_params(cfg: ModelConfig, layer_idx: int) -> int:
+    """A DSA layer's indexer projections (wq_b, wk, weights_proj) when it computes its own top-k ("full")."""
+    if cfg.model_type != GLM_MOE_DSA or cfg.indexer_type(layer_idx) != "full":
+        return 0
+    H, nI, dI = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    return cfg.q_lora_rank * nI * dI + H * dI + H * nI
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -60,10 +64,13 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 
 
 def mfu(tokens_per_s: float, cfg: ModelConfig, full_finetune: bool, peak: float | None) -> float | None:
-    """MFU with 4·P flops per token for LoRA (no weight gradients of the frozen base), 6·P for full tuning."""
+    """MFU with 4·P flops per token for LoRA (no weight gradients of the frozen base), 6·P for full tuning; 2·P for
+    the DSA indexer's projections, which run without backward."""
     if not peak:
         return None
-    return (6 if full_finetune else 4) * active_matmul_params(cfg) * tokens_per_s / peak
+    indexer = sum(indexer_matmul_params(cfg, i) for i in range(cfg.num_hidden_layers))
+    flops = (6 if full_finetune else 4) * (active_matmul_params(cfg) - indexer) + 2 * indexer
+    return flops * tokens_per_s / peak
 
 
 def memory_gib(device: torch.device) -> float | None:
