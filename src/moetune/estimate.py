@@ -24,12 +24,14 @@ P below means P - P_experts + P_experts/ep, and S = 1.
 Expert parallelism (ep > 1): a rank's experts process the rows it receives, as many as it sends under balanced
   routing, times a skew margin 1 + 0.1·log2(ep) (an assumption, not a measurement: the busiest rank of more ranks
   is further above the mean), applied to the per-row activations (expert terms below) and to the MoE backward
-  working set; plus the all-to-all's receive buffer, b·k·H per token. The exchange (model/moe.py) keeps the
+  working set; plus the rows received, b·H per token and rank it reaches (`ranks_per_token`: a token travels once
+  to each rank holding any of its experts, 2.0 for Air at ep 2, 5.3 at ep 8). The exchange
+  (model/expert_parallel.py) keeps the
   routing weights (4k), frees the expert output (kept only under selective recompute of trainable experts) and
   the received rows of frozen experts, and never recomputes frozen experts (their internals are saved as without
   recompute). With full activation checkpointing attention is recomputed but the MoE half of each layer is not:
   it saves its norm (4H + 4), the normed input (b·H), the router (8E + 32k) and the expert rows (frozen: as
-  without recompute; trainable: their input, b·k·H).
+  without recompute; trainable: the rows received, b·H per token and rank reached).
 
 Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
 against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
@@ -248,6 +250,13 @@ def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank
     return rows + 2 * b * k * Im
 
 
+def ranks_per_token(m, ep: int) -> float:
+    """Expected number of EP ranks holding at least one of a token's k experts under uniform routing, E/ep experts
+    per rank: the rows the exchange moves per token (model/expert_parallel.py sends a token once per such rank)."""
+    E, k = m.n_routed_experts, m.num_experts_per_tok
+    return ep * (1 - math.comb(E - E // ep, k) / math.comb(E, k))
+
+
 def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     """Peak memory per GPU of `cfg` (Config) laid out as `layout` (moetune.layout.Layout: world size, ep, dp_shard,
     activation checkpointing, cpu_offload) for the model config `m`."""
@@ -342,7 +351,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         trainable = full or "experts" in lora
         expert_ac = ac if trainable else "none"
         if expert_ac == "full":
-            internals = b * k * H  # the checkpointed expert work keeps its input rows
+            internals = b * H * ranks_per_token(m, ep)  # the checkpointed expert work keeps the rows received
         else:
             internals = expert_row_bytes_per_token(m, "selective" if expert_ac == "selective" else mode, b, lora,
                                                    full, cfg.lora.rank)
@@ -361,8 +370,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     layer_ws = T * (2 * b * k * H + 10 * k * Im) if m.n_routed_experts else T * 4 * b * m.intermediate_size
     ws_how = "one MoE layer's backward: 2b·k·H + 10·k·Im per token"
     if ep > 1 and n_moe:
-        layer_ws = skew * (layer_ws + T * b * k * H)
-        ws_how += f", + the all-to-all receive buffer b·k·H, × {skew:.2f} (skew)"
+        layer_ws = skew * (layer_ws + T * b * H * ranks_per_token(m, ep))
+        ws_how += f", + the rows received (b·H per token and rank it reaches), × {skew:.2f} (skew)"
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
         logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
         how = f"lm_head trains: max(chunk 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"

@@ -15,7 +15,7 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   4. FSDP over all GPUs;
   each first without activation checkpointing, then with `selective` (not under torch.compile); then `full`
   (replicated, EP, FSDP); CPU offload (FSDP) only when nothing else fits. A layout fits when its estimate is under
-  FIT_FRACTION (90 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib)
+  FIT_FRACTION (95 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib)
   when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
 
 Whatever the user set — `parallel.ep`, `dp_shard`, `cpu_offload`, `train.activation_checkpointing` written in the
