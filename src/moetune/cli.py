@@ -81,25 +81,26 @@ def _train(argv):
         train(cfg)
     except MoetuneError as e:
         print(f"moetune: error: {e}", file=sys.stderr)
+        _shutdown_distributed(finished=False)
         return e.exit_code
-    finally:
-        _shutdown_distributed()
+    _shutdown_distributed(finished=True)  # anything else keeps its traceback and exits: see there
     return 0
 
 
-def _shutdown_distributed():
+def _shutdown_distributed(finished: bool):
     """Free the (sharded) model while its process groups still exist, then destroy them. FSDP/DTensor modules
     sit in reference cycles, so without the collect they outlive the groups and gloo aborts at interpreter exit
-    ("terminate called without an active exception"), seen with expert parallelism."""
+    ("terminate called without an active exception"), seen with expert parallelism.
+    The barrier only after a finished run: a rank that failed alone would wait in it for ranks that wait in the
+    collective it left, forever and before its error is printed (NCCL does not time out there) — how a failure on
+    2 × H200 looked like a hang. Exiting shows the error and lets the launcher stop the others."""
     import gc
 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        try:
+        if finished:
             dist.barrier()
-        except Exception:  # a failed run: other ranks may be gone; still tear down
-            pass
         gc.collect()
         dist.destroy_process_group()
 
