@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moetune.model.build import build_model  # noqa: F401  (re-exported: train, estimate, tests build through hf_io)
+from moetune.model.build import build_model
 from moetune.model.config import ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
