@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moetune.errors import CheckpointError, NumericalFault, OutputError
-from moetune.model.hf_io import build_model
+from moetune.model.build import build_model
 from moetune.model.lora import apply_lora
 from moetune.names import LORA_TARGETS
 from moetune.tensors import full_tensor

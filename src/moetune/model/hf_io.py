@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA, ModelConfig
+from moetune.model.build import build_model
+from moetune.model.config import ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
-from moetune.model.glm4_moe_lite import Glm4MoeLiteForCausalLM
-from moetune.model.glm_moe_dsa import GlmMoeDsaForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
 from moetune.names import FUSED_EXPERT_RE, layer_index
 from moetune.tensors import local_index, local_tensor
@@ -33,15 +32,6 @@ log = logging.getLogger("moetune")
 
 
 # ---------------------------------------------------------------------------------------------- building
-MODEL_CLASSES = {GLM4_MOE: Glm4MoeForCausalLM, GLM4_MOE_LITE: Glm4MoeLiteForCausalLM, GLM_MOE_DSA: GlmMoeDsaForCausalLM}
-
-
-def build_model(cfg: ModelConfig, device="meta") -> Glm4MoeForCausalLM:
-    """The model class of cfg.model_type (all share one interface: forward, moe_layers, model.layers)."""
-    with torch.device(device):
-        return MODEL_CLASSES[cfg.model_type](cfg)
-
-
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast the base weights; the router's correction bias stays fp32 (as transformers keeps it)."""
     model.to(dtype)
