@@ -302,7 +302,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         add("LoRA", 8 * P_lora, f"fp32 adapter weights + gradients: 8·P_lora{per}")
         grads = 0
         opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
-        add("bad-step copy", 12 * P_lora, f"weights + moments before each update (train/bad_steps.py): 12·P_lora{per}")
+        notes.append(f"the bad-step rollback copies the LoRA state to host memory, twice: "
+                     f"~{24 * P_lora / GIB:.1f} GiB per rank (train/bad_steps.py)")
     static = sum(r[1] for r in rows) * GIB
     if offload:
         static = 0

@@ -323,3 +323,47 @@ def test_loading_weights_reports_progress(tmp_path, caplog):
         moetune.load_model(path)
     lines = [r.getMessage() for r in caplog.records if "loading weights" in r.getMessage()]
     assert len(lines) >= 3 and "100%" in lines[-1] and path in lines[0]
+
+
+def test_the_rollback_copy_is_the_state_before_the_last_applied_update():
+    """StepGuard's double-buffered host copy: a bad loss after two good updates restores the state after the first
+    (weights and AdamW moments); a bad update right after a rollback is undone too; the copies reuse their buffers."""
+    from types import SimpleNamespace
+
+    from moetune.train.bad_steps import StepGuard
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    guard = StepGuard([p], opt, SimpleNamespace(device=torch.device("cpu"), all_reduce_sum=lambda t: t), rollback=True)
+
+    def update(step):
+        guard.before_update(step)
+        p.grad = torch.tensor([0.5, -1.0, 2.0]) * step
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def state():
+        st = opt.state[p]
+        return p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+
+    update(1)
+    guard.record(1, True, True)
+    after_1 = state()
+    update(2)
+    guard.record(2, True, True)
+    assert not torch.equal(state()[0], after_1[0])
+    buffers = {id(t) for t in guard._snapshot[0] + guard._next[0]}
+    guard.record(3, False, False, "non-finite loss")  # the forward on step 2's weights failed: undo update 2
+    for got, want in zip(state(), after_1):
+        assert torch.equal(got, want)
+    assert guard.good_step == 1
+    update(4)  # after a rollback nothing was copied in flight: the snapshot is taken now
+    with torch.no_grad():
+        p.fill_(float("nan"))
+    guard.record(4, False, True, "the update made a trainable weight non-finite")
+    for got, want in zip(state(), after_1):
+        assert torch.equal(got, want)
+    update(5)
+    guard.record(5, True, True)
+    update(6)
+    assert {id(t) for t in guard._snapshot[0] + guard._next[0]} == buffers  # no new copy per step
