@@ -150,6 +150,23 @@ def test_memory_estimate_shards_with_world_size():
     assert 30 < eight.total_gib < 60 < one.total_gib
 
 
+def _census_model(m, mode, targets):
+    """A bf16 model of config `m` trained as `mode` (full: everything but the router; else LoRA on `targets`)."""
+    from moetune.model.hf_io import build_model, cast_model, init_weights
+    from moetune.model.lora import apply_lora
+
+    model = build_model(m, "cpu")
+    cast_model(model, torch.bfloat16)
+    init_weights(model, 0.1, seed=0)
+    full = mode == "full"
+    if full:
+        for name, p in model.named_parameters():
+            p.requires_grad_(not name.endswith("mlp.gate.weight"))
+    else:
+        apply_lora(model, targets, 4, 8)
+    return model, full
+
+
 def saved_bytes_by_layer(model, T):
     """Bytes of the tensors autograd saves for backward, by decoder layer (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -181,21 +198,10 @@ def saved_bytes_by_layer(model, T):
     ("full", []),
 ])
 def test_eager_activation_formula_matches_what_autograd_saves(mode, targets):
-    from moetune.model.hf_io import build_model, cast_model, init_weights
-    from moetune.model.lora import apply_lora
-
     m = ModelConfig.from_hf_dict(dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1))
-    model = build_model(m, "cpu")
-    cast_model(model, torch.bfloat16)
-    init_weights(model, 0.1, seed=0)
-    full = mode == "full"
-    if full:
-        for name, p in model.named_parameters():
-            p.requires_grad_(not name.endswith("mlp.gate.weight"))
-    else:
-        apply_lora(model, targets, 4, 8)
+    model, full = _census_model(m, mode, targets)
     # two lengths: the difference is what grows with the tokens (weight-sized casts drop out)
     small, big = saved_bytes_by_layer(model, 64), saved_bytes_by_layer(model, 128)
     for i in range(m.num_hidden_layers):
@@ -226,19 +232,8 @@ MLA_ATTN = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 ], ids=["lite-lora-attn", "lite-lora-b-proj", "lite-no-q-lora-mlp", "lite-lora-o", "lite-no-q-lora-full",
         "dsa-lora-attn", "dsa-full"])
 def test_eager_mla_activation_formula_matches_what_autograd_saves(config, mode, targets):
-    from moetune.model.hf_io import build_model, cast_model, init_weights
-    from moetune.model.lora import apply_lora
-
     m = ModelConfig.from_hf_dict(config)
-    model = build_model(m, "cpu")
-    cast_model(model, torch.bfloat16)
-    init_weights(model, 0.1, seed=0)
-    full = mode == "full"
-    if full:
-        for name, p in model.named_parameters():
-            p.requires_grad_(not name.endswith("mlp.gate.weight"))
-    else:
-        apply_lora(model, targets, 4, 8)
+    model, full = _census_model(m, mode, targets)
     small, big = saved_bytes_by_layer(model, 64), saved_bytes_by_layer(model, 128)
     for i in range(m.num_hidden_layers):
         measured = (big[i] - small[i]) / 64
