@@ -124,7 +124,8 @@ def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weighted_swiglu_backward_equals_autograd(dtype):
     """The eager hand-written backward (kept memory: h and the weights only) gives autograd's gradients."""
-    from moetune.model.moe import _WeightedSwiGLU, swiglu
+    from moetune.model.kernels import swiglu
+    from moetune.model.moe import _WeightedSwiGLU
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 2 * 24, generator=g).to(dtype).requires_grad_()

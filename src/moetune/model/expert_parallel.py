@@ -173,7 +173,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
         ctx.group, ctx.chunks, ctx.graphs = group, chunks, graphs
         ctx.weights_need_grad = [t.requires_grad for t in weights]
         ctx.rows_shape, ctx.rows_need_grad = rows.shape, rows.requires_grad
-        ctx.row_weights_like, ctx.row_weights_shape = row_weights.new_empty(0), row_weights.shape
+        ctx.row_weights_shape, ctx.row_weights_dtype = row_weights.shape, row_weights.dtype
         ctx.row_weights_need_grad = row_weights.requires_grad
         return result
 
@@ -183,7 +183,8 @@ class _ExchangeAndCompute(torch.autograd.Function):
         incoming = [_all_to_all(grad_out[ch.start:ch.start + ch.n_send], ch.recv_splits, ch.send_splits, group)
                     for ch in chunks]
         grad_rows = grad_out.new_empty(ctx.rows_shape) if ctx.rows_need_grad else None
-        grad_row_weights = ctx.row_weights_like.new_empty(ctx.row_weights_shape) if ctx.row_weights_need_grad else None
+        grad_row_weights = (grad_out.new_empty(ctx.row_weights_shape, dtype=ctx.row_weights_dtype)
+                            if ctx.row_weights_need_grad else None)
         going, weight_grads = [], None
         for ch, (g, work), (y, r_in, w_in, local) in zip(chunks, incoming, ctx.graphs):
             work.wait()

@@ -56,9 +56,13 @@ def bag_sum(src: torch.Tensor, slots: torch.Tensor, use_kernel: bool | None = No
 
 
 # ---------------------------------------------------------------------------------------- weighted SwiGLU
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def weighted_swiglu_fwd_torch(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return (F.silu(gate) * up).float().mul(w.unsqueeze(-1)).to(h.dtype)
+    return swiglu(h).float().mul(w.unsqueeze(-1)).to(h.dtype)
 
 
 def weighted_swiglu_bwd_torch(h, w, grad, need_w_grad: bool):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd
+from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.tensors import local_tensor
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -75,18 +75,13 @@ def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch
     return y.view(num_tokens, -1, y.shape[-1]).sum(dim=1)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
     """swiglu(h) scaled by each row's routing weight in fp32, back in h's dtype. Compiled, Inductor fuses it and
     keeps only h; in eager mode (the expert-parallel exchange is a graph break) `_WeightedSwiGLU` does the same by
     hand instead of autograd keeping silu(gate), the product and its fp32 copy (2.5× the memory of h), one Triton
     kernel each way on CUDA (model/kernels.py)."""
     if torch.compiler.is_compiling():
-        return (swiglu(h).float() * row_weights.unsqueeze(-1)).to(h.dtype)
+        return weighted_swiglu_fwd_torch(h, row_weights)
     return _WeightedSwiGLU.apply(h, row_weights)
 
 

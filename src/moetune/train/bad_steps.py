@@ -18,7 +18,7 @@ followed by the same blow-up would otherwise alternate forever). `checkpoint.max
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext as _nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -113,7 +113,7 @@ class StepGuard:
         opt_into = into[1] if into is not None else {}
         if asynchronous:
             self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), (torch.cuda.stream(self._stream) if asynchronous else _nullcontext()):
+        with torch.no_grad(), (torch.cuda.stream(self._stream) if asynchronous else nullcontext()):
             for dst, src in zip(params, live):
                 dst.copy_(src, non_blocking=asynchronous)
             opt = self._copy_optimizer_state(opt_into, asynchronous)
