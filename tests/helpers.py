@@ -131,6 +131,15 @@ def eval_losses(run_dir):
     return [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
 
 
+def randomize_lora(model, seed, scale=0.1):
+    """Nonzero A and B everywhere, so every LoRA tensor shapes the output (a merge matters) and gets a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
 def random_adapter(base_path, adapter_dir, targets, rank=4, alpha=8.0, rslora=False, seed=0, scale=0.1):
     """A moetune adapter dir with random nonzero A and B on `targets` for the checkpoint at base_path;
     returns our model (fp32) holding it."""
@@ -140,11 +149,7 @@ def random_adapter(base_path, adapter_dir, targets, rank=4, alpha=8.0, rslora=Fa
 
     model = moetune.load_model(str(base_path), dtype="float32")
     apply_lora(model, targets, rank, alpha, 0.0, rslora)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    randomize_lora(model, seed, scale)
     save_adapter(lora_state_dict(model), str(adapter_dir),
                  dict(rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, targets=list(targets)), base_model=str(base_path))
     return model
@@ -162,3 +167,32 @@ def trained_text(tokenizer, ids, mask):
     if current:
         runs.append(tokenizer.decode(current))
     return runs
+
+
+def vllm_adapter_table(cfg: dict, r: int, targets, attn: dict, dense_layers: int) -> dict:
+    """{key: shape} of the LoRA adapter vLLM reads for a model of `cfg` with rank r on `targets`: `attn` gives the
+    (in, out) of each attention projection vLLM names (the architecture's), the MLPs and experts are common."""
+    H, E, Ie, Id = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    table = {}
+
+    def lin(prefix, fan_in, fan_out):
+        table[f"base_model.model.{prefix}.lora_A.weight"] = (r, fan_in)
+        table[f"base_model.model.{prefix}.lora_B.weight"] = (fan_out, r)
+
+    mlp = {"gate_proj": (H, None), "up_proj": (H, None), "down_proj": (None, H)}
+    for n in range(cfg["num_hidden_layers"]):
+        for name, (i, o) in attn.items():
+            if name in targets:
+                lin(f"model.layers.{n}.self_attn.{name}", i, o)
+        dense = n < dense_layers
+        if dense and "dense_mlp" in targets:
+            for name, (i, o) in mlp.items():
+                lin(f"model.layers.{n}.mlp.{name}", i or Id, o or Id)
+        if not dense and "shared_experts" in targets:
+            for name, (i, o) in mlp.items():
+                lin(f"model.layers.{n}.mlp.shared_experts.{name}", i or Ie, o or Ie)
+        if not dense and "experts" in targets:
+            for e in range(E):
+                for name, (i, o) in mlp.items():
+                    lin(f"model.layers.{n}.mlp.experts.{e}.{name}", i or Ie, o or Ie)
+    return table

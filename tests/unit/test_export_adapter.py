@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import moetune
 from moetune.export import ExportError, export_adapter
-from helpers import TINY_HF, hf_model, random_adapter, save_hf
+from helpers import TINY_HF, hf_model, random_adapter, save_hf, vllm_adapter_table
 
 peft = pytest.importorskip("peft")
 
@@ -72,32 +72,10 @@ def test_peft_export_verify_reports_errors(tmp_path, base):
 
 def vllm_table(cfg, r, targets):
     """Every key and shape vLLM expects for GLM-4.5 (see moetune/export/vllm_layout.py for the source)."""
-    H, E, Ie, Id = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    H = cfg["hidden_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     attn = {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H)}
-    table = {}
-
-    def lin(prefix, fan_in, fan_out):
-        table[f"base_model.model.{prefix}.lora_A.weight"] = (r, fan_in)
-        table[f"base_model.model.{prefix}.lora_B.weight"] = (fan_out, r)
-
-    for n in range(cfg["num_hidden_layers"]):
-        for name, (i, o) in attn.items():
-            if name in targets:
-                lin(f"model.layers.{n}.self_attn.{name}", i, o)
-        dense = n < cfg["first_k_dense_replace"]
-        mlp = {"gate_proj": (H, None), "up_proj": (H, None), "down_proj": (None, H)}
-        if dense and "dense_mlp" in targets:
-            for name, (i, o) in mlp.items():
-                lin(f"model.layers.{n}.mlp.{name}", i or Id, o or Id)
-        if not dense and "shared_experts" in targets:
-            for name, (i, o) in mlp.items():
-                lin(f"model.layers.{n}.mlp.shared_experts.{name}", i or Ie, o or Ie)
-        if not dense and "experts" in targets:
-            for e in range(E):
-                for name, (i, o) in mlp.items():
-                    lin(f"model.layers.{n}.mlp.experts.{e}.{name}", i or Ie, o or Ie)
-    return table
+    return vllm_adapter_table(cfg, r, targets, attn, cfg["first_k_dense_replace"])
 
 
 @pytest.mark.parametrize("targets", [ALL, ATTN + ["experts"]])

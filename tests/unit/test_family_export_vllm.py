@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from family_models import TINY_DSA, TINY_MLA, hf_dsa, hf_lite
-from helpers import random_adapter, save_hf
+from helpers import random_adapter, save_hf, vllm_adapter_table
 from moetune.export import ExportError, export_adapter
 
 pytest.importorskip("peft")
@@ -31,7 +31,7 @@ VLLM_PACKED = {"fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "gate_up_
 
 def vllm_table(cfg: dict, r: int, targets) -> dict:
     """{key: shape} of the adapter vLLM reads for a model of `cfg` with LoRA rank r on `targets`."""
-    H, E, Ie, Id = cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    H = cfg["hidden_size"]
     nH, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     q_lora, kv_lora = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
     attn = {"o_proj": (nH * v, H), "kv_a_proj_with_mqa": (H, kv_lora + rope)}  # (in, out) of each vLLM part
@@ -39,30 +39,7 @@ def vllm_table(cfg: dict, r: int, targets) -> dict:
         attn |= {"q_a_proj": (H, q_lora), "q_b_proj": (q_lora, nH * (nope + rope))}
     else:
         attn |= {"q_proj": (H, nH * (nope + rope))}
-    table = {}
-
-    def lin(prefix, fan_in, fan_out):
-        table[f"base_model.model.{prefix}.lora_A.weight"] = (r, fan_in)
-        table[f"base_model.model.{prefix}.lora_B.weight"] = (fan_out, r)
-
-    mlp = {"gate_proj": (H, None), "up_proj": (H, None), "down_proj": (None, H)}
-    dense_layers = cfg.get("first_k_dense_replace", 1)
-    for n in range(cfg["num_hidden_layers"]):
-        for name, (i, o) in attn.items():
-            if name in targets:
-                lin(f"model.layers.{n}.self_attn.{name}", i, o)
-        dense = n < dense_layers
-        if dense and "dense_mlp" in targets:
-            for name, (i, o) in mlp.items():
-                lin(f"model.layers.{n}.mlp.{name}", i or Id, o or Id)
-        if not dense and "shared_experts" in targets:
-            for name, (i, o) in mlp.items():
-                lin(f"model.layers.{n}.mlp.shared_experts.{name}", i or Ie, o or Ie)
-        if not dense and "experts" in targets:
-            for e in range(E):
-                for name, (i, o) in mlp.items():
-                    lin(f"model.layers.{n}.mlp.experts.{e}.{name}", i or Ie, o or Ie)
-    return table
+    return vllm_adapter_table(cfg, r, targets, attn, cfg.get("first_k_dense_replace", 1))
 
 
 def _module_leaves(keys, q_lora: bool) -> set[str]:

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import moetune
 from family_models import hf_dsa, hf_lite
-from helpers import save_hf
+from helpers import randomize_lora, save_hf
 from moetune.model.config import BUILTIN, ModelConfig
 from moetune.model.hf_io import build_model, cast_model
 from moetune.model.lora import apply_lora
@@ -29,11 +29,7 @@ def _ours(tmp_path, kind, dtype, lora, seed=1, **over):
     model = moetune.load_model(save_hf(MAKE[kind](seed=seed, **over), tmp_path / f"{kind}-{seed}"), dtype=dtype)
     if lora:
         apply_lora(model, TARGETS, 4, 8.0)
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".lora" in name:  # B nonzero, so that the merge matters
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        randomize_lora(model, seed + 1)
     return model
 
 

@@ -10,7 +10,7 @@ import torch
 import moetune
 from moetune.export import peft_layout
 from moetune.model.lora import apply_lora, format_trainable_table, lora_state_dict, trainable_table
-from helpers import TINY_HF, hf_model, save_hf
+from helpers import TINY_HF, hf_model, randomize_lora, save_hf
 
 peft = pytest.importorskip("peft")
 
@@ -19,15 +19,6 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_expe
 
 def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
-
-
-def randomize_lora(model, seed, scale=0.1):
-    """Nonzero A and B everywhere, so every LoRA tensor shapes the output and receives a gradient."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
 def peft_model(base, peft_state, peft_cfg):

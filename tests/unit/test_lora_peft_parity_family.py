@@ -11,7 +11,7 @@ from moetune.config import load_config
 from moetune.export import peft_layout
 from moetune.model.lora import apply_lora, lora_state_dict, trainable_table
 from family_models import hf_dsa, hf_lite
-from helpers import save_hf
+from helpers import randomize_lora, save_hf
 
 peft = pytest.importorskip("peft")
 
@@ -46,11 +46,7 @@ def test_loss_logits_and_lora_grads_match_peft(tmp_path, case):
     ours = moetune.load_model(path, dtype="float32")
     adapted = apply_lora(ours, targets, rank, alpha)
     assert all(adapted[t] for t in targets)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if ".lora" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    randomize_lora(ours, 7)
     peft_state, peft_cfg = to_peft(lora_state_dict(ours), targets, rank, alpha)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 import moetune
-from helpers import free_port, hf_model, save_hf
+from helpers import free_port, hf_model, randomize_lora, save_hf
 from moetune.model.config import TINY, ModelConfig
 from moetune.model.hf_io import build_model, cast_model, init_weights
 from moetune.model.lora import apply_lora
@@ -32,11 +32,7 @@ def tiny_model(lora=True, dtype=torch.bfloat16, seed=0, **cfg):
     cast_model(m, dtype)
     if lora:
         apply_lora(m, TARGETS, 4, 8.0)
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                if ".lora" in name:  # B nonzero, so that the merge matters
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        randomize_lora(m, seed + 1)
     return m
 
 

@@ -96,18 +96,24 @@ def test_vllm_add_lora_accepts_our_adapter_and_rejects_a_tampered_one(run, tmp_p
     assert isinstance(result[str(bad)], str) and "expected target modules" in result[str(bad)], result
 
 
-def test_weight_sync_into_vllm_equals_the_trainers_merged_model(run, ids):
+def sync_into_vllm(run, ids, **check_args):
+    """A trainer process (trainer_sync.py: the run's base + adapter) syncs its merged weights into a vLLM engine;
+    returns vLLM's logprobs of `ids` before and after the sync and the trainer's own."""
     address = f"tcp://127.0.0.1:{free_port()}"
     args = dict(base=str(run / "base"), adapter=str(run / "adapter"), address=address, ids=ids)
     trainer = subprocess.Popen([sys.executable, str(HERE / "trainer_sync.py"), json.dumps(args)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        got = check("sync", base=str(run / "base"), address=address, world_size=3, ids=ids)
+        got = check("sync", base=str(run / "base"), address=address, world_size=3, ids=ids, **check_args)
         out, err = trainer.communicate(timeout=600)
     finally:
         trainer.kill()
     assert trainer.returncode == 0, err[-3000:]
     want = torch.tensor(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])["logprobs"])
-    before, after = torch.tensor(got["before"]), torch.tensor(got["after"])
+    return torch.tensor(got["before"]), torch.tensor(got["after"]), want
+
+
+def test_weight_sync_into_vllm_equals_the_trainers_merged_model(run, ids):
+    before, after, want = sync_into_vllm(run, ids)
     assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
     assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's

@@ -14,8 +14,6 @@ layer (see test_vllm.py).
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,9 +21,9 @@ from safetensors.torch import load_file, save_file
 
 import moetune
 from family_models import hf_lite
-from helpers import free_port, random_adapter, save_hf
+from helpers import random_adapter, save_hf
 from moetune.cli import main as moetune_main
-from test_vllm import HERE, check
+from test_vllm import check, sync_into_vllm
 
 RANK = 8
 TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts", "experts"]
@@ -79,17 +77,6 @@ def test_vllm_add_lora_accepts_our_mla_adapter_and_rejects_a_tampered_one(run, t
 
 
 def test_weight_sync_into_vllm_mla_equals_the_trainers_merged_model(run):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    args = dict(base=str(run / "base"), adapter=str(run / "adapter"), address=address, ids=IDS)
-    trainer = subprocess.Popen([sys.executable, str(HERE / "trainer_sync.py"), json.dumps(args)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        got = check("sync", base=str(run / "base"), address=address, world_size=3, ids=IDS, native_rope=True)
-        out, err = trainer.communicate(timeout=600)
-    finally:
-        trainer.kill()
-    assert trainer.returncode == 0, err[-3000:]
-    want = torch.tensor(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])["logprobs"])
-    before, after = torch.tensor(got["before"]), torch.tensor(got["after"])
+    before, after, want = sync_into_vllm(run, IDS, native_rope=True)
     assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
     assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's
