@@ -63,6 +63,14 @@ VARIANTS = {
     "ours_ep8rank_qkvo_2x4096": ("ours", 2, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True}),
     "ours_ep8rank_experts_1x4096": ("ours", 1, 4096, QKVO + ["experts"], {"layers": 46, "experts": 16,
                                                                           "compile": True}),
+    # the same rank on packed rows (4 documents of 1,024 tokens per 4,096-token row, FlexAttention document masks),
+    # the shape of a packed fine-tuning run: the causal attention work is a quarter of one 4,096-token document's
+    "ours_ep8rank_qkvo_1x4096_packed": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True,
+                                                                "docs": 4}),
+    # the expert-parallel dispatcher on a world of ONE GPU (torchrun, NCCL): every row goes to itself, so against
+    # ours_qkvo_4x1024 this is what the dispatcher costs besides the network (graph break, eager work, host sync)
+    "ours_ep1_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "dispatch": True}),
+    "ours_ep1_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True}),
 }
 # GLM-4.7-Flash (glm4_moe_lite, MLA) at FULL size (47 layers, 64 experts, bf16 base 56 GiB) on one GPU, seq 4096: LoRA
 # on every MLA projection, and on them + the routed experts; against transformers' Glm4MoeLiteForCausalLM + PEFT
@@ -140,14 +148,16 @@ def build_ours(cfg: dict, targets, extra, device):
     apply_ac(model, extra.get("ac", "none"))
     if extra.get("compile"):
         apply_compile(model)
-    if extra.get("nproc", 1) > 1:
-        from moetune.parallel import apply_fsdp, init_distributed
+    if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
+        from moetune.parallel import apply_ep, apply_fsdp, init_distributed
 
         dist = init_distributed(ep=extra.get("ep", 1), dp_shard=extra.get("dp_shard", -1))
         if extra.get("ep", 1) > 1:
-            from moetune.parallel import apply_ep
-
             apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 1))
+        elif extra.get("dispatch"):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            apply_ep(model, init_device_mesh(dist.device.type, (1,), mesh_dim_names=("ep",)))
         if dist.fsdp or extra.get("offload"):
             apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True),
                        cpu_offload=extra.get("offload", False))
@@ -303,7 +313,7 @@ def run_variant(name: str, timeout: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t = time.time()
     nproc = VARIANTS[name][4].get("nproc", 1)
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+    launch = [sys.executable] if nproc == 1 and not VARIANTS[name][4].get("dispatch") else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                                                    str(nproc), "--master-port", "29533"]
     try:
         p = subprocess.run(launch + [__file__, "--worker", name], capture_output=True, text=True, env=env,

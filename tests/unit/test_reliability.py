@@ -325,20 +325,23 @@ def test_loading_weights_reports_progress(tmp_path, caplog):
     assert len(lines) >= 3 and "100%" in lines[-1] and path in lines[0]
 
 
-def test_the_rollback_copy_is_the_state_before_the_last_applied_update():
+# On a GPU machine the CUDA twin runs too: pinned host buffers filled on a side stream under the next step.
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_rollback_copy_is_the_state_before_the_last_applied_update(device):
     """StepGuard's double-buffered host copy: a bad loss after two good updates restores the state after the first
     (weights and AdamW moments); a bad update right after a rollback is undone too; the copies reuse their buffers."""
     from types import SimpleNamespace
 
     from moetune.train.bad_steps import StepGuard
 
-    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0], device=device))
     opt = torch.optim.AdamW([p], lr=0.1)
-    guard = StepGuard([p], opt, SimpleNamespace(device=torch.device("cpu"), all_reduce_sum=lambda t: t), rollback=True)
+    guard = StepGuard([p], opt, SimpleNamespace(device=torch.device(device), all_reduce_sum=lambda t: t),
+                      rollback=True)
 
     def update(step):
         guard.before_update(step)
-        p.grad = torch.tensor([0.5, -1.0, 2.0]) * step
+        p.grad = torch.tensor([0.5, -1.0, 2.0], device=device) * step
         opt.step()
         opt.zero_grad(set_to_none=True)
 
