@@ -7,6 +7,12 @@ quarter of the bytes (over 8 ranks about 5.3 instead of 8). The receiving rank e
 expert) pairs it serves, runs the grouped GEMMs, and sums each token's weighted outputs before one row goes back;
 the sending rank sums the rows that come back from each rank. Both sums are the adjoints of the expansions, so
 each direction of the backward moves the same bytes as the forward.
+
+One device→host copy per layer is left: NCCL's all-to-all takes its split sizes on the host, and exact (dropless)
+routing has no static bound on them short of padding every rank's buffers to the worst case. Everything that does
+not need those sizes — the send-side plan, the gather of the rows to send, their routing, the expert counts and the
+shared expert — is queued before the copy, so the GPU works while the host waits, and after it the host only
+launches the exchange and the expert GEMMs.
 """
 
 from __future__ import annotations
@@ -56,10 +62,38 @@ class _Combine(torch.autograd.Function):
         return grad.index_select(0, ctx.bags.bag), None
 
 
-def _first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """Flat indices of the first `n` True entries of `mask` in order — `n` is known on the host, so unlike
-    `nonzero` this needs no device→host synchronisation."""
-    return torch.argsort((~mask).flatten().to(torch.uint8), stable=True)[:n]
+@dataclass
+class _SendPlan:
+    """Where a rank's rows go, in static shapes (no host sizes): the send buffer has ep·t rows for each chunk of t
+    tokens, the rows for rank 0 first, then rank 1's, …, in token order; only the first n of them (n: the chunk's
+    token→rank hits, known on the host after the counts exchange) are sent."""
+
+    origin: Bags  # send-buffer row -> token (bag), token -> its rows, one slot per rank (slots [T, ep])
+    routing: torch.Tensor  # [ep·T, 2k] fp32 per send-buffer row: its token's routing weights | expert ids local
+    #                        to the destination rank (n_local: not there)
+    counts: torch.Tensor  # [ep, chunks, 2] per destination rank and chunk: (rows, (token, expert) pairs)
+    bounds: list[int]  # chunk c holds tokens bounds[c]:bounds[c+1] and send-buffer rows from ep·bounds[c]
+
+
+def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_local: int, chunks: int) -> _SendPlan:
+    T, k = topk_idx.shape
+    bounds = [T * c // chunks for c in range(chunks + 1)]
+    bags, slots, routing, counts = [], [], [], []
+    for a, b in zip(bounds, bounds[1:]):
+        t = b - a
+        dest = topk_idx[a:b] // n_local
+        hits = torch.zeros(t, ep, dtype=torch.bool, device=topk_idx.device).scatter_(1, dest, True)
+        flat = hits.t().reshape(-1)  # (rank, token), rank-major: the send buffer's order
+        order = torch.argsort((~flat).to(torch.uint8), stable=True)  # the hits first, in that order
+        token = order % max(t, 1)
+        bags.append(token + a)
+        position = torch.cumsum(flat, 0) - 1 + ep * a
+        slots.append(torch.where(flat, position, -1).view(ep, t).t())
+        local = topk_idx[a:b][token] - (order // max(t, 1) * n_local).unsqueeze(1)
+        local = torch.where((local >= 0) & (local < n_local), local, n_local)
+        routing.append(torch.cat([topk_weights[a:b][token].detach().float(), local.float()], 1))
+        counts.append(torch.stack([hits.sum(0), torch.bincount(dest.flatten(), minlength=ep)], -1))
+    return _SendPlan(Bags(torch.cat(bags), torch.cat(slots)), torch.cat(routing), torch.stack(counts, 1), bounds)
 
 
 @dataclass
@@ -71,7 +105,7 @@ class _Chunk:
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
     recv_pairs: int  # (token, local expert) pairs those rows carry
-    routing: torch.Tensor | None = None  # the received [weights | expert ids] per row (fp32), once arrived
+    routing: torch.Tensor | None = None  # the received [weights | local expert ids] per row (fp32), once arrived
     routing_work: object = None
     back_work: object = None  # the results' way back
 
@@ -94,11 +128,8 @@ class _Received:
     weights: torch.Tensor  # [R, k] routing weights of the received rows
 
 
-def _plan_received(routing: torch.Tensor, k: int, first_expert: int, n_local: int, n_pairs: int,
-                   weights_dtype) -> _Received:
-    weights, experts = routing[:, :k].to(weights_dtype), routing[:, k:].long() - first_expert
-    local = (experts >= 0) & (experts < n_local)
-    key = torch.where(local, experts, n_local).flatten()
+def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype) -> _Received:
+    weights, key = routing[:, :k].to(weights_dtype), routing[:, k:].long().flatten()  # key n_local: not here
     order = torch.argsort(key, stable=True)[:n_pairs]
     offs = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0).to(torch.int32)
     slots = torch.full_like(key, -1)
@@ -183,7 +214,9 @@ class _ExchangeAndCompute(torch.autograd.Function):
         incoming = [_all_to_all(grad_out[ch.start:ch.start + ch.n_send], ch.recv_splits, ch.send_splits, group)
                     for ch in chunks]
         grad_rows = grad_out.new_empty(ctx.rows_shape) if ctx.rows_need_grad else None
-        grad_row_weights = (grad_out.new_empty(ctx.row_weights_shape, dtype=ctx.row_weights_dtype)
+        # Rows of the send buffer that were not sent get no gradient: the row weights' gather adds every row's
+        # gradient to its token, so theirs must be zero (the rows' own expansion reads only the rows sent).
+        grad_row_weights = (grad_out.new_zeros(ctx.row_weights_shape, dtype=ctx.row_weights_dtype)
                             if ctx.row_weights_need_grad else None)
         going, weight_grads = [], None
         for ch, (g, work), (y, r_in, w_in, local) in zip(chunks, incoming, ctx.graphs):
@@ -232,50 +265,37 @@ class AllToAllDispatcher:
         """x [T, H] this rank's tokens, topk_idx/topk_weights [T, k]; `weights` the local expert tensors
         `compute(rows, offs, row_weights, *weights)` takes. Returns (sum of each token's weighted expert
         outputs [T, H], global rows per expert [E], side_work's result)."""
-        ep, rank = self.group.size(), self.group.rank()
-        T, k = topk_idx.shape
+        ep = self.group.size()
+        k = topk_idx.shape[1]
         weights = [local_tensor(w) for w in weights]
         n_local = num_experts // ep
-        bounds = [T * c // self.chunks for c in range(self.chunks + 1)]
-        dest = topk_idx // n_local
-        hits = [torch.zeros(b - a, ep, dtype=torch.bool, device=x.device).scatter_(1, dest[a:b], True)
-                for a, b in zip(bounds, bounds[1:])]
-        # [dest rank, chunk, (rows, pairs)]
-        send_counts = torch.stack([torch.stack([h.sum(0), torch.bincount(dest[a:b].flatten(), minlength=ep)], -1)
-                                   for h, a, b in zip(hits, bounds, bounds[1:])], 1)
-        recv_counts = torch.empty_like(send_counts)  # [source rank, chunk, (rows, pairs)]
+        send = _plan_send(topk_idx, topk_weights, ep, n_local, self.chunks)
+        recv_counts = torch.empty_like(send.counts)  # [source rank, chunk, (rows, pairs)]
         routed = torch.cuda.current_stream().record_event() if x.is_cuda else None
-        work = dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
-        side = side_work() if side_work is not None else None  # queued on the GPU while we wait for the counts
-        host = self._to_host(lambda: torch.cat([send_counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
+        work = dist.all_to_all_single(recv_counts, send.counts, group=self.group, async_op=True)
+        # Queued on the GPU before the host waits for the split sizes: the rows and routing to send, and the
+        # shared expert.
+        rows = _Expand.apply(x, send.origin)
+        row_weights = topk_weights[send.origin.bag]
+        counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+        side = side_work() if side_work is not None else None
+        host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
         recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
 
-        chunks, bag, slots, start = [], [], [], 0
-        for c, (h, a, b) in enumerate(zip(hits, bounds, bounds[1:])):
-            n, t = int(send_rows[:, c].sum()), max(b - a, 1)  # t: a chunk may hold no token
-            sel = _first_true(h.t(), n)  # (dest, token) of each row sent, dest-major: the send buffer's order
-            position = torch.full((ep * (b - a),), -1, dtype=torch.long, device=x.device)
-            position[sel] = torch.arange(start, start + n, device=x.device)
-            bag.append(sel % t + a)
-            slots.append(position.view(ep, b - a).t())  # where each token's rows come back, by rank
-            chunks.append(_Chunk(start, send_rows[:, c].tolist(), recv[:, c, 0].tolist(), int(recv[:, c, 1].sum())))
-            start += n
-        origin = Bags(torch.cat(bag), torch.cat(slots))
-
-        routing = torch.cat([topk_weights.detach().float(), topk_idx.float()], 1)[origin.bag]
-        for ch in chunks:
-            ch.routing, ch.routing_work = _all_to_all(routing[ch.start:ch.start + ch.n_send], ch.recv_splits,
+        chunks = []
+        for c, a in enumerate(send.bounds[:-1]):
+            ch = _Chunk(ep * a, send_rows[:, c].tolist(), recv[:, c, 0].tolist(), int(recv[:, c, 1].sum()))
+            ch.routing, ch.routing_work = _all_to_all(send.routing[ch.start:ch.start + ch.n_send], ch.recv_splits,
                                                       ch.send_splits, self.group)
+            chunks.append(ch)
 
         def plan(ch):
-            return _plan_received(ch.routing, k, rank * n_local, n_local, ch.recv_pairs, topk_weights.dtype)
+            return _plan_received(ch.routing, k, n_local, ch.recv_pairs, topk_weights.dtype)
 
-        rows = _Expand.apply(x, origin)
-        row_weights = topk_weights[origin.bag]
         y = _ExchangeAndCompute.apply(self.group, chunks, plan, compute, recompute, torch.is_grad_enabled(), rows,
                                       row_weights, *weights)
-        return _Combine.apply(y, origin), torch.bincount(topk_idx.flatten(), minlength=num_experts), side
+        return _Combine.apply(y, send.origin), counts, side
 
     def _to_host(self, make, work, routed) -> list[int]:
         """`make()` (the split sizes, computed once the counts exchange `work` is done) on the host. On a GPU this
