@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.model.kernels import bag_sum
+from moetune.model.moe import count_values
 from moetune.model.recompute import recompute as recompute_fn
 from moetune.tensors import local_tensor
 
@@ -92,7 +93,7 @@ def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_lo
         local = topk_idx[a:b][token] - (order // max(t, 1) * n_local).unsqueeze(1)
         local = torch.where((local >= 0) & (local < n_local), local, n_local)
         routing.append(torch.cat([topk_weights[a:b][token].detach().float(), local.float()], 1))
-        counts.append(torch.stack([hits.sum(0), torch.bincount(dest.flatten(), minlength=ep)], -1))
+        counts.append(torch.stack([hits.sum(0), count_values(dest, ep)], -1))
     return _SendPlan(Bags(torch.cat(bags), torch.cat(slots)), torch.cat(routing), torch.stack(counts, 1), bounds)
 
 
@@ -131,7 +132,7 @@ class _Received:
 def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype) -> _Received:
     weights, key = routing[:, :k].to(weights_dtype), routing[:, k:].long().flatten()  # key n_local: not here
     order = torch.argsort(key, stable=True)[:n_pairs]
-    offs = torch.bincount(key, minlength=n_local + 1)[:n_local].cumsum(0).to(torch.int32)
+    offs = count_values(key, n_local + 1)[:n_local].cumsum(0).to(torch.int32)
     slots = torch.full_like(key, -1)
     slots[order] = torch.arange(n_pairs, device=key.device)
     return _Received(Bags(bag=order // k, slots=slots.view(-1, k)), order, offs, weights)
@@ -277,7 +278,7 @@ class AllToAllDispatcher:
         # shared expert.
         rows = _Expand.apply(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
-        counts = torch.bincount(topk_idx.flatten(), minlength=num_experts)
+        counts = count_values(topk_idx, num_experts)
         side = side_work() if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)

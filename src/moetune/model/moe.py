@@ -58,11 +58,19 @@ class Permutation:
     offs: torch.Tensor  # [E] int32 cumulative counts: the grouped GEMM's group ends
 
 
+def count_values(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in idx (int64 [n]). `torch.bincount` sizes its output from the data: on
+    CUDA it copies idx's max and min to the host (two synchronisations that drain the GPU's queue) and
+    torch.compile breaks the graph there; a scatter-add of ones has a static shape and exact integer sums."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def permute(topk_idx: torch.Tensor, num_experts: int) -> Permutation:
     k = topk_idx.shape[-1]
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_values(flat, num_experts)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     offs = counts.cumsum(0).to(torch.int32)
