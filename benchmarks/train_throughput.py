@@ -220,9 +220,13 @@ def breakdown(step, batch):
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    trace = os.environ.get("BENCH_TRACE")  # a folder: also record the host's ops, and write a Chrome trace there
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    with profile(activities=activities) as prof:
         step(*batch)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(os.path.join(trace, f"trace_{os.environ.get('BENCH_VARIANT', 'step')}.json"))
     totals, kernels = {}, {}
     for e in prof.key_averages():
         if e.device_type.name != "CUDA" and getattr(e, "device_time_total", 0) == 0:
@@ -245,6 +249,7 @@ CPU_DRY_RUN = bool(os.environ.get("BENCH_CPU"))  # the same code paths on the ti
 
 
 def worker(name: str) -> dict:
+    os.environ["BENCH_VARIANT"] = name
     stack, B, S, targets, extra = VARIANTS[name]
     if CPU_DRY_RUN:
         from moetune.model.config import BUILTIN
