@@ -179,6 +179,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
         for ch, (r, work) in zip(chunks, sent):
             ch.routing_work.wait()
             rec = plan(ch)
+            ch.routing = ch.routing_work = None  # ctx keeps the chunks (their sizes) until backward
             work.wait()
             with torch.enable_grad() if grad else torch.no_grad():
                 r_in = r.detach().requires_grad_(grad and rows.requires_grad)
@@ -200,6 +201,10 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 _release(r_in)
         for ch, (y, *_) in zip(chunks, graphs):
             ch.back_work.wait()
+            # A work object holds its output, here a view of `result`, whose grad_fn is this node: kept in ctx it
+            # would close a reference cycle through C++ that Python's collector cannot see, and every step's buffers
+            # would stay allocated.
+            ch.back_work = None
             if grad:  # read by no derivative; freed once sent (gloo reads it from another thread until then)
                 _release(y)
         ctx.group, ctx.chunks, ctx.graphs = group, chunks, graphs

@@ -1,0 +1,74 @@
+"""Where the GPU waits: idle gaps of a profiled step's Chrome trace (benchmarks/train_throughput.py with
+BENCH_TRACE=<folder>) and the host's ops that ran during them.
+
+    python benchmarks/trace_gaps.py trace_ours_ep1_qkvo_4x1024.json.gz [--min-us 20]
+
+Prints the GPU's busy and idle time over the step, the idle time by the host op (outermost Python-level op, and
+the CUDA runtime call) that was running when each gap began, and the host-side synchronisations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy\x00")
+
+
+def load(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--min-us", type=float, default=20.0)
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    ev = [e for e in load(a.trace) if e.get("ph") == "X"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in GPU_CATS)
+    cpu = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    rt = [e for e in ev if e.get("cat") == "cuda_runtime"]
+    start, end = gpu[0][0], max(t for _, t in gpu)
+    gaps, busy, cur_s, cur_e = [], 0.0, *gpu[0]
+    for s, e in gpu[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            if s - cur_e >= a.min_us:
+                gaps.append((cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = end - start
+    print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms; "
+          f"{len(gaps)} gaps >= {a.min_us:.0f} us total {sum(e - s for s, e in gaps) / 1e3:.1f} ms")
+
+    def covering(events, t):
+        return [e for e in events if e["ts"] <= t < e["ts"] + e["dur"]]
+
+    by_outer, by_inner, by_rt = collections.Counter(), collections.Counter(), collections.Counter()
+    for s, e in gaps:
+        ops = sorted(covering(cpu, s), key=lambda x: -x["dur"])
+        outer = ops[0]["name"][:80] if ops else "(no host op)"
+        inner = ops[-1]["name"][:80] if ops else "(no host op)"
+        by_outer[outer] += e - s
+        by_inner[inner] += e - s
+        r = covering(rt, s)
+        by_rt[r[0]["name"][:60] if r else "(none)"] += e - s
+    for title, c in (("outermost host op at the gap's start", by_outer), ("innermost host op", by_inner),
+                     ("CUDA runtime call at the gap's start", by_rt)):
+        print(f"\nidle ms by {title}:")
+        for name, us in c.most_common(a.top):
+            print(f"  {us / 1e3:8.2f}  {name}")
+    syncs = collections.Counter(e["name"] for e in rt if e["name"].startswith(SYNCS) or "Synchronize" in e["name"])
+    print("\nhost synchronisations:", dict(syncs))
+
+
+if __name__ == "__main__":
+    main()
