@@ -60,10 +60,10 @@ class StepResult:
 
 
 def train(cfg: Config) -> TrainState:
-    # the layout is resolved once, from the config, the world size and the GPU's memory; all that follows takes it
     # Routing resizes the expert buffers every step; the caching allocator's fixed segments then fragment (3.6 GiB
     # reserved but unusable at the OOM of a full-size Air run on 2 GPUs). Before CUDA starts; the user's setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # the layout is resolved once, from the config, the world size and the GPU's memory; all that follows takes it
     layout = resolve_layout(cfg, launch_world_size(), gpu_memory_gib(cfg, int(os.environ.get("LOCAL_RANK", 0))))
     dist = init_distributed(layout.ep, layout.dp_shard)
     setup_logging(dist)
