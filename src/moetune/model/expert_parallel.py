@@ -258,7 +258,7 @@ class AllToAllDispatcher:
     expert computation (1: the plain exchange; on H200 the transfers do not run beside the grouped GEMMs,
     BENCHMARKS.md). Every rank takes part in every collective whatever its tokens route to (split sizes may be 0),
     so uneven routing cannot desynchronise them. Split sizes must be host integers: one device→host copy per layer,
-    taken while the GPU runs the shared expert (`side_work`).
+    taken while the GPU gathers the rows to send and runs the shared expert (`side_work`).
     """
 
     def __init__(self, group, chunks: int = 1):
