@@ -1,4 +1,4 @@
-"""Expert parallelism on 2 gloo processes (CPU): the same numbers as EP=1.
+"""Expert parallelism on 2 and 4 gloo processes (CPU): the same numbers as EP=1.
 
 - dispatch/combine alone: outputs and gradients (tokens, routing weights, base and LoRA experts) equal the
   non-EP path, with skewed routing, including a rank that receives no rows at all;
@@ -41,27 +41,30 @@ def _inputs(rank, experts_allowed):
     x = torch.randn(T, H, generator=g)
     allowed = torch.tensor(experts_allowed)
     idx = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)])
+    if len(experts_allowed) == E:
+        idx[0] = torch.tensor([0, 1])  # two experts of one rank (for up to 4 ranks): a token sends one row, not two
     w = torch.rand(T, K, generator=g)
     return x, idx, w, torch.randn(T, H, generator=g)
 
 
-def _dispatch_combine_worker(rank, port):
+def _dispatch_combine_worker(rank, port, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from moetune.parallel import shard_experts
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
-    # skewed: rank 0 routes anywhere, rank 1 only to rank 0's experts; then everything to rank 0 (rank 1
-    # receives no rows: its grouped GEMMs run on zero rows, it still joins every collective)
-    cases = [(routes, chunks) for routes in ([list(range(E)), list(range(E // 2))], [list(range(E // 2))] * WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    # skewed: rank 0 routes anywhere, the others only to rank 0's experts; then everything to rank 0 (the others
+    # receive no rows: their grouped GEMMs run on zero rows, they still join every collective)
+    first = list(range(E // world))
+    cases = [(routes, chunks) for routes in ([list(range(E))] + [first] * (world - 1), [first] * world)
              for chunks in (1, 2, 3)]  # 1: no overlap; 2, 3: pipelined exchange (a chunk may hold no token)
     for routes, chunks in cases:
         ref, ep = _experts(), _experts()
         shard_experts(ep, mesh, overlap_chunks=chunks)
-        inputs = [_inputs(r, routes[r]) for r in range(WORLD)]
+        inputs = [_inputs(r, routes[r]) for r in range(world)]
         # reference: every rank's tokens through the whole experts, one loss summed over ranks
         ref_x = [(x.clone().requires_grad_(), idx, w.clone().requires_grad_(), g) for x, idx, w, g in inputs]
         ref_y = [ref(x, idx, w)[0] for x, idx, w, _ in ref_x]
@@ -84,7 +87,7 @@ def _dispatch_combine_worker(rank, port):
         finally:
             dist.all_to_all_single = send
         # each token travels once to each rank holding any of its experts (not once per expert), forward and back
-        per_rank = E // WORLD
+        per_rank = E // world
         distinct = sum(len({e // per_rank for e in row}) for row in idx.tolist())
         # order of the hidden-width exchanges: dispatch, results back (forward); output grads, row grads (backward)
         assert len(rows_sent) == 4 * chunks
@@ -96,7 +99,7 @@ def _dispatch_combine_worker(rank, port):
         torch.testing.assert_close(counts, torch.bincount(idx.reshape(-1), minlength=E))
         torch.testing.assert_close(x.grad, ref_x[rank][0].grad)
         torch.testing.assert_close(w.grad, ref_x[rank][2].grad)
-        mine = slice(rank * E // WORLD, (rank + 1) * E // WORLD)
+        mine = slice(rank * E // world, (rank + 1) * E // world)
         ref_params = dict(ref.named_parameters())
         for name, p in ep.named_parameters():
             assert p.placements[0].is_shard(0), name
@@ -104,8 +107,9 @@ def _dispatch_combine_worker(rank, port):
     dist.destroy_process_group()
 
 
-def test_dispatch_combine_equals_non_ep():
-    mp.spawn(_dispatch_combine_worker, args=(free_port(),), nprocs=WORLD)
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_combine_equals_non_ep(world):
+    mp.spawn(_dispatch_combine_worker, args=(free_port(), world), nprocs=world)
 
 
 def _buffers_worker(rank, port):
@@ -174,10 +178,10 @@ def _assert_same_run(one, ep):
     assert eval_losses(one) == pytest.approx(eval_losses(ep), rel=1e-4, abs=1e-5)
 
 
-def _assert_close_tensors(a, b):
+def _assert_close_tensors(a, b, atol=1e-5):
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _runs(tmp_path, **over):
@@ -207,3 +211,21 @@ def test_full_finetune_ep2_equals_one_process(tmp_path):
     a, b = (load_model_state(run / "checkpoints" / "step_000005") for run in (one, ep))
     assert "model.layers.1.mlp.experts.gate_up_proj" in a
     _assert_close_tensors(a, b)
+
+
+@pytest.mark.parametrize("ep, dp_shard", [(4, 1), (2, 2)])
+def test_four_processes_equal_one_process(tmp_path, ep, dp_shard):
+    """4 gloo processes, micro-batch 1 each, equal 1 process with micro-batch 4: ep 4 with the rest replicated (2 of
+    the 8 experts per rank), and ep 2 × dp_shard 2 (the experts split by EP and FSDP-sharded over dp_shard, the rest
+    FSDP-sharded over all 4) — losses, eval losses, gradient norms and the trained adapter."""
+    over = {"eval.every": 2}
+    one = run_inprocess(small_run_args(tmp_path, "one", **over, **{"train.micro_batch_size": 4}))
+    run_torchrun(small_run_args(tmp_path, "four", **over, **{"parallel.ep": ep, "parallel.dp_shard": dp_shard,
+                                                            "train.micro_batch_size": 1}), nproc=4)
+    four = tmp_path / "runs" / "four"
+    _assert_same_run(one, four)
+    adapter = lambda run: load_file(os.path.join(run, "adapter", "adapter_model.safetensors"))  # noqa: E731
+    # 4 partial gradient sums are added in another order than 1 process's one sum; AdamW's m/√v turns that rounding
+    # into ~1e-5 on weights whose gradient is itself rounding-sized (a missed or doubled reduction moves every
+    # weight by ~lr = 1e-2)
+    _assert_close_tensors(adapter(one), adapter(four), atol=1e-4)
