@@ -33,6 +33,8 @@ def resolve_adapter_dir(path: str) -> str:
     a training checkpoint (DCP, `checkpoints/step_XXXXXX`), or a run dir with checkpoints but no adapter yet
     (a run still going or stopped early: its newest complete checkpoint)."""
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ExportError(f"{path}: no such run, adapter or checkpoint directory")
     if os.path.isfile(os.path.join(path, ".metadata")):
         return adapter_from_checkpoint(path)
     if not os.path.isdir(os.path.join(path, "adapter")):
@@ -95,19 +97,27 @@ def _base_config(base: str | None):
     return None
 
 
+def check_out_dir(out_dir: str | os.PathLike, allowed: tuple[str, ...] = ()) -> None:
+    """An export's --out must be new, empty, or hold only files named in `allowed`: nothing of the user's is ever
+    overwritten or mixed into an export."""
+    out = Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
+    if foreign:
+        raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
+
+
 @contextmanager
 def staged_output(out_dir: str, allowed: tuple[str, ...]):
     """Yield a temporary sibling directory of `out_dir` to write into; on success it replaces `out_dir` in one
     rename, on any failure it is removed and `out_dir` is untouched. An existing `out_dir` is replaced only when
     it holds nothing but files named in `allowed` (an earlier export of the same kind): never a user's folder."""
     out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise ExportError(f"--out {out}: exists and is not a directory")
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
-        if foreign:
-            raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}); "
-                              "choose an empty or new directory")
+    check_out_dir(out, allowed)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

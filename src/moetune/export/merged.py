@@ -20,7 +20,7 @@ import shutil
 
 import torch
 
-from moetune.export.adapter import ExportError, resolve_adapter_dir
+from moetune.export.adapter import ExportError, check_out_dir, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.adapter_io import read_adapter
 from moetune.model.config import GLM4_MOE_LITE, GLM_MOE_DSA
@@ -173,6 +173,14 @@ def write_config_dict(cfg: dict, out_dir: str, dtype: torch.dtype) -> None:
         json.dump(cfg, f, indent=2)
 
 
+def check_base_dir(base_path: str, flag: str = "--base") -> None:
+    """The base HF checkpoint must be a directory with a config.json: said with the flag that names it."""
+    if not os.path.isdir(base_path):
+        raise ExportError(f"{flag} {base_path}: no such directory (the base HF checkpoint the adapter was trained on)")
+    if not os.path.isfile(os.path.join(base_path, "config.json")):
+        raise ExportError(f"{flag} {base_path}: has no config.json (expected an HF checkpoint directory)")
+
+
 def _copy_side_files(base_path: str, out_dir: str) -> list[str]:
     copied = []
     for fname in sorted(os.listdir(base_path)):
@@ -195,6 +203,8 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
     if os.path.abspath(out_dir) == os.path.abspath(base_path):
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
+    check_base_dir(base_path)
+    check_out_dir(out_dir)  # written in place: shards of another export left beside ours would poison it
     os.makedirs(out_dir, exist_ok=True)
     _write_config(base_path, out_dir, torch_dtype)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moetune.export.adapter import ExportError
+from moetune.export.adapter import ExportError, check_out_dir
 from moetune.export.merged import _KEEP_DTYPE, _copy_side_files, _order_key, lora_delta, write_config_dict
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.hf_io import as_dtype
@@ -176,6 +176,7 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
 
     if os.path.abspath(out_dir) == os.path.abspath(ckpt):
         raise ExportError("out_dir must differ from the checkpoint")
+    check_out_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     write_config_dict(model_cfg.to_hf_dict(), out_dir, torch_dtype)
     uw = _UnitWriter(out_dir, shapes, torch_dtype, {}, max_shard_bytes)
