@@ -8,6 +8,7 @@ Layouts: peft_layout.py (PEFT's fused-expert `target_parameters` layout) and vll
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from moetune.errors import ExportError  # noqa: F401  (re-exported)
+from moetune.errors import ExportError, OutputError  # noqa: F401  (ExportError re-exported)
 from moetune.export.verify import verify_peft_adapter, verify_vllm_adapter
 from moetune.model.adapter_io import ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter
 from moetune.model.config import ModelConfig
@@ -109,6 +110,21 @@ def check_out_dir(out_dir: str | os.PathLike, allowed: tuple[str, ...] = ()) -> 
     if foreign:
         raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}"
                           f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
+
+
+# what a full disk, a quota, a read-only or foreign folder raise: the user's to fix, not a bug
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+@contextmanager
+def output_errors(out_dir: str | os.PathLike, what: str = "the export"):
+    """An OSError of writing (disk full, permissions) inside: an OutputError naming the file, or else `out_dir`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        raise OutputError(f"{e.filename or out_dir}: cannot write {what} ({e.strerror})") from None
 
 
 @contextmanager

@@ -20,7 +20,7 @@ import shutil
 
 import torch
 
-from moetune.export.adapter import ExportError, check_out_dir, resolve_adapter_dir
+from moetune.export.adapter import ExportError, check_out_dir, output_errors, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.adapter_io import read_adapter
 from moetune.model.config import GLM4_MOE_LITE, GLM_MOE_DSA
@@ -205,21 +205,21 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
     check_base_dir(base_path)
     check_out_dir(out_dir)  # written in place: shards of another export left beside ours would poison it
-    os.makedirs(out_dir, exist_ok=True)
-    _write_config(base_path, out_dir, torch_dtype)
-
-    base, lora = Reader(base_path), Reader(adapter_dir)
-    merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype)
-    plan = _plan(base, merger)
-    _check_lora_fits(base, lora, adapter_dir, base_path)
-    writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
-    for name, _, out_dtype, produce in plan:
-        t = produce()
-        writer.write(name, t.to(out_dtype))
-        del t
-    assert not merger.unused_lora, sorted(merger.unused_lora)[:3]  # _check_lora_fits saw to it
-    writer.finish()
-    copied = _copy_side_files(base_path, out_dir)
+    with output_errors(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        _write_config(base_path, out_dir, torch_dtype)
+        base, lora = Reader(base_path), Reader(adapter_dir)
+        merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype)
+        plan = _plan(base, merger)
+        _check_lora_fits(base, lora, adapter_dir, base_path)
+        writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
+        for name, _, out_dtype, produce in plan:
+            t = produce()
+            writer.write(name, t.to(out_dtype))
+            del t
+        assert not merger.unused_lora, sorted(merger.unused_lora)[:3]  # _check_lora_fits saw to it
+        writer.finish()
+        copied = _copy_side_files(base_path, out_dir)
     report = {"out_dir": out_dir, "shards": len(writer.shards), "tensors": len(plan), "bytes": writer.total,
               "copied": copied, "verify": None}
     if verify:
