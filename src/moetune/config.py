@@ -561,6 +561,8 @@ def dump_hash(dump: dict, sections: Sequence[str] = ("model", "lora", "finetune"
 # --- paths the config names ------------------------------------------------------------------
 
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# what a Hugging Face tokenizer directory holds, one of them at least
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab*", "*.tiktoken")
 
 
 def _local_looking(path: str, suffixes: Sequence[str] = ()) -> bool:
@@ -599,6 +601,11 @@ def check_paths(cfg: Config) -> None:
     tok = cfg.data.tokenizer
     if tok is not None and not Path(tok).expanduser().exists() and _local_looking(tok):
         raise missing("data.tokenizer", tok, "tokenizer directory")
+    key, tok = ("data.tokenizer", tok) if tok is not None else ("model.path", m.path)
+    if tok is not None and Path(tok).expanduser().is_dir() and not any(
+            any(Path(tok).expanduser().glob(pattern)) for pattern in _TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {tok} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+                          + ("; set data.tokenizer to the model's tokenizer" if key == "model.path" else ""))
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise missing("resume", cfg.resume, "checkpoint directory")
 

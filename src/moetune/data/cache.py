@@ -86,7 +86,8 @@ def _load_columnar(path: str, cache_dir: str | None = None):
     if os.path.isdir(path):
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
             files = sorted(f for f in os.listdir(path) if f.endswith((".jsonl", ".json", ".parquet", ".arrow")))
-            example = f", e.g. [{', '.join(os.path.join(path, f) for f in files[:2])}{', ...' if len(files) > 2 else ''}]"
+            more = ", ..." if len(files) > 2 else ""
+            example = f", e.g. [{', '.join(os.path.join(path, f) for f in files[:2])}{more}]"
             raise DataError(f"{path}: a directory, but not one written by Dataset.save_to_disk; list its data files "
                             f"instead{example if files else ''}")
         return _read_local(path, "a saved data set", ds.load_from_disk, path)

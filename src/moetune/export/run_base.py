@@ -58,7 +58,7 @@ def write_base(recipe: dict, out_dir: str) -> str:
         os.replace(tmp, out_dir)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        with output_errors(out_dir, "the run's rebuilt base model"):  # disk full, permissions: an OutputError naming the base's folder
+        with output_errors(out_dir, "the run's rebuilt base model"):  # disk full, permissions: one line
             raise e from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
