@@ -174,7 +174,7 @@ def test_an_export_never_writes_into_a_folder_of_the_users(trained, tmp_path, ca
     assert _user_lines(err) == [f"moetune: error: --base {tmp_path / 'nope'}: no such directory (the base HF "
                                 "checkpoint the adapter was trained on)"], err
     assert main(["export", "adapter", "--checkpoint", str(tmp_path / "typo"), "--out", str(tmp_path / "o")]) == 1
-    assert "no such run, adapter or checkpoint directory" in capsys.readouterr().err
+    assert "typo: no such directory (no moetune adapter, run or checkpoint there)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

@@ -35,7 +35,7 @@ def resolve_adapter_dir(path: str) -> str:
     (a run still going or stopped early: its newest complete checkpoint)."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise ExportError(f"{path}: no such run, adapter or checkpoint directory")
+        raise ExportError(f"{path}: no such directory (no moetune adapter, run or checkpoint there)")
     if os.path.isfile(os.path.join(path, ".metadata")):
         return adapter_from_checkpoint(path)
     if not os.path.isdir(os.path.join(path, "adapter")):
