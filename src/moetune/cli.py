@@ -205,7 +205,11 @@ def main(argv=None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        print(f"moetune: unknown command {argv[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
+        import difflib
+
+        guess = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f"did you mean {guess[0]!r}?" if guess else f"the commands are {', '.join(COMMANDS)}"
+        print(f"moetune: unknown command {argv[0]!r}: {hint} (`moetune --help` describes them)", file=sys.stderr)
         return 2
     try:
         return COMMANDS[argv[0]](argv[1:]) or 0

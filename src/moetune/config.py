@@ -395,6 +395,10 @@ def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
         parts = key.split(".")
         if not all(parts):
             raise ConfigError(f"malformed key in override {arg!r}")
+        if not raw.strip():
+            # YAML reads "" as null, which means "the default" (the demo's data, the tiny random model): an unset
+            # shell variable ("--model.path $MODEL") must not silently train something else
+            raise ConfigError(f"empty value for {arg!r} (an unset shell variable?); write null to mean none")
         out.append((parts, _yaml_load(raw, f"value of override {arg!r}"), arg))
     return out
 

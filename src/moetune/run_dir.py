@@ -225,8 +225,8 @@ def read_trainer_state(path: Path) -> dict:
     try:
         state = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: cannot read the checkpoint's trainer state ({e}); the checkpoint is damaged: "
-                              "resume from an earlier one (resume: PATH)") from None
+        raise CheckpointError(f"{f}: cannot read the checkpoint's trainer state ({e}); the checkpoint is damaged"
+                              + (_earlier(path) or ": resume from an earlier one (resume: PATH)")) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{f}: not a JSON object; the checkpoint is damaged")
     return state

@@ -220,6 +220,12 @@ def test_ctrl_c_during_training_is_one_line_that_says_what_is_kept(tmp_path, cap
     assert len(lines) == 1 and lines[0].startswith("moetune: interrupted") and "resume: auto" in lines[0], lines
 
 
+def test_a_misspelt_command_is_one_line_with_a_suggestion(capsys):
+    assert main(["trian", "cfg.yaml"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "moetune: unknown command 'trian': did you mean 'train'? (`moetune --help` describes them)"]
+
+
 def test_generate_on_a_gpu_that_is_not_here_is_one_line(trained):
     p = _moetune("generate", str(trained[0]), "--prompt", "hi", "--device", "cuda:99")
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -242,3 +248,9 @@ def test_a_damaged_checkpoint_names_the_one_to_resume_from(trained, tmp_path):
     assert f"{shard.name} is truncated" in last and f"resume: {copy / 'checkpoints' / 'step_000001'}" in last, last
     assert {p: p.stat().st_mtime_ns for p in copy.rglob("*") if p.name != ".lock"} == {
         p: m for p, m in before.items()}
+    shutil.copy2(run / "checkpoints" / "step_000002" / shard.name, shard)
+    (copy / "checkpoints" / "step_000002" / "trainer_state.json").write_text("garbage")  # its state, not a shard
+    p = _moetune("train", *args)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "trainer_state.json: cannot read" in last, p.stderr[-2000:]
+    assert f"resume: {copy / 'checkpoints' / 'step_000001'}" in last, last

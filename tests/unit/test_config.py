@@ -381,3 +381,11 @@ def test_check_paths_reads_the_model_config_and_finds_the_tokenizer(tmp_path):
         check_paths(load_config(None, ["--data.tokenizer", str(tmp_path)]))
     (model / "tokenizer.json").write_text("{}")
     check_paths(load_config(None, ["--model.path", str(model)]))
+
+
+def test_an_empty_override_is_refused_not_read_as_null():
+    # "--data.train $TRAIN" with TRAIN unset trained on the demo data set (YAML reads "" as null, the default)
+    for args in (["--data.train", ""], ["--model.path=  "]):
+        with pytest.raises(ConfigError, match=r"empty value for '--(data.train|model.path=  )' \(an unset shell"):
+            load_config(None, args)
+    assert load_config(None, ["--model.path", "null"]).model.path is None
