@@ -74,7 +74,7 @@ def _train(argv):
             return 0
         check_paths(cfg)  # a typo or a placeholder path: one line now, not a hub traceback after model building
     except ConfigError as e:
-        print(f"moetune: {e}", file=sys.stderr)
+        print(f"moetune: error: {e}", file=sys.stderr)
         return 2
     from moetune.train.loop import train
 
