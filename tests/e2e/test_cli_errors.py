@@ -178,6 +178,38 @@ def test_an_export_never_writes_into_a_folder_of_the_users(trained, tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
+def test_a_merged_export_refuses_a_damaged_or_foreign_base(trained, tmp_path, capsys):
+    """A base whose weights were cut short merged into zeros and exited 0; a base of another model_type was merged
+    and written with that config.json; a config.json that is not JSON was a traceback."""
+    import json
+
+    def base_with(name, change):
+        base = tmp_path / name
+        shutil.copytree(trained[0] / "base", base)
+        change(base)
+        return base
+
+    def cut(base):
+        f = base / "model.safetensors"
+        os.truncate(f, f.stat().st_size // 2)
+
+    def llama(base):
+        cfg = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+
+    def not_json(base):
+        (base / "config.json").write_text('{"model_type": "glm4_moe",\n  oops}\n')
+
+    for base, said in ((base_with("cut", cut), "model.safetensors: truncated ("),
+                       (base_with("llama", llama), "config.json is of model_type 'llama'; moetune merges into"),
+                       (base_with("notjson", not_json), "config.json:2: invalid JSON")):
+        out = tmp_path / f"out-{base.name}"
+        assert main(["export", "merged", "--checkpoint", str(trained[0]), "--out", str(out), "--base", str(base)]) == 1
+        lines = _user_lines(capsys.readouterr().err)
+        assert len(lines) == 1 and said in lines[0], lines
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("fault", ["ctrl-c", "disk full"])
 def test_a_merged_export_that_stops_halfway_leaves_nothing(trained, tmp_path, capsys, monkeypatch, fault):
     """Ctrl-C was a KeyboardInterrupt traceback and left half-written files in an --out that existed (empty);

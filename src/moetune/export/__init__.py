@@ -36,7 +36,7 @@ def cli_export(a) -> int:
         # before any work (a random base is rebuilt first): a --out of the user's is never written into
         check_out_dir(a.out, ADAPTER_FILES if a.what == "adapter" else ())
         if a.base is not None:
-            check_base_dir(a.base)
+            check_base_dir(a.base, "--base")
     except MoetuneError as e:
         print(f"moetune: error: {e}", file=sys.stderr)
         return 1

@@ -23,7 +23,7 @@ import torch
 from moetune.export.adapter import ExportError, check_out_dir, output_errors, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.adapter_io import read_adapter
-from moetune.model.config import GLM4_MOE_LITE, GLM_MOE_DSA
+from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
@@ -173,12 +173,24 @@ def write_config_dict(cfg: dict, out_dir: str, dtype: torch.dtype) -> None:
         json.dump(cfg, f, indent=2)
 
 
-def check_base_dir(base_path: str, flag: str = "--base") -> None:
-    """The base HF checkpoint must be a directory with a config.json: said with the flag that names it."""
+def check_base_dir(base_path: str, flag: str = "base") -> None:
+    """The base must be an HF checkpoint directory of a model moetune knows, said with the flag that names it: the
+    merge reads tensors by name and copies config.json, so another model's base would make a broken export."""
     if not os.path.isdir(base_path):
         raise ExportError(f"{flag} {base_path}: no such directory (the base HF checkpoint the adapter was trained on)")
-    if not os.path.isfile(os.path.join(base_path, "config.json")):
+    path = os.path.join(base_path, "config.json")
+    if not os.path.isfile(path):
         raise ExportError(f"{flag} {base_path}: has no config.json (expected an HF checkpoint directory)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{flag} {base_path}: {path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    kinds = (GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA)
+    if not isinstance(cfg, dict) or cfg.get("model_type") not in kinds:
+        got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ExportError(f"{flag} {base_path}: {path} is of model_type {got!r}; moetune merges into "
+                          f"{', '.join(kinds)}")
 
 
 def _copy_side_files(base_path: str, out_dir: str) -> list[str]:
