@@ -286,3 +286,15 @@ def test_a_damaged_checkpoint_names_the_one_to_resume_from(trained, tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and "trainer_state.json: cannot read" in last, p.stderr[-2000:]
     assert f"resume: {copy / 'checkpoints' / 'step_000001'}" in last, last
+
+
+def test_an_export_given_back_to_moetune_says_what_to_pass(trained, tmp_path, capsys):
+    out = tmp_path / "peft"
+    assert main(["export", "adapter", "--checkpoint", str(trained[0]), "--out", str(out)]) == 0
+    capsys.readouterr()
+    for cmd in (["generate", str(out), "--prompt", "hi"], ["export", "merged", "--checkpoint", str(out), "--out",
+                                                          str(tmp_path / "m")]):
+        assert main(cmd) == 1
+        assert _user_lines(capsys.readouterr().err) == [
+            f"moetune: error: {out / 'adapter_config.json'}: not a moetune adapter (a PEFT or vLLM adapter: an "
+            "export); pass the run directory (runs/NAME) or its adapter/"]

@@ -120,3 +120,12 @@ def test_damaged_columnar_files_and_plain_directories_are_named(tmp_path, cache)
         with pytest.raises(DataError) as e:
             build_packs(str(path), tok, 64, cache_dir=cache_dir)
         assert str(e.value).startswith(f"{path}: ") and said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_column_mapping_that_matches_nothing_says_what_it_looked_for(tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"dialogue": CHAT}])
+    with pytest.raises(DataError) as e:
+        read_records(path, columns={"messages": "dialog"})
+    assert str(e.value) == (f"{path}:1: no column data.columns names is here: it looks for 'dialog' (for messages); "
+                            "the record has keys ['dialogue']")
+    assert read_records(path, columns={"messages": "dialogue"})[0][0]["messages"] == CHAT

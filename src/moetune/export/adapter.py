@@ -47,13 +47,16 @@ def resolve_adapter_dir(path: str) -> str:
         if os.path.isfile(cfg):
             try:
                 with open(cfg) as f:
-                    fmt = json.load(f).get("format")
+                    meta = json.load(f)
+                fmt = meta.get("format")
             except (OSError, ValueError, AttributeError) as e:
                 raise ExportError(f"{cfg}: cannot read it ({e})") from None
             if fmt == ADAPTER_FORMAT:
                 return cand
             if cand == path:
-                raise ExportError(f"{cfg}: not a moetune adapter (format {fmt!r}); it looks already exported")
+                what = "a PEFT or vLLM adapter: an export" if "peft_type" in meta else f"format {fmt!r}"
+                raise ExportError(f"{cfg}: not a moetune adapter ({what}); pass the run directory (runs/NAME) or "
+                                  "its adapter/")
     raise ExportError(f"{path}: no moetune adapter here (expected adapter_config.json with format "
                       f"{ADAPTER_FORMAT!r}, or a run directory containing adapter/)")
 
