@@ -296,5 +296,5 @@ def test_an_export_given_back_to_moetune_says_what_to_pass(trained, tmp_path, ca
                                                           str(tmp_path / "m")]):
         assert main(cmd) == 1
         assert _user_lines(capsys.readouterr().err) == [
-            f"moetune: error: {out / 'adapter_config.json'}: not a moetune adapter (a PEFT or vLLM adapter: an "
-            "export); pass the run directory (runs/NAME) or its adapter/"]
+            f"moetune: error: {out / 'adapter_config.json'}: not a moetune adapter (a PEFT or vLLM adapter, "
+            "already exported); pass the run directory (runs/NAME) or its adapter/"]

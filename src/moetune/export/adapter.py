@@ -54,7 +54,7 @@ def resolve_adapter_dir(path: str) -> str:
             if fmt == ADAPTER_FORMAT:
                 return cand
             if cand == path:
-                what = "a PEFT or vLLM adapter: an export" if "peft_type" in meta else f"format {fmt!r}"
+                what = "a PEFT or vLLM adapter, already exported" if "peft_type" in meta else f"format {fmt!r}"
                 raise ExportError(f"{cfg}: not a moetune adapter ({what}); pass the run directory (runs/NAME) or "
                                   "its adapter/")
     raise ExportError(f"{path}: no moetune adapter here (expected adapter_config.json with format "
