@@ -42,7 +42,8 @@ default runs/demo) receives config.yaml, metrics.jsonl, checkpoints/ and adapter
 
 arguments:
   CONFIG.yaml             a YAML file with sections run, model, finetune, lora, data, train, optim, eval,
-                          logging, checkpoint, parallel, resume (configs/ holds GLM-4.5-Air and GLM-4.5 recipes)
+                          logging, checkpoint, parallel, resume (configs/ holds recipes for GLM-4.5-Air,
+                          GLM-4.5, GLM-4.7-Flash and GLM-5)
   --section.key VALUE     override one key, e.g. --optim.lr 2e-4 --lora.targets [q_proj,v_proj] (also
                           --section.key=VALUE; values are YAML)
   --print-config          print the resolved config (defaults < file < overrides) as YAML and exit
@@ -73,7 +74,7 @@ def _train(argv):
             return 0
         check_paths(cfg)  # a typo or a placeholder path: one line now, not a hub traceback after model building
     except ConfigError as e:
-        print(f"moetune: {e}", file=sys.stderr)
+        print(f"moetune: error: {e}", file=sys.stderr)
         return 2
     from moetune.train.loop import train
 
@@ -204,9 +205,21 @@ def main(argv=None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        print(f"moetune: unknown command {argv[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
+        import difflib
+
+        guess = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f"did you mean {guess[0]!r}?" if guess else f"the commands are {', '.join(COMMANDS)}"
+        print(f"moetune: unknown command {argv[0]!r}: {hint} (`moetune --help` describes them)", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:]) or 0
+    try:
+        return COMMANDS[argv[0]](argv[1:]) or 0
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's, not a bug: one line, the shell's exit status for SIGINT. Nothing half-written counts:
+        # checkpoints and adapter exports are renamed into place when complete, a merged export is removed.
+        hint = (": checkpoints already written are complete (resume: auto continues from the newest); SIGTERM or "
+                "SIGUSR1 instead saves one at the next step" if argv[0] == "train" else "")
+        print(f"\nmoetune: interrupted{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

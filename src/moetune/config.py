@@ -120,8 +120,12 @@ class DataSource(_Section):
     weight: float = Field(1.0, gt=0, allow_inf_nan=False)  # uses of each document per epoch (data.mix_documents)
 
 
-# one source, or several mixed by weight: [a.jsonl, {path: b.parquet, weight: 0.5}]
-_Sources = Union[str, list[Union[str, DataSource]], None]
+# one source, or several mixed by weight: [a.jsonl, {path: b.parquet, weight: 0.5}]. Tagged by the value's type, so
+# that a bad weight is reported once as `data.train[0].weight`, not also as "input should be a valid string".
+_Source = Annotated[Union[Annotated[str, Tag("str")], Annotated[DataSource, Tag("source")]],
+                    Discriminator(lambda v: "str" if isinstance(v, (str, int, float)) else "source")]
+_Sources = Optional[Annotated[Union[Annotated[str, Tag("str")], Annotated[list[_Source], Tag("list")]],
+                              Discriminator(lambda v: "list" if isinstance(v, (list, tuple)) else "str")]]
 _COLUMNS = ("text", "messages", "conversations", "instruction", "input", "output", "system")
 
 
@@ -142,6 +146,14 @@ class DataConfig(_Section):
     train_empty_think: bool = False
     skip_malformed: bool = False
     shuffle: bool = True
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _a_mapping_goes_in_a_list(cls, v):
+        if isinstance(v, dict):
+            raise ValueError("one source is a path; a source with a weight is an item of a list: "
+                             "[{path: PATH, weight: W}, ...]")
+        return v
 
     @field_validator("train", "eval")
     @classmethod
@@ -297,9 +309,28 @@ def _all_paths(cls: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return out
 
 
+def _model_in(annotation) -> Optional[type[BaseModel]]:
+    """The pydantic model somewhere inside a field's type (DataSource inside data.train's union of lists)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if found := _model_in(arg):
+            return found
+    return None
+
+
 def _key_suggestion(bad: str) -> str:
-    paths = _all_paths()
     parent, _, leaf = bad.rpartition(".")
+    if parent.endswith("]"):  # a key of a model inside a list (data.train[0].wieght): its siblings only
+        cls: Optional[type[BaseModel]] = Config
+        for name in re.sub(r"\[\d+\]", "", parent).split("."):
+            field = cls.model_fields.get(name) if cls is not None else None
+            cls = _model_in(field.annotation) if field is not None else None
+        siblings = list(cls.model_fields) if cls is not None else []
+        match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        return f" — did you mean {parent + '.' + match[0]!r}?" if match else (
+            f" (allowed: {', '.join(siblings)})" if siblings else "")
+    paths = _all_paths()
     # The right key in the wrong section ("optim.steps" -> "train.steps") beats a fuzzy sibling.
     moved = [p for p in paths if p.rpartition(".")[2] == leaf and p != bad]
     if moved:
@@ -364,6 +395,10 @@ def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
         parts = key.split(".")
         if not all(parts):
             raise ConfigError(f"malformed key in override {arg!r}")
+        if not raw.strip():
+            # YAML reads "" as null, which means "the default" (the demo's data, the tiny random model): an unset
+            # shell variable ("--model.path $MODEL") must not silently train something else
+            raise ConfigError(f"empty value for {arg!r} (an unset shell variable?); write null to mean none")
         out.append((parts, _yaml_load(raw, f"value of override {arg!r}"), arg))
     return out
 
@@ -407,7 +442,26 @@ def _check_override_key(parts: list[str], arg: str) -> None:
         cls = sub
 
 
+def _check_override_target(data: dict, parts: list[str], arg: str, label: str, overridden: dict[str, str]) -> None:
+    """An override of a key inside a section (or inside model.config) that the file, or an earlier override, set
+    to a value that is not a mapping: merging would silently replace that value, so its error would never be seen
+    (`train: 5` in the file plus `--train.steps 2` used to train with the defaults)."""
+    node: Any = data
+    for i, name in enumerate(parts[:-1]):
+        if not isinstance(node, dict) or name not in node or node[name] is None:
+            return
+        node = node[name]
+        if not isinstance(node, dict):
+            dotted = ".".join(parts[: i + 1])
+            raise ConfigError(f"invalid value for {dotted!r} in {_source(dotted, label, overridden)}: expected a "
+                              f"mapping of keys (got {repr(node)[:80]}), so {arg!r} cannot set a key inside it")
+
+
 # --- loading and reporting -------------------------------------------------------------------
+
+# what pydantic puts into an error's loc for a union member, besides field names: our tags and its type names
+_UNION_TAGS = frozenset({"str", "list", "source", "auto", "int", "float", "bool", "dict", "none", "tuple"})
+
 
 def _loc_to_path(loc: tuple, err_type: str) -> str:
     """pydantic loc -> dotted path, dropping union-member tags like 'str' / 'dict[str,any]'."""
@@ -418,8 +472,10 @@ def _loc_to_path(loc: tuple, err_type: str) -> str:
         elif cls is not None and seg in cls.model_fields:
             path += ("." if path else "") + seg
             cls = _section_class(cls, seg)
-        elif err_type == "extra_forbidden" and i == len(loc) - 1:
-            path += ("." if path else "") + str(seg)
+        elif (err_type == "extra_forbidden" and i == len(loc) - 1) or (
+                cls is None and path.endswith("]") and re.fullmatch(r"[a-z_][a-z0-9_]*", str(seg))
+                and seg not in _UNION_TAGS):
+            path += ("." if path else "") + str(seg)  # a field of a model inside a list (data.train[0].weight)
     return path
 
 
@@ -471,6 +527,7 @@ def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ())
     overridden: dict[str, str] = {}
     for parts, value, arg in _split_overrides(overrides):
         _check_override_key(parts, arg)
+        _check_override_target(data, parts, arg, label, overridden)
         data = _deep_merge(data, _nest(parts, value))
         overridden[".".join(parts)] = arg
     try:
@@ -508,6 +565,8 @@ def dump_hash(dump: dict, sections: Sequence[str] = ("model", "lora", "finetune"
 # --- paths the config names ------------------------------------------------------------------
 
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+# what a Hugging Face tokenizer directory holds, one of them at least
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab*", "*.tiktoken")
 
 
 def _local_looking(path: str, suffixes: Sequence[str] = ()) -> bool:
@@ -530,8 +589,12 @@ def check_paths(cfg: Config) -> None:
             raise missing("model.path", m.path, "HF checkpoint directory")
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.path: {m.path} has no config.json (expected an HF checkpoint directory)")
-    if isinstance(m.config, str) and m.config not in BUILTIN_MODELS and not Path(m.config).expanduser().is_file():
-        raise missing("model.config", m.config, "config.json file")
+        if m.config is None:
+            _check_json_object(p / "config.json", "model.path")
+    if isinstance(m.config, str) and m.config not in BUILTIN_MODELS:
+        if not Path(m.config).expanduser().is_file():
+            raise missing("model.config", m.config, "config.json file")
+        _check_json_object(Path(m.config).expanduser(), "model.config")
     for key in ("train", "eval"):
         sources = getattr(cfg.data, key)
         sources = [] if sources is None else [sources] if isinstance(sources, str) else sources
@@ -542,8 +605,26 @@ def check_paths(cfg: Config) -> None:
     tok = cfg.data.tokenizer
     if tok is not None and not Path(tok).expanduser().exists() and _local_looking(tok):
         raise missing("data.tokenizer", tok, "tokenizer directory")
+    key, tok = ("data.tokenizer", tok) if tok is not None else ("model.path", m.path)
+    if tok is not None and Path(tok).expanduser().is_dir() and not any(
+            any(Path(tok).expanduser().glob(pattern)) for pattern in _TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {tok} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+                          + ("; set data.tokenizer to the model's tokenizer" if key == "model.path" else ""))
     if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
         raise missing("resume", cfg.resume, "checkpoint directory")
+
+
+def _check_json_object(path: Path, key: str) -> None:
+    """A model's config.json that is not a JSON object: named with its line here, before the model code reads it."""
+    try:
+        obj = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror})") from None
+    except ValueError as e:
+        where = f"{path}:{e.lineno}" if isinstance(e, json.JSONDecodeError) else str(path)
+        raise ConfigError(f"{key}: {where}: invalid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{key}: {path}: expected a JSON object (a model config), got {type(obj).__name__}")
 
 
 def train_steps_for_epochs(cfg: Config, batches_per_epoch: int) -> int:

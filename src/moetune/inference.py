@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from moetune.errors import CheckpointError, MoetuneError
+from moetune.errors import CheckpointError, ConfigError, MoetuneError
 from moetune.model.generation import generate as generate_ids
 
 # Where GLM's chat format ends an assistant turn: the next role tag, or the end of text.
@@ -37,6 +37,13 @@ def _is_moetune_source(path: str) -> bool:
 def _pick_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device}: not a device (auto, cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} usable CUDA GPUs "
+                          "(--device cpu, or auto)")
     return device
 
 

@@ -195,21 +195,29 @@ def verify_checkpoint(path: Path) -> None:
     if not Path(path).is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     for name in missing_files(Path(path)):
-        raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing{_earlier(path)}")
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
-        raise CheckpointError(f"checkpoint {path} is damaged: cannot read {METADATA} ({type(e).__name__}: {e})")
+        raise CheckpointError(f"checkpoint {path} is damaged: cannot read {METADATA} ({type(e).__name__}: {e})"
+                              f"{_earlier(path)}") from None
     needed: dict[str, int] = {}
     for info in md.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for fname, size in sorted(needed.items()):
         f = Path(path) / fname
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is missing")
+            raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is missing{_earlier(path)}")
         if (have := f.stat().st_size) < size:
             raise CheckpointError(f"checkpoint {path} is damaged: shard file {fname} is truncated "
-                                  f"({have} bytes, the index needs {size})")
+                                  f"({have} bytes, the index needs {size}){_earlier(path)}")
+
+
+def _earlier(path: Path) -> str:
+    """What to do about a damaged checkpoint: the newest complete one before it, if its run has one."""
+    m = STEP_RE.match(Path(path).name)
+    older = [p for s, p in complete_checkpoints(Path(path).parent) if m and s < int(m.group(1))]
+    return f"; to go on from the newest complete one before it: resume: {older[-1]}" if older else ""
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -217,8 +225,8 @@ def read_trainer_state(path: Path) -> dict:
     try:
         state = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: cannot read the checkpoint's trainer state ({e}); the checkpoint is damaged: "
-                              "resume from an earlier one (resume: PATH)") from None
+        raise CheckpointError(f"{f}: cannot read the checkpoint's trainer state ({e}); the checkpoint is damaged"
+                              + (_earlier(path) or ": resume from an earlier one (resume: PATH)")) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{f}: not a JSON object; the checkpoint is damaged")
     return state

@@ -1,11 +1,16 @@
 """Bad input through the real command line: clear errors naming the file:line or the config key, exit != 0,
 and nothing written to the run directory before the input is known to be good."""
 
+import errno
 import os
+import shutil
 import subprocess
 import sys
 
-from helpers import small_run_args, write_chat_jsonl
+import pytest
+
+from helpers import run_inprocess, small_run_args, write_chat_jsonl
+from moetune.cli import main
 
 
 def _moetune(*args):
@@ -124,3 +129,172 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path):
     p = subprocess.run([sys.executable, str(script), "train", *small_run_args(tmp_path, "bug")], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 1 and "Traceback" in p.stderr and "ValueError: a bug" in p.stderr
+
+
+# --- a newcomer's mistakes after training: export, generate, resume ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished tiny run on a random base, with a checkpoint at each of its 2 steps; its base rebuilt (RUN/base)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    args = small_run_args(tmp, "t", **{"train.steps": 2, "checkpoint.every": 1})
+    run = run_inprocess(args)
+    assert main(["export", "adapter", "--checkpoint", str(run), "--out", str(tmp / "first")]) == 0
+    assert (run / "base" / "config.json").is_file()
+    return run, args
+
+
+def _copy(run, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("base", ".lock"))
+    return dest
+
+
+def _user_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("export: ", "loading weights"))]
+
+
+def test_an_export_never_writes_into_a_folder_of_the_users(trained, tmp_path, capsys):
+    """`export merged` wrote its shards among the files of an existing --out (and exited 0); a missing --base or
+    --checkpoint was a traceback. --out and --base are checked before any work (a random base is rebuilt first)."""
+    run = _copy(trained[0], tmp_path)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    for what in ("merged", "adapter"):
+        assert main(["export", what, "--checkpoint", str(run), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert _user_lines(err) == [f"moetune: error: --out {out}: exists and holds other files (precious.txt); "
+                                    "choose an empty or new directory"], err
+        assert sorted(os.listdir(out)) == ["precious.txt"] and (out / "precious.txt").read_text() == "keep"
+        assert not (run / "base").exists()  # refused before the base was rebuilt
+    assert main(["export", "merged", "--checkpoint", str(run), "--out", str(tmp_path / "o"), "--base",
+                 str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert _user_lines(err) == [f"moetune: error: --base {tmp_path / 'nope'}: no such directory (the base HF "
+                                "checkpoint the adapter was trained on)"], err
+    assert main(["export", "adapter", "--checkpoint", str(tmp_path / "typo"), "--out", str(tmp_path / "o")]) == 1
+    assert "typo: no such directory (no moetune adapter, run or checkpoint there)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_merged_export_refuses_a_damaged_or_foreign_base(trained, tmp_path, capsys):
+    """A base whose weights were cut short merged into zeros and exited 0; a base of another model_type was merged
+    and written with that config.json; a config.json that is not JSON was a traceback."""
+    import json
+
+    def base_with(name, change):
+        base = tmp_path / name
+        shutil.copytree(trained[0] / "base", base)
+        change(base)
+        return base
+
+    def cut(base):
+        f = base / "model.safetensors"
+        os.truncate(f, f.stat().st_size // 2)
+
+    def llama(base):
+        cfg = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+
+    def not_json(base):
+        (base / "config.json").write_text('{"model_type": "glm4_moe",\n  oops}\n')
+
+    for base, said in ((base_with("cut", cut), "model.safetensors: truncated ("),
+                       (base_with("llama", llama), "config.json is of model_type 'llama'; moetune merges into"),
+                       (base_with("notjson", not_json), "config.json:2: invalid JSON")):
+        out = tmp_path / f"out-{base.name}"
+        assert main(["export", "merged", "--checkpoint", str(trained[0]), "--out", str(out), "--base", str(base)]) == 1
+        lines = _user_lines(capsys.readouterr().err)
+        assert len(lines) == 1 and said in lines[0], lines
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("fault", ["ctrl-c", "disk full"])
+def test_a_merged_export_that_stops_halfway_leaves_nothing(trained, tmp_path, capsys, monkeypatch, fault):
+    """Ctrl-C was a KeyboardInterrupt traceback and left half-written files in an --out that existed (empty);
+    a full disk was an OSError traceback."""
+    from moetune.export.safetensors_io import ShardedWriter
+
+    real = ShardedWriter.write
+
+    def stop_after_some(self, name, t):
+        if self._pos == 5:
+            if fault == "ctrl-c":
+                raise KeyboardInterrupt
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, name, t)
+
+    monkeypatch.setattr(ShardedWriter, "write", stop_after_some)
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        existed = out.name == "empty"
+        if existed:
+            out.mkdir()
+        rc = main(["export", "merged", "--checkpoint", str(trained[0]), "--out", str(out)])
+        err = capsys.readouterr().err
+        if fault == "ctrl-c":
+            assert rc == 130 and _user_lines(err) == ["moetune: interrupted"], err
+        else:
+            assert rc == 1 and _user_lines(err) == [f"moetune: error: {out}: cannot write the export (No space left "
+                                                    "on device)"], err
+        assert (out.is_dir() and os.listdir(out) == []) if existed else not out.exists()
+
+
+def test_ctrl_c_during_training_is_one_line_that_says_what_is_kept(tmp_path, capsys, monkeypatch):
+    from moetune.train import loop
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    assert main(["train", *small_run_args(tmp_path, "c")]) == 130
+    lines = _user_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("moetune: interrupted") and "resume: auto" in lines[0], lines
+
+
+def test_a_misspelt_command_is_one_line_with_a_suggestion(capsys):
+    assert main(["trian", "cfg.yaml"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "moetune: unknown command 'trian': did you mean 'train'? (`moetune --help` describes them)"]
+
+
+def test_generate_on_a_gpu_that_is_not_here_is_one_line(trained):
+    p = _moetune("generate", str(trained[0]), "--prompt", "hi", "--device", "cuda:99")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("moetune: error: --device cuda:99: this machine has ")
+
+
+def test_a_damaged_checkpoint_names_the_one_to_resume_from(trained, tmp_path):
+    """resume: auto on a truncated newest checkpoint is refused by name (nothing written) and says which complete
+    checkpoint comes before it."""
+    run, args = trained
+    copy = tmp_path / "runs" / "t"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("base", ".lock"))
+    shard = next((copy / "checkpoints" / "step_000002").glob("*.distcp"))
+    os.truncate(shard, 100)
+    before = {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
+    args = args + ["--run.output_dir", str(tmp_path / "runs"), "--resume", "auto", "--train.steps", "3"]
+    p = _moetune("train", *args)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert f"{shard.name} is truncated" in last and f"resume: {copy / 'checkpoints' / 'step_000001'}" in last, last
+    assert {p: p.stat().st_mtime_ns for p in copy.rglob("*") if p.name != ".lock"} == {
+        p: m for p, m in before.items()}
+    shutil.copy2(run / "checkpoints" / "step_000002" / shard.name, shard)
+    (copy / "checkpoints" / "step_000002" / "trainer_state.json").write_text("garbage")  # its state, not a shard
+    p = _moetune("train", *args)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "trainer_state.json: cannot read" in last, p.stderr[-2000:]
+    assert f"resume: {copy / 'checkpoints' / 'step_000001'}" in last, last
+
+
+def test_an_export_given_back_to_moetune_says_what_to_pass(trained, tmp_path, capsys):
+    out = tmp_path / "peft"
+    assert main(["export", "adapter", "--checkpoint", str(trained[0]), "--out", str(out)]) == 0
+    capsys.readouterr()
+    for cmd in (["generate", str(out), "--prompt", "hi"], ["export", "merged", "--checkpoint", str(out), "--out",
+                                                          str(tmp_path / "m")]):
+        assert main(cmd) == 1
+        assert _user_lines(capsys.readouterr().err) == [
+            f"moetune: error: {out / 'adapter_config.json'}: not a moetune adapter (a PEFT or vLLM adapter, "
+            "already exported); pass the run directory (runs/NAME) or its adapter/"]

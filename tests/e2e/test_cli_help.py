@@ -84,7 +84,7 @@ def test_a_wrong_path_is_one_line_and_exit_2(tmp_path, override, key):
     p = run("train", *override, cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"moetune: {key}:") and override[1] in lines[0], p.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"moetune: error: {key}:") and override[1] in lines[0], p.stderr
     assert "not found" in lines[0]
     assert not (tmp_path / "runs").exists()  # nothing built, nothing written
     assert time.time() - t < 60
@@ -96,4 +96,4 @@ def test_the_shipped_air_config_unedited_names_its_placeholder(tmp_path):
     cfg = pathlib.Path(__file__).resolve().parents[2] / "configs" / "glm45-air-lora.yaml"
     p = run("train", str(cfg), cwd=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.startswith("moetune: model.path:") and "not found" in p.stderr
+    assert p.stderr.startswith("moetune: error: model.path:") and "not found" in p.stderr

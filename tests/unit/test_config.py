@@ -322,3 +322,70 @@ def test_big_recipes():
         assert (cfg.eval.every, cfg.checkpoint.every) == (50, 100)
     experts = load_config(CONFIGS[0].parent / "glm45-air-lora-experts.yaml").lora.targets
     assert {"experts", "shared_experts", "q_proj", "o_proj"} <= set(experts)
+
+
+# --- bad input found by a newcomer's audit ---------------------------------------------------
+
+def test_an_override_inside_a_value_that_is_not_a_mapping_is_refused(tmp_path):
+    # `train: 5` in the file plus --train.steps 2 used to train silently with the defaults of train
+    cfg = write(tmp_path, "train: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, ["--train.steps", "2"])
+    assert "'train'" in str(e.value) and str(cfg) in str(e.value) and "--train.steps" in str(e.value)
+    cfg = write(tmp_path, "model:\n  config: tiny\n")  # a builtin name is not a dict to set a key in
+    with pytest.raises(ConfigError, match=r"'model.config'.*'tiny'.*--model.config.num_hidden_layers"):
+        load_config(cfg, ["--model.config.num_hidden_layers", "3"])
+    with pytest.raises(ConfigError, match=r"'train' in command-line override '--train'"):
+        load_config(None, ["--train", "5", "--train.steps", "2"])
+    # a mapping set earlier can still be refined key by key, and an empty section is all defaults
+    c = load_config(None, ["--model.config", "{num_hidden_layers: 3}", "--model.config.head_dim", "8"])
+    assert c.model.config == {"num_hidden_layers": 3, "head_dim": 8}
+    assert load_config(write(tmp_path, "train:\n"), ["--train.steps", "2"]).train.steps == 2
+
+
+def test_a_bad_data_source_is_one_error_naming_its_key(tmp_path):
+    # three errors (one per member of the union) used to name data.train and data.train[0], never the weight
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--data.train", "[{path: a.jsonl, weight: -1}]"])
+    assert "\n" not in str(e.value) and "'data.train[0].weight'" in str(e.value) and "greater than 0" in str(e.value)
+    with pytest.raises(ConfigError, match=r"unknown key 'data.eval\[1\].wieght'.*did you mean 'data.eval\[1\].weight'"):
+        load_config(None, ["--data.eval", "[a.jsonl, {path: b.jsonl, wieght: 2}]"])
+    with pytest.raises(ConfigError, match=r"a source with a weight is an item of a list"):
+        load_config(None, ["--data.train", "{path: a.jsonl, weight: 2}"])
+    c = load_config(None, ["--data.train", "[a.jsonl, {path: b.jsonl, weight: 0.5}]"])
+    assert c.data.train[0] == "a.jsonl" and (c.data.train[1].path, c.data.train[1].weight) == ("b.jsonl", 0.5)
+    assert load_config(config_file_of(c, tmp_path)).data.train == c.data.train
+
+
+def config_file_of(cfg, tmp_path):
+    return write(tmp_path, config_to_yaml(cfg), "resolved.yaml")
+
+
+def test_check_paths_reads_the_model_config_and_finds_the_tokenizer(tmp_path):
+    from moetune.config import check_paths
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "glm4_moe",\n  "hidden_size": }\n')
+    with pytest.raises(ConfigError, match=r"model.path: .*config.json:2: invalid JSON"):  # a ValueError traceback before
+        check_paths(load_config(None, ["--model.path", str(model)]))
+    (model / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"model.config: .*expected a JSON object"):
+        check_paths(load_config(None, ["--model.config", str(model / "config.json")]))
+    (model / "config.json").write_text('{"model_type": "glm4_moe"}')
+    # model.path is the tokenizer unless data.tokenizer says otherwise: a folder without one is named now, not after
+    # the model is built with a message cut at its first line
+    with pytest.raises(ConfigError, match=r"model.path: .* holds no tokenizer files.*set data.tokenizer"):
+        check_paths(load_config(None, ["--model.path", str(model)]))
+    with pytest.raises(ConfigError, match=r"data.tokenizer: .* holds no tokenizer files"):
+        check_paths(load_config(None, ["--data.tokenizer", str(tmp_path)]))
+    (model / "tokenizer.json").write_text("{}")
+    check_paths(load_config(None, ["--model.path", str(model)]))
+
+
+def test_an_empty_override_is_refused_not_read_as_null():
+    # "--data.train $TRAIN" with TRAIN unset trained on the demo data set (YAML reads "" as null, the default)
+    for args in (["--data.train", ""], ["--model.path=  "]):
+        with pytest.raises(ConfigError, match=r"empty value for '--(data.train|model.path=  )' \(an unset shell"):
+            load_config(None, args)
+    assert load_config(None, ["--model.path", "null"]).model.path is None

@@ -102,3 +102,30 @@ def test_a_run_with_epochs_trains_that_many_passes(tmp_path):
     # 48 conversations pack into 25 packs of 64 tokens: 12 global micro-batches of 2 per epoch
     assert len(step_losses(run)) == 12
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 12
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_damaged_columnar_files_and_plain_directories_are_named(tmp_path, cache):
+    """A file that is not what its suffix says, or a folder of JSONL files, was a pyarrow / datasets traceback."""
+    tok = load_tokenizer(None)
+    fake_parquet, fake_arrow, folder = tmp_path / "d.parquet", tmp_path / "d.arrow", tmp_path / "folder"
+    fake_parquet.write_text("not parquet\n")
+    fake_arrow.write_bytes(b"garbage!" * 4)
+    folder.mkdir()
+    write(folder / "train.jsonl", [{"messages": CHAT}])
+    cache_dir = str(tmp_path / "cache") if cache else None
+    for path, said in ((fake_parquet, "cannot read it as Parquet"), (fake_arrow, "cannot read it as an Arrow file"),
+                       (folder, f"not one written by Dataset.save_to_disk; list its data files instead, e.g. "
+                                f"[{folder / 'train.jsonl'}]")):
+        with pytest.raises(DataError) as e:
+            build_packs(str(path), tok, 64, cache_dir=cache_dir)
+        assert str(e.value).startswith(f"{path}: ") and said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_column_mapping_that_matches_nothing_says_what_it_looked_for(tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"dialogue": CHAT}])
+    with pytest.raises(DataError) as e:
+        read_records(path, columns={"messages": "dialog"})
+    assert str(e.value) == (f"{path}:1: no column data.columns names is here: it looks for 'dialog' (for messages); "
+                            "the record has keys ['dialogue']")
+    assert read_records(path, columns={"messages": "dialogue"})[0][0]["messages"] == CHAT

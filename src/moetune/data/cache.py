@@ -84,16 +84,43 @@ def _load_columnar(path: str, cache_dir: str | None = None):
     ds = _datasets()
     hf_cache = dict(cache_dir=os.path.join(cache_dir, "hf")) if cache_dir else dict(keep_in_memory=True)
     if os.path.isdir(path):
-        return ds.load_from_disk(path)
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
+            files = sorted(f for f in os.listdir(path) if f.endswith((".jsonl", ".json", ".parquet", ".arrow")))
+            more = ", ..." if len(files) > 2 else ""
+            example = f", e.g. [{', '.join(os.path.join(path, f) for f in files[:2])}{more}]"
+            raise DataError(f"{path}: a directory, but not one written by Dataset.save_to_disk; list its data files "
+                            f"instead{example if files else ''}")
+        return _read_local(path, "a saved data set", ds.load_from_disk, path)
     if path.endswith(".parquet"):
-        return ds.Dataset.from_parquet(path, **hf_cache)
+        return _read_local(path, "Parquet", ds.Dataset.from_parquet, path, **hf_cache)
     if path.endswith(".arrow"):
-        return ds.Dataset.from_file(path)
+        return _read_local(path, "an Arrow file", ds.Dataset.from_file, path)
     name, _, split = path.partition(":")
     try:
         return ds.load_dataset(name, split=split or "train", **hf_cache)
     except Exception as e:  # offline, unknown name, gated: one message that says what was tried
         raise DataError(f"{path}: not a local file, and loading it as a Hugging Face hub data set failed: {e}") from None
+
+
+def _read_local(path: str, what: str, read, *args, **kwargs):
+    """A local columnar file through `datasets`; one that is damaged or of another format is the user's to fix (a
+    DataError naming it), whatever pyarrow or datasets raise for it (ArrowInvalid, DatasetGenerationError, OSError)."""
+    import logging
+
+    import pyarrow  # optional, as datasets (which needs it)
+    from datasets.exceptions import DatasetsError
+
+    # datasets logs an ERROR line of its own before raising: the DataError says it once
+    hf_log = logging.getLogger("datasets")
+    level = hf_log.level
+    hf_log.setLevel(logging.CRITICAL)
+    try:
+        return read(*args, **kwargs)
+    except (OSError, ValueError, pyarrow.ArrowException, DatasetsError) as e:
+        cause = e.__cause__ or e
+        raise DataError(f"{path}: cannot read it as {what} ({type(cause).__name__}: {str(cause)[:200]})") from None
+    finally:
+        hf_log.setLevel(level)
 
 
 def _drop_nulls(row: dict) -> dict:

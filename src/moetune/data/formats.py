@@ -88,6 +88,10 @@ def normalize_record(obj: dict, columns: dict | None = None) -> dict:
             if theirs in obj and ours not in obj:
                 obj[ours] = obj.pop(theirs)
     if "text" in obj or ("messages" not in obj and "conversations" not in obj and "instruction" not in obj):
+        if columns and "text" not in obj:  # say what the mapping looked for, not only what the record has
+            wanted = ", ".join(f"{theirs!r} (for {ours})" for ours, theirs in columns.items())
+            raise DataError(f"no column data.columns names is here: it looks for {wanted}; the record has keys "
+                            f"{sorted(obj)}")
         return obj
     if "messages" in obj:
         messages = obj["messages"]

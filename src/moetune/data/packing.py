@@ -49,7 +49,7 @@ def pack_documents(
 
 def _nothing_left_message(n_docs: int, stats: dict, seq_len: int, longest: int) -> str:
     if n_docs == 0:
-        return "the dataset is empty: no documents to train on"
+        return "the dataset is empty: it holds no documents"
     if stats["dropped_too_long"] == n_docs:
         return (
             f"every sample is longer than seq_len={seq_len} (the longest has {longest} tokens): "

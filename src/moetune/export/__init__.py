@@ -13,8 +13,9 @@ import os
 import shutil
 import sys
 
-from moetune.export.adapter import ExportError, convert_adapter, export_adapter, resolve_adapter_dir
-from moetune.export.merged import export_merged
+from moetune.export.adapter import (ADAPTER_FILES, ExportError, check_out_dir, convert_adapter, export_adapter,
+                                    resolve_adapter_dir)
+from moetune.export.merged import check_base_dir, export_merged
 from moetune.export.merged_sources import export_merged_from_checkpoint, export_merged_from_model, full_checkpoint
 from moetune.errors import MoetuneError
 
@@ -25,23 +26,32 @@ __all__ = ["ExportError", "convert_adapter", "export_adapter", "export_merged", 
 def cli_export(a) -> int:
     """`moetune export adapter|merged` on parsed arguments (what, checkpoint, out, format, base, dtype, verify).
     A run on a random-init base (the demo) needs no --base: its base is rebuilt from the adapter's recipe. --verify
-    prints PASS or FAIL against its tolerance; a failed export leaves nothing in --out (adapters are staged and
-    renamed; a merged export's folder is removed when this command created it, else marked EXPORT_FAILED)."""
+    prints PASS or FAIL against its tolerance. --out must be new or empty (an adapter export may replace an earlier
+    one); a failed export leaves nothing in it (adapters are staged and renamed; a merged export's files are
+    removed, or, when --out existed and --verify failed, marked EXPORT_FAILED)."""
     from moetune.export.verify import TOLERANCE
 
     existed = os.path.exists(a.out)
     try:
+        # before any work (a random base is rebuilt first): a --out of the user's is never written into
+        check_out_dir(a.out, ADAPTER_FILES if a.what == "adapter" else ())
+        if a.base is not None:
+            check_base_dir(a.base, "--base")
+    except MoetuneError as e:
+        print(f"moetune: error: {e}", file=sys.stderr)
+        return 1
+    try:
         report = _run_export(a)
     except MoetuneError as e:
         if a.what == "merged":
-            _discard(a.out, mark=existed and str(e).startswith("verify"), why=str(e), keep=existed)
+            _discard(a.out, mark=existed and str(e).startswith("verify"), why=str(e), existed=existed)
         if str(e).startswith("verify"):
             print(f"verify: FAIL (tolerance {TOLERANCE:g}, relative logit error): {e}", file=sys.stderr)
         print(f"moetune: error: {e}", file=sys.stderr)
         return 1
     except BaseException:
         if a.what == "merged":
-            _discard(a.out, mark=False, why="interrupted", keep=existed)
+            _discard(a.out, mark=False, why="interrupted", existed=existed)
         raise
     print(f"exported {a.what} to {report['out_dir']}" + (f" ({a.format})" if a.what == "adapter" else "")
           + (f", {report['dtype']}" if report.get("dtype") else ""))
@@ -68,6 +78,9 @@ def _run_export(a) -> dict:
     adapter = resolve_adapter_dir(a.checkpoint)
     meta = read_adapter_config(adapter)
     base = resolve_base(adapter, meta, a.base)
+    if base and not a.base and (a.verify or a.what == "merged") and not os.path.isdir(base):
+        raise ExportError(f"{adapter}: the base it was trained on, {base} (model.path), is not on this machine: "
+                          "pass --base DIR")
     if a.what == "adapter":
         if a.verify and not base:
             raise ExportError(f"{adapter}: the adapter names no base model to verify against: pass --base")
@@ -102,13 +115,16 @@ def _run_dtype(ckpt: str) -> str:
     return load_config(os.path.join(ckpt, "config.yaml")).model.dtype
 
 
-def _discard(out: str, mark: bool, why: str, keep: bool = False) -> None:
-    """After a failed merged export: remove the folder it created; mark one that existed before and now holds an
-    export that failed --verify; leave alone one that existed before and was not written (keep)."""
-    if not os.path.exists(out) or (keep and not mark):
+def _discard(out: str, mark: bool, why: str, existed: bool) -> None:
+    """After a failed merged export (its --out was new or empty: check_out_dir): mark a folder that existed before
+    and now holds an export that failed --verify; otherwise remove what the export wrote — the whole folder when it
+    created it, the folder's contents when it was there, empty, before (interrupted half-written shards)."""
+    if not os.path.isdir(out):
         return
-    if not mark:
-        shutil.rmtree(out, ignore_errors=True)
+    if mark:
+        with open(os.path.join(out, "EXPORT_FAILED"), "w") as f:
+            f.write(f"this export failed verification and must not be used: {why}\n")
         return
-    with open(os.path.join(out, "EXPORT_FAILED"), "w") as f:
-        f.write(f"this export failed verification and must not be used: {why}\n")
+    shutil.rmtree(out, ignore_errors=True)
+    if existed:
+        os.makedirs(out, exist_ok=True)

@@ -8,6 +8,7 @@ Layouts: peft_layout.py (PEFT's fused-expert `target_parameters` layout) and vll
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from moetune.errors import ExportError  # noqa: F401  (re-exported)
+from moetune.errors import ExportError, OutputError  # noqa: F401  (ExportError re-exported)
 from moetune.export.verify import verify_peft_adapter, verify_vllm_adapter
 from moetune.model.adapter_io import ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter
 from moetune.model.config import ModelConfig
@@ -33,6 +34,8 @@ def resolve_adapter_dir(path: str) -> str:
     a training checkpoint (DCP, `checkpoints/step_XXXXXX`), or a run dir with checkpoints but no adapter yet
     (a run still going or stopped early: its newest complete checkpoint)."""
     path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ExportError(f"{path}: no such directory (no moetune adapter, run or checkpoint there)")
     if os.path.isfile(os.path.join(path, ".metadata")):
         return adapter_from_checkpoint(path)
     if not os.path.isdir(os.path.join(path, "adapter")):
@@ -44,13 +47,16 @@ def resolve_adapter_dir(path: str) -> str:
         if os.path.isfile(cfg):
             try:
                 with open(cfg) as f:
-                    fmt = json.load(f).get("format")
+                    meta = json.load(f)
+                fmt = meta.get("format")
             except (OSError, ValueError, AttributeError) as e:
                 raise ExportError(f"{cfg}: cannot read it ({e})") from None
             if fmt == ADAPTER_FORMAT:
                 return cand
             if cand == path:
-                raise ExportError(f"{cfg}: not a moetune adapter (format {fmt!r}); it looks already exported")
+                what = "a PEFT or vLLM adapter, already exported" if "peft_type" in meta else f"format {fmt!r}"
+                raise ExportError(f"{cfg}: not a moetune adapter ({what}); pass the run directory (runs/NAME) or "
+                                  "its adapter/")
     raise ExportError(f"{path}: no moetune adapter here (expected adapter_config.json with format "
                       f"{ADAPTER_FORMAT!r}, or a run directory containing adapter/)")
 
@@ -95,19 +101,42 @@ def _base_config(base: str | None):
     return None
 
 
+def check_out_dir(out_dir: str | os.PathLike, allowed: tuple[str, ...] = ()) -> None:
+    """An export's --out must be new, empty, or hold only files named in `allowed`: nothing of the user's is ever
+    overwritten or mixed into an export."""
+    out = Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
+    if foreign:
+        raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
+
+
+# what a full disk, a quota, a read-only or foreign folder raise: the user's to fix, not a bug
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+@contextmanager
+def output_errors(out_dir: str | os.PathLike, what: str = "the export"):
+    """An OSError of writing (disk full, permissions) inside: an OutputError naming the file, or else `out_dir`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        raise OutputError(f"{e.filename or out_dir}: cannot write {what} ({e.strerror})") from None
+
+
 @contextmanager
 def staged_output(out_dir: str, allowed: tuple[str, ...]):
     """Yield a temporary sibling directory of `out_dir` to write into; on success it replaces `out_dir` in one
     rename, on any failure it is removed and `out_dir` is untouched. An existing `out_dir` is replaced only when
     it holds nothing but files named in `allowed` (an earlier export of the same kind): never a user's folder."""
     out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise ExportError(f"--out {out}: exists and is not a directory")
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
-        if foreign:
-            raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}); "
-                              "choose an empty or new directory")
+    check_out_dir(out, allowed)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

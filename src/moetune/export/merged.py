@@ -20,10 +20,10 @@ import shutil
 
 import torch
 
-from moetune.export.adapter import ExportError, resolve_adapter_dir
+from moetune.export.adapter import ExportError, check_out_dir, output_errors, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.adapter_io import read_adapter
-from moetune.model.config import GLM4_MOE_LITE, GLM_MOE_DSA
+from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
@@ -173,6 +173,26 @@ def write_config_dict(cfg: dict, out_dir: str, dtype: torch.dtype) -> None:
         json.dump(cfg, f, indent=2)
 
 
+def check_base_dir(base_path: str, flag: str = "base") -> None:
+    """The base must be an HF checkpoint directory of a model moetune knows, said with the flag that names it: the
+    merge reads tensors by name and copies config.json, so another model's base would make a broken export."""
+    if not os.path.isdir(base_path):
+        raise ExportError(f"{flag} {base_path}: no such directory (the base HF checkpoint the adapter was trained on)")
+    path = os.path.join(base_path, "config.json")
+    if not os.path.isfile(path):
+        raise ExportError(f"{flag} {base_path}: has no config.json (expected an HF checkpoint directory)")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{flag} {base_path}: {path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    kinds = (GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA)
+    if not isinstance(cfg, dict) or cfg.get("model_type") not in kinds:
+        got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ExportError(f"{flag} {base_path}: {path} is of model_type {got!r}; moetune merges into "
+                          f"{', '.join(kinds)}")
+
+
 def _copy_side_files(base_path: str, out_dir: str) -> list[str]:
     copied = []
     for fname in sorted(os.listdir(base_path)):
@@ -195,21 +215,23 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
     if os.path.abspath(out_dir) == os.path.abspath(base_path):
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
-    os.makedirs(out_dir, exist_ok=True)
-    _write_config(base_path, out_dir, torch_dtype)
-
-    base, lora = Reader(base_path), Reader(adapter_dir)
-    merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype)
-    plan = _plan(base, merger)
-    _check_lora_fits(base, lora, adapter_dir, base_path)
-    writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
-    for name, _, out_dtype, produce in plan:
-        t = produce()
-        writer.write(name, t.to(out_dtype))
-        del t
-    assert not merger.unused_lora, sorted(merger.unused_lora)[:3]  # _check_lora_fits saw to it
-    writer.finish()
-    copied = _copy_side_files(base_path, out_dir)
+    check_base_dir(base_path)
+    check_out_dir(out_dir)  # written in place: shards of another export left beside ours would poison it
+    with output_errors(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        _write_config(base_path, out_dir, torch_dtype)
+        base, lora = Reader(base_path), Reader(adapter_dir)
+        merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype)
+        plan = _plan(base, merger)
+        _check_lora_fits(base, lora, adapter_dir, base_path)
+        writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
+        for name, _, out_dtype, produce in plan:
+            t = produce()
+            writer.write(name, t.to(out_dtype))
+            del t
+        assert not merger.unused_lora, sorted(merger.unused_lora)[:3]  # _check_lora_fits saw to it
+        writer.finish()
+        copied = _copy_side_files(base_path, out_dir)
     report = {"out_dir": out_dir, "shards": len(writer.shards), "tensors": len(plan), "bytes": writer.total,
               "copied": copied, "verify": None}
     if verify:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moetune.export.adapter import ExportError
+from moetune.export.adapter import ExportError, check_out_dir, output_errors
 from moetune.export.merged import _KEEP_DTYPE, _copy_side_files, _order_key, lora_delta, write_config_dict
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.hf_io import as_dtype
@@ -176,19 +176,21 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
 
     if os.path.abspath(out_dir) == os.path.abspath(ckpt):
         raise ExportError("out_dir must differ from the checkpoint")
-    os.makedirs(out_dir, exist_ok=True)
-    write_config_dict(model_cfg.to_hf_dict(), out_dir, torch_dtype)
-    uw = _UnitWriter(out_dir, shapes, torch_dtype, {}, max_shard_bytes)
-    for unit in uw.units:
-        state = _dcp_load(ckpt, {n: shapes[n] for n in unit if n not in missing_bias})
-        for n in unit:
-            if n in missing_bias:
-                state[n] = (base_reader.read(n).float() if base_reader is not None and n in base_reader
-                            else torch.zeros(shapes[n][0]))
-        uw.write_unit(state)
-        del state
-    uw.writer.finish()
-    copied = _copy_side_files(base, out_dir) if base else []
+    check_out_dir(out_dir)
+    with output_errors(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        write_config_dict(model_cfg.to_hf_dict(), out_dir, torch_dtype)
+        uw = _UnitWriter(out_dir, shapes, torch_dtype, {}, max_shard_bytes)
+        for unit in uw.units:
+            state = _dcp_load(ckpt, {n: shapes[n] for n in unit if n not in missing_bias})
+            for n in unit:
+                if n in missing_bias:
+                    state[n] = (base_reader.read(n).float() if base_reader is not None and n in base_reader
+                                else torch.zeros(shapes[n][0]))
+            uw.write_unit(state)
+            del state
+        uw.writer.finish()
+        copied = _copy_side_files(base, out_dir) if base else []
     return uw.report(out_dir, copied, checkpoint=ckpt, notes=notes)
 
 

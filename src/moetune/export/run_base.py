@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 
+from moetune.export.adapter import output_errors
 from moetune.model.random_base import build_base
 
 RECIPE_FILE = "moetune_base.json"
@@ -37,8 +38,9 @@ def write_base(recipe: dict, out_dir: str) -> str:
     from moetune.export.merged_sources import export_merged_from_model
 
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".base-", dir=parent)
+    with output_errors(out_dir, "the run's rebuilt base model"):
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".base-", dir=parent)
     try:
         model = build_base(recipe)
         export_merged_from_model(model, tmp, dtype=recipe["dtype"])
@@ -54,6 +56,10 @@ def write_base(recipe: dict, out_dir: str) -> str:
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)  # a stale base of an earlier recipe
         os.replace(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with output_errors(out_dir, "the run's rebuilt base model"):  # disk full, permissions: one line
+            raise e from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

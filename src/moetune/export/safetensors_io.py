@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moetune.errors import CheckpointError
+
 log = logging.getLogger("moetune")
 
 DTYPES = {
@@ -37,18 +39,29 @@ class Entry:
 
 
 def read_header(path: str) -> tuple[dict, dict]:
-    """({name: Entry}, __metadata__) of one safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    meta = header.pop("__metadata__", {}) or {}
-    base = 8 + n
-    entries = {}
-    for name, h in header.items():
-        if h["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {h['dtype']}, which this reader does not handle")
-        s, e = h["data_offsets"]
-        entries[name] = Entry(path, DTYPES[h["dtype"]], tuple(h["shape"]), base + s, base + e)
+    """({name: Entry}, __metadata__) of one safetensors file. A file that is not one, or that is shorter than its
+    header says (a copy cut short), is a CheckpointError naming it: its tensors would read as zeros."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        meta = header.pop("__metadata__", {}) or {}
+        base = 8 + n
+        entries = {}
+        for name, h in header.items():
+            s, e = h["data_offsets"]
+            entries[name] = Entry(path, DTYPES.get(h["dtype"]), tuple(h["shape"]), base + s, base + e)
+    except (struct.error, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); re-download or re-save it") from None
+    for name, ent in entries.items():
+        if ent.dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {header[name]['dtype']}, which this reader does "
+                                  "not handle")
+    if (end := max((ent.end for ent in entries.values()), default=base)) > size:
+        raise CheckpointError(f"{path}: truncated ({size} bytes, its header needs {end}); re-download or re-save it")
     return entries, meta
 
 
@@ -78,7 +91,9 @@ class Reader:
         buf = bytearray(end - start)
         with open(e.file, "rb") as f:
             f.seek(start)
-            f.readinto(buf)
+            got = f.readinto(buf)
+        if got != len(buf):  # shortened since its header was read
+            raise CheckpointError(f"{e.file}: truncated: tensor {name} reads {got} of {len(buf)} bytes")
         if not buf:
             return torch.empty(shape, dtype=e.dtype)
         return torch.frombuffer(buf, dtype=e.dtype).reshape(shape)
