@@ -298,3 +298,22 @@ def test_an_export_given_back_to_moetune_says_what_to_pass(trained, tmp_path, ca
         assert _user_lines(capsys.readouterr().err) == [
             f"moetune: error: {out / 'adapter_config.json'}: not a moetune adapter (a PEFT or vLLM adapter, "
             "already exported); pass the run directory (runs/NAME) or its adapter/"]
+
+
+def test_ctrl_c_during_a_checkpoint_write_is_the_interrupt_not_a_storage_fault(tmp_path, capsys, monkeypatch):
+    """DCP wraps a KeyboardInterrupt raised while it writes in its CheckpointException; it used to be reported as
+    'could not write the checkpoint … (free space or fix permissions)'. The half-written step is removed."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from moetune.train import checkpoint
+
+    def interrupted(*a, **kw):
+        raise CheckpointException("save failed", {0: (KeyboardInterrupt(), None)})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", interrupted)
+    monkeypatch.setattr(checkpoint.dcp, "async_save", interrupted)
+    assert main(["train", *small_run_args(tmp_path, "c", **{"checkpoint.every": 2})]) == 130
+    err = capsys.readouterr().err  # the run's own log lines come first
+    assert err.strip().splitlines()[-1].startswith("moetune: interrupted"), err[-2000:]
+    assert "could not write" not in err and "Traceback" not in err
+    assert not list((tmp_path / "runs" / "c" / "checkpoints").glob("*.tmp"))

@@ -189,15 +189,24 @@ class Checkpointer:
                 pass  # debris is harmless: it is never resumed from, and the next save replaces it
         previous = complete_checkpoints(self.root)
         kept = f"the previous checkpoint {previous[-1][1]} is intact" if previous else "there is no earlier checkpoint"
+        if error is not None and isinstance(_first_failure(error), KeyboardInterrupt):
+            # DCP wraps a Ctrl-C in its own exception: it is the user's stop, not a storage fault (the CLI says
+            # what is kept, exit 130)
+            raise KeyboardInterrupt from error
         cause = _root_cause(error) if error is not None else "another rank failed (see its error)"
         raise CheckpointWriteError(f"could not write the checkpoint of step {s.step} to {s.final}: {cause}. The run "
                                    f"stops; {kept} (free space or fix permissions, then resume: auto)")
 
 
-def _root_cause(e: BaseException) -> str:
+def _first_failure(e: BaseException) -> BaseException:
     """The first rank's underlying error of a DCP CheckpointException (whose str is every rank's traceback)."""
     failures = getattr(e, "failures", None)
     if failures:
         e = next(iter(failures.values()))
         e = e[0] if isinstance(e, tuple) else e
+    return e
+
+
+def _root_cause(e: BaseException) -> str:
+    e = _first_failure(e)
     return f"{type(e).__name__}: {e}"
