@@ -129,3 +129,21 @@ def test_a_column_mapping_that_matches_nothing_says_what_it_looked_for(tmp_path)
     assert str(e.value) == (f"{path}:1: no column data.columns names is here: it looks for 'dialog' (for messages); "
                             "the record has keys ['dialogue']")
     assert read_records(path, columns={"messages": "dialogue"})[0][0]["messages"] == CHAT
+
+
+def test_a_tokenizer_that_cannot_load_is_one_line_with_the_whole_reason(monkeypatch, tmp_path):
+    """transformers says what it looked for on one line and why on the next ones; only the first reached the user."""
+    from types import SimpleNamespace
+
+    from moetune.errors import ConfigError
+    from moetune.train import data_setup
+
+    def failing(src):
+        raise OSError(f"Can't load tokenizer for '{src}'.\n\nMake sure that:\n- it is a folder with tokenizer.json")
+
+    monkeypatch.setattr(data_setup, "load_tokenizer", failing)
+    cfg = SimpleNamespace(data=SimpleNamespace(tokenizer=str(tmp_path)), model=SimpleNamespace(path=None))
+    with pytest.raises(ConfigError) as e:
+        data_setup.run_tokenizer(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "Can't load tokenizer" in msg and "it is a folder with tokenizer.json" in msg, msg

@@ -68,8 +68,9 @@ def run_tokenizer(cfg):
     try:
         return load_tokenizer(src)
     except (OSError, ValueError) as e:  # not a tokenizer directory, or a hub name that cannot be fetched
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{key}: cannot load a tokenizer from {src!r}: {first}") from None
+        # transformers spreads the reason over several lines (what it looked for, then why): one line, all of it
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        raise ConfigError(f"{key}: cannot load a tokenizer from {src!r}: {reason}") from None
 
 
 def check_token_ids(packs: list[dict], vocab_size: int, tokenizer, path: str) -> None:
