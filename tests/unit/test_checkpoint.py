@@ -56,6 +56,9 @@ def test_resume_refuses_a_changed_lora_rank_and_applies_a_changed_lr(tmp_path, c
     run_inprocess(small_run_args(tmp_path, "r", **kw))
     with pytest.raises(CheckpointError, match=r"lora\.rank: 16 → 8"):
         run_inprocess(small_run_args(tmp_path, "r", **kw, **{"lora.rank": 8, "resume": "auto"}))
+    capsys.readouterr()
+    run_inprocess(small_run_args(tmp_path, "r", **{**kw, "resume": "auto"}))  # already at train.steps
+    assert "the checkpoint is at step 2 and train.steps is 2: nothing to train" in capsys.readouterr().err
     run = run_inprocess(small_run_args(tmp_path, "r", **{**kw, "train.steps": 3, "optim.lr": 5e-3, "resume": "auto"}))
     assert "optim.lr: 0.01 → 0.005" in capsys.readouterr().err
     assert [r["lr"] for r in read_metrics(run) if "loss" in r] == [1e-2, 1e-2, 5e-3]

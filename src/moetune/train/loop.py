@@ -247,6 +247,9 @@ def start_run_dir(cfg: Config, run: RunDir, plan) -> None:
         for line in plan.allowed_changes:
             log.info("resume: changed since the checkpoint (applied): %s", line)
         log.info("resumed from %s at step %d", plan.path, plan.trainer_state.get("step", 0))
+        if plan.trainer_state.get("step", 0) >= cfg.train.steps:
+            log.warning("the checkpoint is at step %d and train.steps is %d: nothing to train; raise train.steps to "
+                        "continue", plan.trainer_state.get("step", 0), cfg.train.steps)
 
 
 def trainer_state(cfg: Config, state: TrainState, dist: Dist, loader) -> dict:
