@@ -19,6 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
                       model_validator)
 
 from moetune.errors import ConfigError  # noqa: F401  (re-exported)
+from moetune.model.config import read_json_object
 from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
@@ -617,14 +618,11 @@ def check_paths(cfg: Config) -> None:
 def _check_json_object(path: Path, key: str) -> None:
     """A model's config.json that is not a JSON object: named with its line here, before the model code reads it."""
     try:
-        obj = json.loads(path.read_text())
+        read_json_object(path)
     except OSError as e:
         raise ConfigError(f"{key}: cannot read {path} ({e.strerror})") from None
     except ValueError as e:
-        where = f"{path}:{e.lineno}" if isinstance(e, json.JSONDecodeError) else str(path)
-        raise ConfigError(f"{key}: {where}: invalid JSON ({getattr(e, 'msg', e)})") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{key}: {path}: expected a JSON object (a model config), got {type(obj).__name__}")
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def train_steps_for_epochs(cfg: Config, batches_per_epoch: int) -> int:

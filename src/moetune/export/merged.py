@@ -23,7 +23,7 @@ import torch
 from moetune.export.adapter import ExportError, check_out_dir, output_errors, resolve_adapter_dir
 from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.adapter_io import read_adapter
-from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA
+from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA, read_json_object
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
@@ -182,15 +182,13 @@ def check_base_dir(base_path: str, flag: str = "base") -> None:
     if not os.path.isfile(path):
         raise ExportError(f"{flag} {base_path}: has no config.json (expected an HF checkpoint directory)")
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{flag} {base_path}: {path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        cfg = read_json_object(path)
+    except ValueError as e:
+        raise ExportError(f"{flag} {base_path}: {e}") from None
     kinds = (GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA)
-    if not isinstance(cfg, dict) or cfg.get("model_type") not in kinds:
-        got = cfg.get("model_type") if isinstance(cfg, dict) else type(cfg).__name__
-        raise ExportError(f"{flag} {base_path}: {path} is of model_type {got!r}; moetune merges into "
-                          f"{', '.join(kinds)}")
+    if cfg.get("model_type") not in kinds:
+        raise ExportError(f"{flag} {base_path}: {path} is of model_type {cfg.get('model_type')!r}; moetune merges "
+                          f"into {', '.join(kinds)}")
 
 
 def _copy_side_files(base_path: str, out_dir: str) -> list[str]:

@@ -50,6 +50,19 @@ _HF_DEFAULTS = {
 _DSA = _HF_DEFAULTS[GLM_MOE_DSA]  # the MLA fields' defaults below (unused by glm4_moe)
 
 
+def read_json_object(path) -> dict:
+    """A model's config.json as a dict; a file that is not a JSON object is a ValueError naming the file and line
+    (OSError as open raises it)."""
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object (a model config), got {type(obj).__name__}")
+    return obj
+
+
 @dataclass
 class ModelConfig:
     """Defaults: GLM-4.5-Air (glm4_moe), the one table of its numbers (the builtin `glm45-air` is these)."""
@@ -200,12 +213,9 @@ class ModelConfig:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         try:
-            with open(path) as f:
-                d = json.load(f)
+            d = read_json_object(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
         return cls.from_hf_dict(d)
 
     def to_hf_dict(self) -> dict:
