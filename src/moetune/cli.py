@@ -4,6 +4,7 @@ the work."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 
@@ -205,8 +206,6 @@ def main(argv=None) -> int:
         print(USAGE, end="")
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        import difflib
-
         guess = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
         hint = f"did you mean {guess[0]!r}?" if guess else f"the commands are {', '.join(COMMANDS)}"
         print(f"moetune: unknown command {argv[0]!r}: {hint} (`moetune --help` describes them)", file=sys.stderr)
