@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -105,8 +106,6 @@ def _load_columnar(path: str, cache_dir: str | None = None):
 def _read_local(path: str, what: str, read, *args, **kwargs):
     """A local columnar file through `datasets`; one that is damaged or of another format is the user's to fix (a
     DataError naming it), whatever pyarrow or datasets raise for it (ArrowInvalid, DatasetGenerationError, OSError)."""
-    import logging
-
     import pyarrow  # optional, as datasets (which needs it)
     from datasets.exceptions import DatasetsError
 

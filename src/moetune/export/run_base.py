@@ -38,31 +38,27 @@ def write_base(recipe: dict, out_dir: str) -> str:
     from moetune.export.merged_sources import export_merged_from_model
 
     parent = os.path.dirname(os.path.abspath(out_dir))
-    with output_errors(out_dir, "the run's rebuilt base model"):
+    with output_errors(out_dir, "the run's rebuilt base model"):  # disk full, permissions: one line
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".base-", dir=parent)
-    try:
-        model = build_base(recipe)
-        export_merged_from_model(model, tmp, dtype=recipe["dtype"])
-        del model
-        tok = _tokenizer_dir(recipe)
-        if tok:
-            _copy_side_files(tok, tmp)
-        with open(os.path.join(tmp, RECIPE_FILE), "w") as f:
-            json.dump(recipe, f, indent=2)
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        os.chmod(tmp, 0o755)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)  # a stale base of an earlier recipe
-        os.replace(tmp, out_dir)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        with output_errors(out_dir, "the run's rebuilt base model"):  # disk full, permissions: one line
-            raise e from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        try:
+            model = build_base(recipe)
+            export_merged_from_model(model, tmp, dtype=recipe["dtype"])
+            del model
+            tok = _tokenizer_dir(recipe)
+            if tok:
+                _copy_side_files(tok, tmp)
+            with open(os.path.join(tmp, RECIPE_FILE), "w") as f:
+                json.dump(recipe, f, indent=2)
+            for name in os.listdir(tmp):
+                os.chmod(os.path.join(tmp, name), 0o644)
+            os.chmod(tmp, 0o755)
+            if os.path.isdir(out_dir):
+                shutil.rmtree(out_dir)  # a stale base of an earlier recipe
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out_dir
 
 
