@@ -317,9 +317,10 @@ def worker(name: str) -> dict:
 def run_variant(name: str, timeout: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t = time.time()
-    nproc = VARIANTS[name][4].get("nproc", 1)
-    launch = [sys.executable] if nproc == 1 and not VARIANTS[name][4].get("dispatch") else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                                                   str(nproc), "--master-port", "29533"]
+    extra = VARIANTS[name][4]
+    nproc = extra.get("nproc", 1)
+    launch = [sys.executable] + ([] if nproc == 1 and not extra.get("dispatch") else
+                                 ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29533"])
     try:
         p = subprocess.run(launch + [__file__, "--worker", name], capture_output=True, text=True, env=env,
                            timeout=timeout)

@@ -47,15 +47,20 @@ def _inputs(rank, experts_allowed):
     return x, idx, w, torch.randn(T, H, generator=g)
 
 
-def _dispatch_combine_worker(rank, port, world):
+def _ep_mesh(rank, port, world):
+    """This process's gloo group of `world` and the 1-D "ep" mesh over it."""
     from torch.distributed.device_mesh import init_device_mesh
-
-    from moetune.parallel import shard_experts
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+
+
+def _dispatch_combine_worker(rank, port, world):
+    from moetune.parallel import shard_experts
+
+    mesh = _ep_mesh(rank, port, world)
     # skewed: rank 0 routes anywhere, the others only to rank 0's experts; then everything to rank 0 (the others
     # receive no rows: their grouped GEMMs run on zero rows, they still join every collective)
     first = list(range(E // world))
@@ -116,15 +121,10 @@ def _buffers_worker(rank, port):
     import gc
     import weakref
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     import moetune.model.expert_parallel as ep_module
     from moetune.parallel import shard_experts
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+    mesh = _ep_mesh(rank, port, WORLD)
     ex = _experts()
     shard_experts(ex, mesh)
     kept = []  # weak references to what each step's exchange allocated: its output and the routing it received
