@@ -114,10 +114,6 @@ class _Chunk:
     def n_send(self) -> int:
         return sum(self.send_splits)
 
-    @property
-    def n_recv(self) -> int:
-        return sum(self.recv_splits)
-
 
 @dataclass
 class _Received:
