@@ -199,8 +199,9 @@ def clip_grad_norm(params, max_norm: float) -> float:
 
 
 def apply_ac(model, mode: str) -> None:
-    """Activation checkpointing per decoder layer: "full" recomputes the whole layer in backward; "selective"
-    keeps the GEMM and attention outputs and recomputes only the cheap elementwise ops."""
+    """Activation checkpointing per decoder layer (recompute.AC_MODES): "full" recomputes the whole layer in
+    backward; "attention" only its attention block; "selective" keeps the GEMM and attention outputs and recomputes
+    only the cheap elementwise ops."""
     for layer in model.model.layers:
         layer.activation_checkpointing = mode
 

@@ -17,6 +17,8 @@ launches the exchange and the expert GEMMs.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 from moetune.model.kernels import bag_sum
 from moetune.model.moe import count_values
-from moetune.model.recompute import recompute as recompute_fn
+from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
 
 
@@ -177,23 +179,30 @@ class _ExchangeAndCompute(torch.autograd.Function):
             rec = plan(ch)
             ch.routing = ch.routing_work = None  # ctx keeps the chunks (their sizes) until backward
             work.wait()
-            with torch.enable_grad() if grad else torch.no_grad():
+            # Without recompute, trainable experts' weight gradients read the expanded pairs (k/ep rows per received
+            # row) and the SwiGLU output: saved as a gather of the received rows and a recompute from gate_up's
+            # output instead (Rebuilt), they cost the received rows only.
+            rebuilt = Rebuilt() if grad and recompute == "none" and trainable else None
+            with torch.enable_grad() if grad else torch.no_grad(), rebuilt or contextlib.nullcontext():
                 r_in = r.detach().requires_grad_(grad and rows.requires_grad)
                 w_in = rec.weights.detach().requires_grad_(grad and row_weights.requires_grad)
                 local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
 
-                def run(r_rows, w_rows, *local_weights, rec=rec):
+                def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt):
                     pair_rows = _Expand.apply(r_rows, rec.pairs)
+                    if rebuilt is not None:
+                        rebuilt.add(pair_rows, functools.partial(torch.index_select, r_rows.detach(), 0, rec.pairs.bag))
                     pair_weights = w_rows.reshape(-1)[rec.order]
-                    return _Combine.apply(compute(pair_rows, rec.offs, pair_weights, *local_weights), rec.pairs)
+                    y = compute(pair_rows, rec.offs, pair_weights, *local_weights, rebuilt=rebuilt)
+                    return _Combine.apply(y, rec.pairs)
 
                 y = recompute_fn(run, recompute, r_in, w_in, *local)
             graphs.append((y, r_in, w_in, local))
             back = _all_to_all(y.detach(), ch.send_splits, ch.recv_splits, group,
                                out=result[ch.start:ch.start + ch.n_send])
             ch.back_work = back[1]
-            if grad and recompute == "none":
-                # Backward reads the received rows only in a recompute (the expanded pairs are what the GEMMs keep).
+            if grad and recompute == "none" and rebuilt is None:
+                # Frozen experts: backward never reads the received rows (the GEMMs keep what they need).
                 _release(r_in)
         for ch, (y, *_) in zip(chunks, graphs):
             ch.back_work.wait()

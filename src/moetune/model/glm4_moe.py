@@ -22,7 +22,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.moe import experts_forward, permute, unpermute
-from moetune.model.recompute import recompute
+from moetune.model.recompute import recompute, split_modes
 
 
 class RMSNorm(nn.Module):
@@ -157,8 +157,8 @@ class Experts(nn.Module):
         extra = () if lora is None else (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
         return (self.gate_up_proj, self.down_proj, *extra)
 
-    def _compute(self, rows, offs, row_weights, gate_up, down, *lora_weights):
-        return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, lora_weights or None)
+    def _compute(self, rows, offs, row_weights, gate_up, down, *lora_weights, rebuilt=None):
+        return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, lora_weights or None, rebuilt)
 
 
 class MoE(nn.Module):
@@ -205,6 +205,12 @@ def load_balancing_loss(scores, counts, top_k):
     return E * (f * probs.mean(0)).sum()
 
 
+def mlp_with(mlp: nn.Module, x, mode: str):
+    """A layer's MLP or MoE half under activation checkpointing `mode` (a MoE applies it to its local expert work
+    and shared expert, never to an expert-parallel exchange)."""
+    return mlp(x, recompute=mode) if isinstance(mlp, MoE) else recompute(mlp, mode, x)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -212,7 +218,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.activation_checkpointing = "none"  # "none" | "full" | "selective", set by parallel.apply_ac
+        self.activation_checkpointing = "none"  # one of recompute.AC_MODES, set by parallel.apply_ac
 
     def _forward(self, x, cos, sin, attn):
         x = x + self._attention(x, cos, sin, attn)
@@ -223,13 +229,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attn):
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        if mode != "none" and isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
-            # Expert parallelism: recomputing the whole layer would repeat the all-to-all. Recompute attention
-            # and the local expert work; the routing and the rows the exchange delivered are kept.
-            x = x + recompute(self._attention, mode, x, cos, sin, attn)
-            return x + self.mlp(self.post_attention_layernorm(x), recompute=mode)
-        # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-        return recompute(self._forward, mode, x, cos, sin, attn)
+        split = split_modes(mode, isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None)
+        if split is None:
+            # Routing is a deterministic function of the input, so the recompute chooses the same experts.
+            return recompute(self._forward, mode, x, cos, sin, attn)
+        attention_mode, mlp_mode = split
+        x = x + recompute(self._attention, attention_mode, x, cos, sin, attn)
+        return x + mlp_with(self.mlp, self.post_attention_layernorm(x), mlp_mode)
 
 
 class Backbone(nn.Module):

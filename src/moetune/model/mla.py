@@ -20,8 +20,8 @@ from torch import nn
 
 from moetune.model.attention import AttnMeta, attend
 from moetune.model.config import GLM_MOE_DSA, ModelConfig
-from moetune.model.glm4_moe import MLP, Glm4MoeForCausalLM, MoE, RMSNorm, apply_rope
-from moetune.model.recompute import recompute
+from moetune.model.glm4_moe import MLP, Glm4MoeForCausalLM, MoE, RMSNorm, apply_rope, mlp_with
+from moetune.model.recompute import recompute, split_modes
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -92,7 +92,7 @@ class MLADecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.activation_checkpointing = "none"  # "none" | "full" | "selective", set by parallel.apply_ac
+        self.activation_checkpointing = "none"  # one of recompute.AC_MODES, set by parallel.apply_ac
 
     def _forward(self, x, cos, sin, attn, topk):
         h, topk = self._attention(x, cos, sin, attn, topk)
@@ -106,12 +106,13 @@ class MLADecoderLayer(nn.Module):
         # As glm4_moe.DecoderLayer.forward (keep the two alike). The top-k travels as an input and an output, so
         # a recomputed layer uses the one its forward used.
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        if mode != "none" and isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None:
-            # Expert parallelism: recompute attention and the local expert work, never the all-to-all.
-            h, topk = recompute(self._attention, mode, x, cos, sin, attn, topk)
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x), recompute=mode), topk
-        return recompute(self._forward, mode, x, cos, sin, attn, topk)
+        split = split_modes(mode, isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None)
+        if split is None:
+            return recompute(self._forward, mode, x, cos, sin, attn, topk)
+        attention_mode, mlp_mode = split
+        h, topk = recompute(self._attention, attention_mode, x, cos, sin, attn, topk)
+        x = x + h
+        return x + mlp_with(self.mlp, self.post_attention_layernorm(x), mlp_mode), topk
 
 
 class MLABackbone(nn.Module):

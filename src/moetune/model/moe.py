@@ -11,12 +11,14 @@ received.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
+from moetune.model.recompute import Rebuilt
 from moetune.tensors import local_tensor
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -105,10 +107,13 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return weighted_swiglu_bwd(h, row_weights, grad, ctx.needs_input_grad[1])
 
 
-def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None) -> torch.Tensor:
+def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None,
+                    rebuilt: Rebuilt | None = None) -> torch.Tensor:
     """Run rows x [N, H] sorted by expert (group ends `offs`) through stacked experts (gate_up [E, 2I, H],
     down [E, H, I]); `lora` (an ExpertLoRA) adds its deltas, with `lora_weights` (gate_up A, B, down A, B) in
-    place of its own parameters when given (the expert-parallel path passes this rank's local tensors).
+    place of its own parameters when given (the expert-parallel path passes this rank's local tensors). With
+    `rebuilt` active (eager code), the SwiGLU output that down's weight gradients read is saved as a recompute from
+    gate_up's output, which the SwiGLU's backward keeps anyway.
 
     The routing weight of each row scales the SwiGLU output, before down_proj: the same product (down_proj
     is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum."""
@@ -118,6 +123,8 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     if lora is not None:
         h = h + lora.delta(x, lora_weights[0], lora_weights[1], offs)
     a = weighted_swiglu(h, row_weights)
+    if rebuilt is not None:
+        rebuilt.add(a, functools.partial(weighted_swiglu_fwd, h.detach(), row_weights.detach()))
     y = grouped_linear(a, down_proj, offs)
     if lora is not None:
         y = y + lora.delta(a, lora_weights[2], lora_weights[3], offs)

@@ -1,13 +1,20 @@
 """Activation checkpointing ("recompute") of a piece of a layer: `full` keeps only the inputs and recomputes
 everything in backward; `selective` keeps what the GEMMs and attention produced and recomputes only the cheap
-element-wise ops (norms, RoPE, SwiGLU, casts, permutation gathers)."""
+element-wise ops (norms, RoPE, SwiGLU, casts, permutation gathers); `attention` (a layer mode, `split_modes`)
+recomputes the attention block in full and keeps the MLP's or MoE's activations.
+
+`Rebuilt` keeps, in place of some large tensors autograd would save, a way to rebuild them cheaply in backward
+(a gather, an element-wise op): recompute of single tensors, not of a whole piece."""
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+AC_MODES = ("none", "attention", "selective", "full")  # train.activation_checkpointing, lightest first
 
 
 @functools.cache
@@ -34,3 +41,48 @@ def recompute(fn, mode: str, *args):
         return fn(*args)
     kw = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
     return checkpoint(fn, *args, use_reentrant=False, **kw)
+
+
+def split_modes(mode: str, expert_parallel: bool) -> tuple[str, str] | None:
+    """How a decoder layer applies its mode (AC_MODES): None to recompute the layer as one piece, else the modes of
+    its attention block and of its MLP/MoE half. Under expert parallelism a whole-layer recompute would repeat the
+    all-to-all, so attention and the local expert work recompute apart and the exchange's rows are kept."""
+    if mode == "attention":
+        return "full", "none"
+    if mode != "none" and expert_parallel:
+        return mode, mode
+    return None
+
+
+class _Recipe:
+    __slots__ = ("rebuild",)
+
+    def __init__(self, rebuild):
+        self.rebuild = rebuild
+
+
+class Rebuilt(torch.autograd.graph.saved_tensors_hooks):
+    """While active, a tensor registered with `add(t, rebuild)` is saved for backward as `rebuild` (which must
+    return t's values from what backward keeps anyway) instead of its memory; every other tensor is saved as
+    usual. Tensors are matched by storage, offset, shape, stride and dtype: autograd may hand the hook another
+    Python object for the same tensor."""
+
+    def __init__(self):
+        self._recipes: dict[tuple, Callable[[], torch.Tensor]] = {}
+        super().__init__(self._pack, self._unpack)
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+    def add(self, t: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self._recipes[self._key(t)] = rebuild
+        return t
+
+    def _pack(self, t):
+        rebuild = self._recipes.get(self._key(t))
+        return t if rebuild is None else _Recipe(rebuild)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.rebuild() if isinstance(saved, _Recipe) else saved
