@@ -71,6 +71,17 @@ VARIANTS = {
     # ours_qkvo_4x1024 this is what the dispatcher costs besides the network (graph break, eager work, host sync)
     "ours_ep1_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "dispatch": True}),
     "ours_ep1_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True}),
+    "ours_ep1_experts_4x1024_ac": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True,
+                                                                          "ac": "full"}),
+    "ours_ep1_experts_4x1024_acattn": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True,
+                                                                              "ac": "attention"}),
+    # one rank of EP=2 over full-size Air, through the dispatcher on a world of one GPU: 46 layers, 64 local experts
+    # (its weights: the same 106 GiB), 4 packed documents of 1,024 tokens, LoRA as the full-size 2-GPU run; what
+    # that run costs besides the network, and its memory (a world of one receives each token once, EP 2 twice)
+    **{f"ours_ep2rank_{name}_1x4096_packed{suffix}": (
+        "ours", 1, 4096, targets, {"layers": 46, "experts": 64, "compile": True, "dispatch": True, "docs": 4, "ac": ac})
+       for name, targets in (("qkvo", QKVO), ("experts", QKVO + ["shared_experts", "experts"]))
+       for suffix, ac in (("", "none"), ("_ac", "full"), ("_acattn", "attention"))},
 }
 # GLM-4.7-Flash (glm4_moe_lite, MLA) at FULL size (47 layers, 64 experts, bf16 base 56 GiB) on one GPU, seq 4096: LoRA
 # on every MLA projection, and on them + the routed experts; against transformers' Glm4MoeLiteForCausalLM + PEFT

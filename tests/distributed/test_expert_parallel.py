@@ -122,13 +122,17 @@ def _buffers_worker(rank, port):
     import weakref
 
     import moetune.model.expert_parallel as ep_module
+    import moetune.model.moe as moe_module
     from moetune.parallel import shard_experts
 
     mesh = _ep_mesh(rank, port, WORLD)
     ex = _experts()
     shard_experts(ex, mesh)
-    kept = []  # weak references to what each step's exchange allocated: its output and the routing it received
-    exchange, plan = ep_module._ExchangeAndCompute.apply, ep_module._plan_received
+    # weak references to what each step allocated: the exchange's output, the routing it received, and the expert
+    # activations saved for backward (gate_up's output h and the SwiGLU output) or the recipes that rebuild them
+    kept = []
+    exchange, plan, swiglu = ep_module._ExchangeAndCompute.apply, ep_module._plan_received, moe_module.weighted_swiglu
+    rebuilt = ep_module.Rebuilt
 
     def exchange_spy(*a):
         out = exchange(*a)
@@ -139,7 +143,18 @@ def _buffers_worker(rank, port):
         kept.append(weakref.ref(routing))
         return plan(routing, *a)
 
+    def swiglu_spy(h, w):
+        a = swiglu(h, w)
+        kept.extend([weakref.ref(h), weakref.ref(a)])
+        return a
+
+    class RebuiltSpy(rebuilt):
+        def __init__(self):
+            super().__init__()
+            kept.append(weakref.ref(self))
+
     ep_module._ExchangeAndCompute.apply, ep_module._plan_received = exchange_spy, plan_spy
+    moe_module.weighted_swiglu, ep_module.Rebuilt = swiglu_spy, RebuiltSpy
 
     def step(recompute):
         x, idx, w, g = _inputs(rank, list(range(E)))
@@ -147,22 +162,29 @@ def _buffers_worker(rank, port):
         y, _, _ = ex(x, idx, w, recompute=recompute)
         (y * g).sum().backward()
 
+    # Python's collector stays off: a reference cycle would keep a step's tensors until it happens to run, which on
+    # a GPU is out of memory at full size (the saved-tensor hooks' recipes did, through a bound method)
+    gc.collect()
+    gc.disable()
     try:
         for recompute in ("none", "full"):
             for _ in range(3):
                 step(recompute)
-        gc.collect()
-        assert len(kept) == 12
+        # per step: output, routing, h, a, and without recompute the hooks holding the recipes (full: h and a again)
+        assert len(kept) == 3 * 5 + 3 * 6
         assert [r() for r in kept if r() is not None] == []  # nothing of a finished step stays allocated
     finally:
+        gc.enable()
         ep_module._ExchangeAndCompute.apply, ep_module._plan_received = exchange, plan
+        moe_module.weighted_swiglu, ep_module.Rebuilt = swiglu, rebuilt
         dist.destroy_process_group()
 
 
 def test_a_finished_step_leaves_no_exchange_buffer_allocated():
-    """The exchange's buffers are freed after backward, step after step. They used to stay: the autograd node kept the
-    all-to-all's work object, which holds a view of the node's own output — a cycle through C++ that Python's
-    collector cannot break — so a full-size run grew by one [2T, H] buffer per layer and step until out of memory."""
+    """The exchange's buffers and the experts' saved activations are freed when backward ends, step after step,
+    without Python's collector. They used to stay: the autograd node kept the all-to-all's work object, which
+    holds a view of the node's own output — a cycle through C++ that Python's collector cannot break — so a
+    full-size run grew by one [2T, H] buffer per layer and step until out of memory."""
     mp.spawn(_buffers_worker, args=(free_port(),), nprocs=WORLD)
 
 

@@ -65,24 +65,33 @@ class Rebuilt(torch.autograd.graph.saved_tensors_hooks):
     """While active, a tensor registered with `add(t, rebuild)` is saved for backward as `rebuild` (which must
     return t's values from what backward keeps anyway) instead of its memory; every other tensor is saved as
     usual. Tensors are matched by storage, offset, shape, stride and dtype: autograd may hand the hook another
-    Python object for the same tensor."""
+    Python object for the same tensor.
+
+    The hooks hold the recipe table, not this object: a bound method would make a reference cycle that only
+    Python's collector frees, keeping every recipe's tensors allocated until it runs. The table is emptied on exit:
+    what was packed holds its own recipe."""
 
     def __init__(self):
         self._recipes: dict[tuple, Callable[[], torch.Tensor]] = {}
-        super().__init__(self._pack, self._unpack)
-
-    @staticmethod
-    def _key(t: torch.Tensor) -> tuple:
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        super().__init__(functools.partial(_pack, self._recipes), _unpack)
 
     def add(self, t: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> torch.Tensor:
-        self._recipes[self._key(t)] = rebuild
+        self._recipes[_key(t)] = rebuild
         return t
 
-    def _pack(self, t):
-        rebuild = self._recipes.get(self._key(t))
-        return t if rebuild is None else _Recipe(rebuild)
+    def __exit__(self, *exc):
+        self._recipes.clear()
+        return super().__exit__(*exc)
 
-    @staticmethod
-    def _unpack(saved):
-        return saved.rebuild() if isinstance(saved, _Recipe) else saved
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _pack(recipes: dict, t):
+    rebuild = recipes.get(_key(t))
+    return t if rebuild is None else _Recipe(rebuild)
+
+
+def _unpack(saved):
+    return saved.rebuild() if isinstance(saved, _Recipe) else saved
