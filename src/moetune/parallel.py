@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetune.model.recompute import layer_modes
+
 
 @dataclass
 class Dist:
@@ -198,11 +200,13 @@ def clip_grad_norm(params, max_norm: float) -> float:
     return float(total)
 
 
-def apply_ac(model, mode: str) -> None:
-    """Activation checkpointing per decoder layer (recompute.AC_MODES): "full" recomputes the whole layer in
-    backward; "attention" only its attention block; "selective" keeps the GEMM and attention outputs and recomputes
-    only the cheap elementwise ops."""
-    for layer in model.model.layers:
+def apply_ac(model, spec) -> None:
+    """Activation checkpointing per decoder layer (recompute.AC_MODES; `spec` one mode for all layers or
+    {mode: layers}, recompute.layer_modes): "full" recomputes the whole layer in backward; "attention" only its
+    attention block; "selective" keeps the GEMM and attention outputs and recomputes only the cheap elementwise
+    ops."""
+    layers = model.model.layers
+    for layer, mode in zip(layers, layer_modes(spec, len(layers))):
         layer.activation_checkpointing = mode
 
 

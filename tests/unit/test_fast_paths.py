@@ -106,21 +106,38 @@ def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
     ids = torch.randint(0, 96, (2, 16))
     labels = torch.roll(ids, -1, 1)
     grads = {}
-    for mode in AC_MODES:
+    layers = len(moetune.load_model(path).model.layers)
+    mixed = {"full": 1, "attention": layers - 2, "none": 1}  # modes per layer in a run of layers (recompute.layer_modes)
+    for mode in AC_MODES + ("mixed",):
         model = moetune.load_model(path)
         torch.manual_seed(0)
         apply_lora(model, ["q_proj", "experts"], 4, 8)
         for n, p in model.named_parameters():
             if "lora_B" in n or n.endswith("_B"):
                 torch.nn.init.normal_(p, std=0.1)
-        apply_ac(model, mode)
+        apply_ac(model, mixed if mode == "mixed" else mode)
         model.train()
         model(ids, labels=labels).backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert set(AC_MODES) == {"none", "attention", "selective", "full"}
-    for mode in AC_MODES[1:]:
+    assert layers >= 3 and [layer.activation_checkpointing for layer in model.model.layers] == (
+        ["full"] + ["attention"] * (layers - 2) + ["none"])
+    for mode in AC_MODES[1:] + ("mixed",):
         for n, g in grads["none"].items():
             torch.testing.assert_close(grads[mode][n], g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"full": 1}, "add up to the model's 3 layers"),
+    ({"full": 4, "none": -1}, "≥ 0"),
+    ({"fulll": 3}, r"unknown mode\(s\) \['fulll'\], choose from \['none', 'attention', 'selective', 'full'\]"),
+])
+def test_activation_checkpointing_per_layer_errors_name_the_key(spec, message):
+    from moetune.errors import ConfigError
+    from moetune.model.recompute import layer_modes
+
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing .*" + message):
+        layer_modes(spec, 3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
