@@ -85,8 +85,10 @@ class ExpertLoRA(nn.Module):
     def delta(self, x, A, B, offs):
         """scaling · B(A x) per expert for rows x sorted by expert; A, B are this module's gate_up or down pair
         (under expert parallelism: this rank's experts)."""
-        A, B = _pad_rank(local_tensor(A).to(x.dtype), local_tensor(B).to(x.dtype))
-        return grouped_linear(grouped_linear(self.dropout(x), A, offs), B, offs) * self.scaling
+        # The scaling goes into B (weight-sized), not onto the [rows, out] product: in eager code (the expert-parallel
+        # exchange) that is one element-wise pass over the rows fewer each way.
+        A, B = _pad_rank(local_tensor(A).to(x.dtype), (local_tensor(B) * self.scaling).to(x.dtype))
+        return grouped_linear(grouped_linear(self.dropout(x), A, offs), B, offs)
 
 
 def _pad_rank(A, B):
