@@ -20,6 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 
 from moetune.errors import ConfigError  # noqa: F401  (re-exported)
 from moetune.model.config import read_json_object
+from moetune.model.recompute import AC_MODES
 from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
@@ -183,7 +184,9 @@ class TrainConfig(_Section):
     epochs: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     micro_batch_size: int = Field(4, ge=1)  # sequences per rank per micro-batch
     grad_accum: int = Field(1, ge=1)
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # recompute in backward, lightest first: none | attention (the attention block) | selective (the element-wise
+    # ops) | full (the whole layer); parallel.layout auto chooses it unless set
+    activation_checkpointing: Literal[AC_MODES] = "none"
     compile: bool = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off

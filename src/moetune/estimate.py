@@ -204,10 +204,11 @@ def attention_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, first
     return core, bool(full or lora & {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"})
 
 
-def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
-                               rank: int = 16, seq: int = 0) -> float:
-    """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective;
-    seq: the sequence length (DSA's sparse attention saves a mask row per token)."""
+def layer_halves(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
+                 seq: int = 0) -> tuple[float, float]:
+    """(attention half, MLP/MoE half) of what one layer saves for backward per token without recompute (mode eager |
+    compiled; the module docstring's terms): the attention half from the layer input through o_proj, the other from
+    the residual after attention through the MLP or MoE, LoRA's small intermediates there included."""
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
@@ -216,24 +217,64 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
     r_pad = -(-rank * b // 16) * 16 // b
     lora_small = b * rank * linears + (2 * b * k * r_pad if moe and "experts" in lora else 0)
     attention, qkv_input = attention_bytes_per_token(m, mode, b, lora, full, first, seq, rank)
-    attn_core = attention + lora_small
     expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
     mlp_inputs = (b * H + b * I) if (full or "dense_mlp" in lora) else 0
     shared_inputs = (b * H + b * Is) if (full or "shared_experts" in lora) else 0
     router = 8 * E + 32 * k
-    if mode == "selective":
-        ffn = (k * (2 * b * Im + b * H) + 3 * b * Is + 4 * E) if moe else 3 * b * I
-        return b * H + attn_core + b * H + b * H + ffn + (expert_inputs if moe else 0)
-    if mode == "compiled":
+    if mode == "compiled":  # each half keeps its bf16 input (the layer input is not needed in layer 0 of LoRA)
+        attn = (0 if first and not full else b * H) + attention
         ffn = (2 * b * k * Im + 2 * b * Is + router + expert_inputs + shared_inputs) if moe else 2 * b * I + mlp_inputs
-        return 2 * b * H + attn_core + ffn - (b * H if first and not full else 0)
+        return attn, b * H + ffn + lora_small
     norm = 4 * H + 4 + (b * H if full else 0)  # fp32 input and rstd (+ the bf16 cast the norm weight's gradient needs)
-    attn = (0 if first and not full else norm) + (b * H if qkv_input else 0) + attn_core
+    attn = (0 if first and not full else norm) + (b * H if qkv_input else 0) + attention
     if moe:
         ffn = norm + 2 * b * k * Im + 3 * b * Is + router + expert_inputs + shared_inputs
     else:
         ffn = norm + 3 * b * I + mlp_inputs
-    return attn + ffn
+    return attn, ffn + lora_small
+
+
+def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
+                               rank: int = 16, seq: int = 0, ac: str = "none", topk_in: bool = False) -> float:
+    """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective
+    (selective activation checkpointing); ac attention | full: the checkpoint keeps the layer input (b·H, layer 0's
+    too) and the rest of its inputs, among them the DSA top-k a layer receives (topk_in: 8 bytes per selected key,
+    `receives_topk`); attention keeps the MLP/MoE half as without recompute. seq: the sequence length (DSA's
+    sparse attention saves a mask row per token)."""
+    if mode == "selective":
+        return selective_bytes_per_token(m, moe, b, lora, full, first, rank, seq)
+    H = m.hidden_size
+    inputs = b * H + (8 * min(m.index_topk, seq) if topk_in else 0)
+    if ac == "full":
+        return inputs
+    attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
+    if ac == "attention":
+        # Compiled, the residual after attention is recomputed from the layer input rather than saved (a CPU census
+        # of Inductor's partition): the MLP half's own input is not kept.
+        return inputs + mlp - (b * H if mode == "compiled" else 0)
+    return attn + mlp
+
+
+def receives_topk(m, layer: int, seq: int) -> bool:
+    """Whether `layer` receives a top-k that no earlier layer's checkpoint holds: a DSA model past index_topk hands
+    each "full" indexer layer's selection on to the next layer (model/mla.py), whose checkpoint keeps it whether the
+    layer reads it or not."""
+    return sparse_attention(m, seq) and layer > 0 and m.indexer_type(layer - 1) == "full"
+
+
+def selective_bytes_per_token(m, moe: bool, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
+                              seq: int = 0) -> float:
+    """Selective activation checkpointing: the GEMM and attention outputs (the module docstring)."""
+    H = m.hidden_size
+    k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
+    Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
+    linears = 3 * ("shared_experts" in lora if moe else "dense_mlp" in lora)
+    r_pad = -(-rank * b // 16) * 16 // b
+    lora_small = b * rank * linears + (2 * b * k * r_pad if moe and "experts" in lora else 0)
+    attention, _ = attention_bytes_per_token(m, "selective", b, lora, full, first, seq, rank)
+    expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
+    ffn = (k * (2 * b * Im + b * H) + 3 * b * Is + 4 * E + expert_inputs) if moe else 3 * b * I
+    return b * H + attention + lora_small + b * H + b * H + ffn
 
 
 def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank: int = 16) -> float:
@@ -245,9 +286,57 @@ def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank
     rows = ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + (2 * b * k * r_pad if experts_lora else 0)
     if mode == "selective":
         return rows + k * (2 * b * Im + b * H)
-    if mode == "compiled":
-        return rows + 2 * b * k * Im
     return rows + 2 * b * k * Im
+
+
+def ep_expert_bytes_per_token(m, ac: str, b: int, lora: set, full: bool, ep: int, rank: int = 16) -> float:
+    """What a rank's local expert work keeps per token of its own batch under expert parallelism (balanced routing,
+    before the skew margin), from model/expert_parallel.py's exchange; `ac` the layer's activation checkpointing.
+
+    Trainable experts (LoRA on them, or full fine-tuning): recomputed (full) they keep the rows received, b·H per
+    token and rank it reaches; without recompute (none, attention) the exchange keeps the same rows and saves the
+    expanded (token, expert) pair rows and the SwiGLU output as recipes (a gather, an element-wise op) instead of
+    their memory, so of the local formula's rows only gate_up's output 2b·k·Im and LoRA's small intermediates stay;
+    selective keeps the GEMM outputs as locally. Frozen experts are never recomputed and free the rows received:
+    gate_up's output. Plus the routing weights of the pairs, 4k. Not in the one-process census (the rows received
+    live in the exchange's own graph, the recipes in its saved-tensor hooks): derived from the code."""
+    k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
+    trainable = full or "experts" in lora
+    mode = "none" if not trainable or ac == "attention" else ac  # recompute.split_modes: attention keeps the MoE half
+    received = b * H * ranks_per_token(m, ep)
+    if mode == "full":
+        return received + 4 * k
+    if mode == "none" and trainable:
+        r_pad = -(-rank * b // 16) * 16 // b
+        return received + 2 * b * k * Im + (2 * b * k * r_pad if "experts" in lora else 0) + 4 * k
+    return expert_row_bytes_per_token(m, "selective" if mode == "selective" else "eager", b, lora, full, rank) + 4 * k
+
+
+def ep_layer_bytes_per_token(m, mode: str, ac: str, b: int, lora: set, full: bool, ep: int, first: bool = False,
+                             rank: int = 16, seq: int = 0, topk_in: bool = False) -> float:
+    """What a MoE layer saves per token under expert parallelism (mode eager | compiled, `ac` the layer's activation
+    checkpointing), its expert rows with the skew margin (the module docstring)."""
+    H, Is, k, E = m.hidden_size, m.moe_intermediate_size * m.n_shared_experts, m.num_experts_per_tok, m.n_routed_experts
+    experts = ep_skew(ep) * ep_expert_bytes_per_token(m, ac, b, lora, full, ep, rank)
+    if ac == "full":
+        # The layer input for the attention's recompute; the MoE half is not checkpointed: the post-attention norm's
+        # input (eager: fp32 + rstd, + the bf16 cast in full mode; compiled: the bf16 residual, a graph output at the
+        # dispatcher's graph break, from which Inductor recomputes the fp32 chain), the normed input (the shared
+        # expert's checkpoint keeps it), the router; then the expert rows.
+        norm = b * H + 4 if mode == "compiled" else 4 * H + 4 + (b * H if full else 0)
+        inputs = activation_bytes_per_token(m, True, mode, b, lora, full, first, rank, seq, "full", topk_in)
+        return inputs + norm + b * H + 8 * E + 32 * k + experts
+    local_mode = "selective" if ac == "selective" else mode
+    local = activation_bytes_per_token(m, True, local_mode, b, lora, full, first, rank, seq, ac, topk_in)
+    # Compiled, the dispatcher is a graph break: the shared expert runs inside it, eagerly (3b·Is, not 2b·Is), and
+    # under attention recompute the residual after attention is the compiled graph's output, kept (b·H).
+    graph_break = b * Is + (b * H if ac == "attention" else 0) if mode == "compiled" and ac != "selective" else 0
+    return local - expert_row_bytes_per_token(m, local_mode, b, lora, full, rank) + experts + graph_break
+
+
+def ep_skew(ep: int) -> float:
+    """The skew margin on a rank's received rows (EP_SKEW_PER_DOUBLING)."""
+    return 1 + EP_SKEW_PER_DOUBLING * math.log2(ep)
 
 
 def ranks_per_token(m, ep: int) -> float:
@@ -269,7 +358,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     fsdp = launched and (dp_shard > 1 or layout.cpu_offload)
     S = dp_shard * ep if fsdp else 1
     offload = layout.cpu_offload and launched
-    skew = 1 + EP_SKEW_PER_DOUBLING * math.log2(ep)
+    skew = ep_skew(ep)
     T = cfg.train.micro_batch_size * cfg.data.seq_len
     c = min(T, LOSS_CHUNK_TOKENS)
     V, H = m.vocab_size, m.hidden_size
@@ -326,46 +415,45 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     # ---- activations of one micro-batch
     ac = layout.activation_checkpointing
     mode = "compiled" if cfg.train.compile else "eager"
-    seq = cfg.data.seq_len
-    per_layer = [activation_bytes_per_token(m, m.is_moe_layer(i), mode, b, lora, full, i == 0, cfg.lora.rank, seq)
-                 for i in range(m.num_hidden_layers)]
+    seq, L, rank = cfg.data.seq_len, m.num_hidden_layers, cfg.lora.rank
+    split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
+    n_moe = sum(m.is_moe_layer(i) for i in range(L))
+
+    def layer_bytes(i):
+        moe, first, topk_in = m.is_moe_layer(i), i == 0, receives_topk(m, i, seq) and ac in ("attention", "full")
+        if moe and split:
+            return ep_layer_bytes_per_token(m, mode, ac, b, lora, full, ep, first, rank, seq, topk_in)
+        return activation_bytes_per_token(m, moe, "selective" if ac == "selective" else mode, b, lora, full, first,
+                                          rank, seq, ac, topk_in)
+
+    def recomputed(i):  # what one layer's recompute holds at once in backward
+        moe, first = m.is_moe_layer(i), i == 0
+        attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
+        if ac == "attention":
+            return attn
+        if ac != "full":
+            return 0
+        if not (moe and split):
+            return attn + mlp
+        experts = full or "experts" in lora  # frozen experts are not recomputed
+        return max(attn, skew * expert_row_bytes_per_token(m, "eager", b, lora, full, rank) if experts else 0)
+
+    per_layer = [layer_bytes(i) for i in range(L)]
+    saved = T * (sum(per_layer) + max(recomputed(i) for i in range(L)))
     if ac == "full":
-        saved = T * (b * H * m.num_hidden_layers + max(per_layer))
         how = f"full checkpointing: layer inputs {b}·H·T·L + one layer recomputed"
+    elif ac == "attention":
+        how = f"attention checkpointing: layer inputs + the MLP/MoE halves ({mode}), " \
+              f"{sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer, + one attention block recomputed"
     elif ac == "selective":
-        sel = [activation_bytes_per_token(m, m.is_moe_layer(i), "selective", b, lora, full, i == 0, cfg.lora.rank,
-                                          seq) for i in range(m.num_hidden_layers)]
-        saved = T * sum(sel)
-        how = f"selective checkpointing: GEMM/attention outputs, {sum(sel) / m.num_hidden_layers / (b * H):.1f}·{b}H per token·layer"
+        how = f"selective checkpointing: GEMM/attention outputs, {sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer"
     else:
-        saved = T * sum(per_layer)
-        how = f"{mode}: {sum(per_layer) / m.num_hidden_layers / (b * H):.1f}·{b}H bytes per token·layer × T={T:,}"
+        how = f"{mode}: {sum(per_layer) / L / (b * H):.1f}·{b}H bytes per token·layer × T={T:,}"
     # final norm (+ its weight's input in full mode), the loss's input gradient, RoPE's cos/sin (shared by the layers)
     saved += T * (4 * H + (b * H if full else 0) + b * H + 2 * b * m.rotary_dim)
     if sparse_attention(m, seq):
         saved += T * seq  # the document-causal boolean mask every DSA layer selects within (one for all layers)
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-    if ep > 1 and n_moe:
-        # model/moe.py's exchange keeps the routing weights (4k per row); frees the expert output (except under
-        # selective recompute of trainable experts) and the received rows of frozen experts; and never recomputes
-        # frozen experts, whose internals are then saved as without recompute
-        k = m.num_experts_per_tok
-        trainable = full or "experts" in lora
-        expert_ac = ac if trainable else "none"
-        if expert_ac == "full":
-            internals = b * H * ranks_per_token(m, ep)  # the checkpointed expert work keeps the rows received
-        else:
-            internals = expert_row_bytes_per_token(m, "selective" if expert_ac == "selective" else mode, b, lora,
-                                                   full, cfg.lora.rank)
-        if ac == "full":
-            # attention is recomputed, the MoE half of the layer is not checkpointed: the post-attention norm
-            # (fp32 input), the normed input (router, shared expert's checkpoint), the router, the expert rows
-            moe_half = 4 * H + 4 + b * H + (b * H if full else 0) + 8 * m.n_routed_experts + 32 * k
-            saved += T * n_moe * (moe_half + skew * (internals + 4 * k))
-        else:  # the per-layer formula already holds this mode's expert rows once: replace them
-            counted = expert_row_bytes_per_token(m, "selective" if ac == "selective" else mode, b, lora, full,
-                                                 cfg.lora.rank)
-            saved += T * n_moe * (skew * (internals + 4 * k) - counted)
+    if split and n_moe:
         how += f"; ep {ep}: expert rows × {skew:.2f} (routing skew margin)"
     add("activations", saved, how)
     k, Im = m.num_experts_per_tok, m.moe_intermediate_size

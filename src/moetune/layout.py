@@ -13,10 +13,13 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
      per-layer all-gathers, and the all-to-all stays on NVLink. Smaller sizes shard everything over the world
      with FSDP (dp_shard = world / ep): less memory, more communication; they come next.
   4. FSDP over all GPUs;
-  each first without activation checkpointing, then with `selective` (not under torch.compile); then `full`
-  (replicated, EP, FSDP); CPU offload (FSDP) only when nothing else fits. A layout fits when its estimate is under
-  FIT_FRACTION (95 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib)
-  when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
+  each first without activation checkpointing, then with `selective` (not under torch.compile). Then every
+  structure again with `attention` (the attention block's forward repeated in backward, the MLP/MoE activations
+  kept: the middle ground), then with `full` (the whole layer; under EP the attention and the local expert work
+  apart, model/recompute.split_modes): recompute on a preferred structure is not assumed to beat a less preferred
+  structure without it. CPU offload (FSDP) only when nothing else fits, its modes in the same order. A layout fits
+  when its estimate is under FIT_FRACTION (95 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or
+  inspect's --gpu-mem-gib) when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
 
 Whatever the user set — `parallel.ep`, `dp_shard`, `cpu_offload`, `train.activation_checkpointing` written in the
 file or on the command line, whatever its value — is kept, and the rest is chosen around it (a dp_shard set without
@@ -33,8 +36,7 @@ from dataclasses import dataclass, field
 
 from moetune.errors import ConfigError
 from moetune.estimate import FIT_FRACTION, build_meta_model, count_params, estimate_memory
-
-AC_MODES = ("none", "selective", "full")
+from moetune.model.recompute import AC_MODES
 PINNABLE = {"ep": ("parallel", "ep"), "dp_shard": ("parallel", "dp_shard"),
             "cpu_offload": ("parallel", "cpu_offload"),
             "activation_checkpointing": ("train", "activation_checkpointing")}
@@ -60,7 +62,7 @@ class Layout:
             raise ConfigError(f"layout: dp_replicate {self.dp_replicate} × parallel.dp_shard {self.dp_shard} × "
                               f"parallel.ep {self.ep} must equal the world size {self.world_size}")
         if self.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"train.activation_checkpointing must be one of {AC_MODES}, got "
+            raise ConfigError(f"train.activation_checkpointing must be one of {', '.join(AC_MODES)}, got "
                               f"{self.activation_checkpointing!r}")
 
     @property
@@ -166,20 +168,19 @@ def _structures(world: int, n_experts: int, experts_dominate: bool, gpus_per_nod
 
 
 def _candidates(structures, pinned: dict, compiled: bool):
-    """(ep, dp_shard, activation checkpointing, cpu_offload) in order of preference. Under torch.compile selective
-    checkpointing is not considered: compiled layers already recompute the element-wise ops, and on AIR-8 selective
-    took more memory (42.1 vs 39.2 GiB) and 35 % more time (BENCHMARKS.md)."""
+    """(ep, dp_shard, activation checkpointing, cpu_offload) in order of preference: the light modes (none, then
+    selective) on every structure, then `attention` on every structure, then `full`; CPU offload last. Under
+    torch.compile selective checkpointing is not considered: compiled layers already recompute the element-wise
+    ops, and on AIR-8 selective took more memory (42.1 vs 39.2 GiB) and 35 % more time (BENCHMARKS.md)."""
     def ok(ac, off):
         return pinned.get("activation_checkpointing", ac) == ac and pinned.get("cpu_offload", off) == off
 
     light = ("none",) if compiled and pinned.get("activation_checkpointing") != "selective" else ("none", "selective")
-    out = []
-    for ac in light:  # no full recompute: any structure
-        out += [(s, ac, False) for s in structures]
-    out = sorted(out, key=lambda c: structures.index(c[0]))  # by structure first, none before selective
-    out += [(s, "full", False) for s in structures]
+    out = [(s, ac, False) for s in structures for ac in light]  # by structure first, none before selective
+    out += [(s, ac, False) for ac in ("attention", "full") for s in structures]
     offload = [s for s in structures if s[0] == "fsdp"] if "cpu_offload" not in pinned else structures
-    out += [(s, ac, True) for s in offload for ac in light + ("full",) if s[0] != "one" or pinned.get("cpu_offload")]
+    out += [(s, ac, True) for s in offload for ac in light + ("attention", "full")
+            if s[0] != "one" or pinned.get("cpu_offload")]
     return [(s[1], s[2], ac, off) for s, ac, off in out if ok(ac, off)]
 
 

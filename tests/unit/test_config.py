@@ -97,6 +97,20 @@ def test_wrong_literal_and_union_paths(tmp_path):
     assert "'model.config'" in str(e.value) and "model.config.str" not in str(e.value)
 
 
+def test_activation_checkpointing_modes_are_the_models():
+    """Every mode the model implements is accepted (attention: the attention block recomputed); a typo is one error
+    that lists them, lightest first."""
+    from moetune.model.recompute import AC_MODES
+
+    for mode in AC_MODES:
+        assert load_config(None, ["--train.activation_checkpointing", mode]).train.activation_checkpointing == mode
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--train.activation_checkpointing", "atention"])
+    msg = str(e.value)
+    assert "'train.activation_checkpointing'" in msg and "'atention'" in msg and "\n" not in msg
+    assert "'none', 'attention', 'selective' or 'full'" in msg
+
+
 def test_list_element_path(tmp_path):
     with pytest.raises(ConfigError, match=r"'optim.betas\[1\]'"):
         load_config(write(tmp_path, "optim:\n  betas: [0.9, high]\n"))

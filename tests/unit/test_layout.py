@@ -17,7 +17,7 @@ AIR, AIR_EXPERTS, GLM45, FLASH, GLM5 = (str(CONFIGS / f"{n}.yaml") for n in (
     "glm45-air-lora", "glm45-air-lora-experts", "glm45-lora", "glm47-flash-lora", "glm5-lora"))
 AS_FLASH, AS_GLM5 = ["--model.config", "glm47-flash"], ["--model.config", "glm5"]
 H200, H100 = 139.8, 79.1  # GiB, as torch.cuda reports them
-TIGHT = 132.0  # a card on which Air's ep 2 without recompute (131.4 GiB estimated) does not fit (limit 125.4)
+TIGHT = 132.0  # a card on which Air's ep 2 without recompute (131.7 GiB estimated) does not fit (limit 125.4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,24 +44,27 @@ def shape(layout: Layout):
     (None, [], 1, None, (1, 1, 1, "none", False)),
     (None, [], 2, None, (1, 1, 2, "none", False)),  # replicated: no all-gathers at all
     # GLM-4.5-Air LoRA q,k,v,o (compiled) on 2 x H200: ep 2 holds the rest of the model whole and half the experts,
-    # 106 GiB of weights: 131.4 GiB without recompute, under 95 % of 139.8 (measured 132.1 GiB, 5,057 tokens/s per
-    # GPU); on a 132 GiB card ep 2 with full recompute, 124.1 (frozen experts are not recomputed)
+    # 106 GiB of weights: 131.7 GiB without recompute, under 95 % of 139.8 (measured 132.1 GiB, 5,057 tokens/s per
+    # GPU); on a 132 GiB card no layout fits without recompute, ep 2 with the attention recomputed does (122.5)
     (AIR, [], 2, H200, (2, 1, 1, "none", False)),
-    (AIR, [], 2, TIGHT, (2, 1, 1, "full", False)),
-    (AIR, ["--train.compile", "false"], 2, H200, (2, 1, 1, "full", False)),  # eager: selective too big
+    (AIR, [], 2, TIGHT, (2, 1, 1, "attention", False)),
+    # eager: ep 2 without recompute 136.0, selective 133.1, attention 124.1
+    (AIR, ["--train.compile", "false"], 2, H200, (2, 1, 1, "attention", False)),
     (AIR, [], 8, H200, (8, 1, 1, "none", False)),  # experts stay put, no FSDP: 63.6 GiB
     (AIR, [], 8, H100, (8, 1, 1, "none", False)),
     (AIR_EXPERTS, [], 8, H200, (8, 1, 1, "none", False)),  # 87.5 GiB
-    # ep 2 + full: 127.5 (the exchange keeps the ~2 rows a token sends, not its 8 pairs; the bad-step copy of the
-    # 1.19 B LoRA parameters lives in host memory); FSDP + full (123.5, measured 121.4) comes after EP
+    # ep 2 + full: 125.9 (measured 122.4; the exchange keeps the ~2 rows a token sends, not its 8 pairs; the bad-step
+    # copy of the 1.19 B LoRA parameters lives in host memory); ep 2 + attention 136.3 and FSDP + attention 149.1 do
+    # not fit, and FSDP + full (measured 121.4) comes after EP
     (AIR_EXPERTS, [], 2, H200, (2, 1, 1, "full", False)),
-    # with LoRA on the experts on 8 x 80 GB nothing fits without recompute (ep 8: 87.5 GiB, FSDP: 78.4 > 71.2)
-    (AIR_EXPERTS, [], 8, H100, (8, 1, 1, "full", False)),  # 63.5 GiB
+    # with LoRA on the experts on 8 x 80 GB ep 8 does not fit without recompute (78.0 GiB > 75.1: the exchange keeps
+    # the rows received, not the expanded pairs), ep 4 × FSDP 2 does (65.5)
+    (AIR_EXPERTS, [], 8, H100, (4, 2, 1, "none", False)),
     # full fine-tuning of Air on 8 x H200: 16 bytes per parameter do not fit on the GPUs, only with CPU offload
     (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "none", True)),  # 130.4 GiB
-    # GLM-4.5 (355B), eager, 8 x H200: ep 8 holds 77 GiB of experts + the rest whole (too much); ep 4 × FSDP 2 with
-    # full recompute: 126.9 GiB
-    (GLM45, [], 8, H200, (4, 2, 1, "full", False)),
+    # GLM-4.5 (355B), eager, 8 x H200: ep 8 holds 77 GiB of experts + the rest whole (too much even with the attention
+    # recomputed: 150.9); ep 4 × FSDP 2 with the attention recomputed: 127.1 GiB
+    (GLM45, [], 8, H200, (4, 2, 1, "attention", False)),
     (GLM45, [], 16, H200, (8, 2, 1, "none", False)),  # two nodes of 8: ep within the node, FSDP across: 111.9
     # GLM-4.7-Flash (MLA), its recipe: one H200 without recompute (74.5 GiB: 56 of weights), also under 95 % of an
     # 80 GB card; LoRA on the experts too needs full recompute there (65.1); 8 GPUs replicate LoRA, and full
@@ -71,11 +74,12 @@ def shape(layout: Layout):
     (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, H100, (1, 1, 1, "full", False)),
     (FLASH, AS_FLASH, 8, H200, (1, 1, 8, "none", False)),
     (FLASH, AS_FLASH + ["--finetune.mode", "full"], 8, H200, (8, 1, 1, "none", False)),
-    # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with full recompute (95.5 GiB); 8 nodes
-    # need only selective (114.0); 2 nodes fit only with the weights offloaded to the host (47.1)
-    (GLM5, AS_GLM5, 32, H200, (8, 4, 1, "full", False)),
+    # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention recomputed (100.9
+    # GiB: its per-layer DSA mask is recomputed too); 8 nodes need only selective (113.9); 2 nodes fit only with the
+    # weights offloaded to the host (82.6)
+    (GLM5, AS_GLM5, 32, H200, (8, 4, 1, "attention", False)),
     (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "selective", False)),
-    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, "full", True)),
+    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, "attention", True)),
 ])
 def test_auto_layout_choices(path, over, world, gpu, want):
     layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)
@@ -88,13 +92,41 @@ def test_auto_layout_choices(path, over, world, gpu, want):
 def test_reasons_give_the_estimate_of_each_layout_considered():
     layout = layout_for(AIR, 2, TIGHT)
     text = layout.describe()
-    assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing full" in text
+    assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention" \
+        in text
     rejected = [r for r in layout.reasons if r.endswith("does not fit")]
-    # replicated, ep 2 and FSDP without recompute, replicated with full recompute
+    # replicated, ep 2 and FSDP without recompute, replicated with the attention recomputed
     assert len(rejected) == 4 and any(r.startswith("expert parallel (ep 2;") and "none" in r for r in rejected)
     assert "125.4 GiB (95%)" in text and "routed experts are 93% of the parameters" in text
     offload = layout_for(AIR, 8, H200, "--finetune.mode", "full")
     assert any("host memory" in r for r in offload.reasons)  # where the offloaded state goes, and how much
+
+
+def test_candidates_try_light_modes_everywhere_then_attention_then_full_then_offload():
+    from moetune.layout import _candidates
+
+    structures = [("replicated", 1, 1), ("ep", 2, 1), ("fsdp", 1, 2)]
+    order = [(ep, dp, ac, off) for ep, dp, ac, off in _candidates(structures, {}, compiled=False)]
+    assert order == [(1, 1, "none", False), (1, 1, "selective", False), (2, 1, "none", False),
+                     (2, 1, "selective", False), (1, 2, "none", False), (1, 2, "selective", False),
+                     (1, 1, "attention", False), (2, 1, "attention", False), (1, 2, "attention", False),
+                     (1, 1, "full", False), (2, 1, "full", False), (1, 2, "full", False),
+                     (1, 2, "none", True), (1, 2, "selective", True), (1, 2, "attention", True), (1, 2, "full", True)]
+    compiled = _candidates(structures, {}, compiled=True)
+    assert [c for c in order if c[2] != "selective"] == compiled  # compiled layers recompute the element-wise ops
+    assert _candidates(structures, {"activation_checkpointing": "attention"}, compiled=True) == [
+        (1, 1, "attention", False), (2, 1, "attention", False), (1, 2, "attention", False), (1, 2, "attention", True)]
+
+
+@pytest.mark.parametrize("path, over, world, ep, dp_shard", [
+    (AIR, [], 2, 2, 1), (AIR_EXPERTS, [], 2, 2, 1), (AIR_EXPERTS, [], 2, 1, 2), (GLM45, [], 8, 4, 2),
+    (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, 1, 1), (GLM5, AS_GLM5, 32, 8, 4)])
+def test_attention_recompute_takes_less_than_none_and_more_than_full(path, over, world, ep, dp_shard):
+    """The order of preference is one of memory too: each mode keeps less than the one before it."""
+    gib = {ac: layout_for(path, world, None, *over, "--parallel.layout", "manual", "--parallel.ep", str(ep),
+                          "--parallel.dp_shard", str(dp_shard), "--train.activation_checkpointing", ac).estimate_gib
+           for ac in ("none", "attention", "full")}
+    assert gib["none"] > gib["attention"] > gib["full"], gib
 
 
 def test_expert_parallelism_stays_within_a_node():
@@ -141,6 +173,12 @@ def test_explicit_settings_win_even_when_equal_to_the_default():
     assert shape(layout_for(AIR, 8, H200, "--parallel.dp_shard", "4")) == (1, 4, 2, "none", False)  # HSDP
     kept = layout_for(AIR, 8, H200, "--parallel.ep", "2").reasons
     assert "kept from the config: parallel.ep 2" in kept
+    # attention recompute as the user says, though none would fit; where it does not fit, the offload fallback
+    pinned = layout_for(AIR, 2, H200, "--train.activation_checkpointing", "attention")
+    assert shape(pinned) == (2, 1, 1, "attention", False)
+    assert "kept from the config: train.activation_checkpointing attention" in pinned.reasons
+    offloaded = layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "attention")
+    assert shape(offloaded) == (1, 2, 1, "attention", True), offloaded.describe()
 
 
 def test_settings_written_in_the_file_are_pinned_too(tmp_path):
@@ -181,8 +219,9 @@ def test_make_layout_validates_like_init_distributed():
     assert shape(make_layout(8, dp_shard=2)) == (1, 2, 4, "none", False)
     with pytest.raises(ConfigError, match="dp_shard"):
         make_layout(8, ep=2, dp_shard=2)  # EP does not replicate
-    with pytest.raises(ConfigError, match="activation_checkpointing"):
+    with pytest.raises(ConfigError, match="activation_checkpointing must be one of none, attention, selective, full"):
         make_layout(1, activation_checkpointing="some")
+    assert make_layout(2, ep=2, activation_checkpointing="attention").activation_checkpointing == "attention"
 
 
 def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
