@@ -26,15 +26,26 @@ Expert parallelism (ep > 1): a rank's experts process the rows it receives, as m
   is further above the mean), applied to the per-row activations (expert terms below) and to the MoE backward
   working set; plus the rows received, b·H per token and rank it reaches (`ranks_per_token`: a token travels once
   to each rank holding any of its experts, 2.0 for Air at ep 2, 5.3 at ep 8). The exchange
-  (model/expert_parallel.py) keeps the
-  routing weights (4k), frees the expert output (kept only under selective recompute of trainable experts) and
-  the received rows of frozen experts, and never recomputes frozen experts (their internals are saved as without
-  recompute). With full activation checkpointing attention is recomputed but the MoE half of each layer is not:
-  it saves its norm (4H + 4), the normed input (b·H), the router (8E + 32k) and the expert rows (frozen: as
-  without recompute; trainable: the rows received, b·H per token and rank reached).
+  (model/expert_parallel.py, `ep_expert_bytes_per_token`) keeps the routing weights (4k) and, per the experts:
+    frozen: never recomputed, the rows received released: gate_up's output 2b·k·Im, as without recompute;
+    trainable (LoRA on the experts, full fine-tuning), without recompute of the expert work (none, attention): the
+      rows received, and the expanded pair rows and the SwiGLU output saved as recipes (a gather of the rows, an
+      element-wise recompute: recompute.Rebuilt) instead of their memory, so the local "expert inputs" b·k·H +
+      b·k·Im become the rows received; gate_up's output 2b·k·Im and LoRA's r-wide intermediates stay;
+    trainable, full: the rows received (the checkpointed expert work keeps them, b·H·ranks_per_token);
+    trainable, selective: the GEMM outputs, as locally.
+  A MoE layer under EP recomputes its attention and its expert work apart (recompute.split_modes). With full
+  checkpointing the MoE half of the layer is not checkpointed: it saves the post-attention norm's input (eager:
+  4H + 4, + b·H in full mode; compiled: b·H + 4, the bf16 residual, which is the compiled graph's output at the
+  dispatcher's graph break and from which Inductor recomputes the fp32 chain), the normed input (b·H: the shared
+  expert's checkpoint keeps it), the router (8E + 32k) and the expert rows. Compiled, the dispatcher is a graph
+  break and the shared expert runs inside it, eagerly: 3b·Is, not 2b·Is; under attention checkpointing the residual
+  after attention is likewise kept as the graph's output (b·H). The compiled terms come from a census of what
+  Inductor's partition saves on the CPU (torch 2.13, one-rank EP mesh), done by hand, not by a test.
 
 Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
-against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py):
+against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py: eager, without recompute and
+under attention and full checkpointing, GQA, MLA and DSA, and the EP exchange on a one-rank mesh):
   attention  4H (fp32 RMSNorm input) + b·H (normed input, when q/k/v have LoRA or in full mode)
              + b·D·(2nH + 2nKV) (q, k, v after RoPE, attention output) + 4·nH (log-sum-exp)
   dense MLP  4H (norm) + 3b·I (gate, up, silu(gate)) [+ b·H + b·I in full mode or with LoRA on it]
@@ -49,7 +60,16 @@ against a census of saved tensors on CPU in tests/unit/test_observability_inspec
              2b·k·Im + 2b·Is + 8E + 32k MoE] (+ the same full-mode/LoRA expert inputs).
   selective activation checkpointing keeps the GEMM and attention outputs: b·H + b·D(2nH + 2nKV) + 4nH + b·H
              (o_proj) + [3b·I dense | k·(2b·Im + b·H) + 3b·Is + 4E MoE].
-  full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time.
+  attention  activation checkpointing recomputes the attention block (its norm, q/k/v/o, RoPE, attention) from the
+             layer input, which its checkpoint keeps (b·H, in layer 0 too), and keeps the MLP/MoE half as without
+             recompute (eager: its norm and everything after). Compiled, Inductor recomputes the residual after
+             attention from the layer input too (CPU census): b·H + [2b·I dense | 2b·k·Im + 2b·Is + 8E + 32k MoE]
+             (+ the full-mode/LoRA inputs). One attention block is recomputed at a time.
+  full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time (under EP a MoE
+             layer's attention and expert work one after the other: the larger of the two).
+  A checkpoint (selective, attention, full) keeps all its inputs, whether the layer reads them or not: a DSA model
+             past index_topk hands each "full" indexer layer's top-k to the next layer, kept there, 8·index_topk
+             per token (`receives_topk`).
 MLA attention (GLM-4.7-Flash, GLM-5; nH heads, qk = nope + rope, v per head, latents r_q = q_lora_rank (if any) and
   r_kv = kv_lora_rank), in place of GQA's b·D·(2nH + 2nKV) + 4nH:
              b·nH·(2qk + nope + v + v) (q, k, the kv_b_proj output v is a view of, the attention output) + 4nH
@@ -86,9 +106,12 @@ issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, es
 123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
 GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
 (replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 41.4. The EP measurements of the
-same table (full Air ep 2: 108.0 GiB; AIR-8 ep 2: 28.7) are of the exchange before a6764f9, which kept nothing
-(the formula without the kept rows gives 107.8 and 29.1): the current exchange's terms are not measured yet, nor is
-cpu_offload.
+same table (full Air ep 2: 108.0 GiB; AIR-8 ep 2: 28.7) are of the exchange before a6764f9, which kept nothing.
+The token exchange (c6b0d86f, BENCHMARKS.md), full Air, ep 2, compiled, LoRA q,k,v,o + shared + routed experts, full
+checkpointing, 1 × 4096: measured 122.4 GiB, estimated 125.9 (+2.8 %; 127.5 before the compiled MoE half's bf16 norm
+input and the two-piece recompute under EP were counted). Of the 3.5 GiB over, 1.1 is the layer working set added
+to the loss's (the margin above), 0.3 the skew margin, the rest not located. Not measured: the exchange without
+recompute of trainable experts (recipes since 1bfb026b), attention checkpointing, cpu_offload.
 """
 
 from __future__ import annotations
@@ -104,7 +127,7 @@ EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, 
 # A layout fits when its estimate is under this share of the GPU's memory: the rest is the CUDA context, NCCL's
 # buffers and allocator fragmentation, which torch.cuda.max_memory_allocated (what we estimate) does not see.
 # Measured: full-size Air, ep 2 on 2 × H200 without recompute: 132.1 GiB of 139.8 allocated at peak (94.5%), ran
-# (5,057 tokens/s per GPU; its estimate is 131.4).
+# (5,057 tokens/s per GPU, the exchange at 82752e3a; today's estimate of that run is 131.7).
 FIT_FRACTION = 0.95
 # torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB
 GPU_MEMORY_GIB = {"H100 80GB": 79.1, "H200": 139.8}
@@ -204,6 +227,18 @@ def attention_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, first
     return core, bool(full or lora & {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"})
 
 
+def lora_small_bytes_per_token(m, moe: bool, b: int, lora: set, rank: int) -> float:
+    """LoRA's rank-sized intermediates (x·Aᵀ) of an MLP or MoE half, one per adapted linear; the experts' rank is
+    padded to 16 bytes (two per (token, expert) pair: gate_up's and down's)."""
+    linears = 3 * ("shared_experts" in lora if moe else "dense_mlp" in lora)
+    return b * rank * linears + (2 * b * m.num_experts_per_tok * _padded_rank(rank, b) if moe and "experts" in lora
+                                 else 0)
+
+
+def _padded_rank(rank: int, b: int) -> int:
+    return -(-rank * b // 16) * 16 // b
+
+
 def layer_halves(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
                  seq: int = 0) -> tuple[float, float]:
     """(attention half, MLP/MoE half) of what one layer saves for backward per token without recompute (mode eager |
@@ -212,10 +247,7 @@ def layer_halves(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: 
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
-    # LoRA's rank-sized intermediates (x·Aᵀ), one per adapted linear; the experts' rank is padded to 16 bytes
-    linears = 3 * ("shared_experts" in lora if moe else "dense_mlp" in lora)
-    r_pad = -(-rank * b // 16) * 16 // b
-    lora_small = b * rank * linears + (2 * b * k * r_pad if moe and "experts" in lora else 0)
+    lora_small = lora_small_bytes_per_token(m, moe, b, lora, rank)
     attention, qkv_input = attention_bytes_per_token(m, mode, b, lora, full, first, seq, rank)
     expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
     mlp_inputs = (b * H + b * I) if (full or "dense_mlp" in lora) else 0
@@ -238,13 +270,14 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
                                rank: int = 16, seq: int = 0, ac: str = "none", topk_in: bool = False) -> float:
     """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective
     (selective activation checkpointing); ac attention | full: the checkpoint keeps the layer input (b·H, layer 0's
-    too) and the rest of its inputs, among them the DSA top-k a layer receives (topk_in: 8 bytes per selected key,
-    `receives_topk`); attention keeps the MLP/MoE half as without recompute. seq: the sequence length (DSA's
-    sparse attention saves a mask row per token)."""
-    if mode == "selective":
-        return selective_bytes_per_token(m, moe, b, lora, full, first, rank, seq)
+    too) and the rest of its inputs; attention keeps the MLP/MoE half as without recompute. topk_in: a checkpoint
+    (selective, attention, full) keeps the DSA top-k the layer receives, 8 bytes per selected key
+    (`receives_topk`). seq: the sequence length (DSA's sparse attention saves a mask row per token)."""
+    topk = 8 * min(m.index_topk, seq) if topk_in else 0
+    if mode == "selective":  # a checkpoint too: it keeps the top-k it receives
+        return selective_bytes_per_token(m, moe, b, lora, full, first, rank, seq) + topk
     H = m.hidden_size
-    inputs = b * H + (8 * min(m.index_topk, seq) if topk_in else 0)
+    inputs = b * H + topk
     if ac == "full":
         return inputs
     attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
@@ -268,9 +301,7 @@ def selective_bytes_per_token(m, moe: bool, b: int, lora: set, full: bool, first
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
-    linears = 3 * ("shared_experts" in lora if moe else "dense_mlp" in lora)
-    r_pad = -(-rank * b // 16) * 16 // b
-    lora_small = b * rank * linears + (2 * b * k * r_pad if moe and "experts" in lora else 0)
+    lora_small = lora_small_bytes_per_token(m, moe, b, lora, rank)
     attention, _ = attention_bytes_per_token(m, "selective", b, lora, full, first, seq, rank)
     expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
     ffn = (k * (2 * b * Im + b * H) + 3 * b * Is + 4 * E + expert_inputs) if moe else 3 * b * I
@@ -282,8 +313,8 @@ def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank
     expert parallelism, on the rank that holds the expert."""
     k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
     experts_lora = "experts" in lora
-    r_pad = -(-rank * b // 16) * 16 // b
-    rows = ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + (2 * b * k * r_pad if experts_lora else 0)
+    rows = ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + (
+        2 * b * k * _padded_rank(rank, b) if experts_lora else 0)
     if mode == "selective":
         return rows + k * (2 * b * Im + b * H)
     return rows + 2 * b * k * Im
@@ -298,8 +329,7 @@ def ep_expert_bytes_per_token(m, ac: str, b: int, lora: set, full: bool, ep: int
     expanded (token, expert) pair rows and the SwiGLU output as recipes (a gather, an element-wise op) instead of
     their memory, so of the local formula's rows only gate_up's output 2b·k·Im and LoRA's small intermediates stay;
     selective keeps the GEMM outputs as locally. Frozen experts are never recomputed and free the rows received:
-    gate_up's output. Plus the routing weights of the pairs, 4k. Not in the one-process census (the rows received
-    live in the exchange's own graph, the recipes in its saved-tensor hooks): derived from the code."""
+    gate_up's output. Plus the routing weights of the pairs, 4k."""
     k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
     trainable = full or "experts" in lora
     mode = "none" if not trainable or ac == "attention" else ac  # recompute.split_modes: attention keeps the MoE half
@@ -307,8 +337,7 @@ def ep_expert_bytes_per_token(m, ac: str, b: int, lora: set, full: bool, ep: int
     if mode == "full":
         return received + 4 * k
     if mode == "none" and trainable:
-        r_pad = -(-rank * b // 16) * 16 // b
-        return received + 2 * b * k * Im + (2 * b * k * r_pad if "experts" in lora else 0) + 4 * k
+        return received + 2 * b * k * Im + (2 * b * k * _padded_rank(rank, b) if "experts" in lora else 0) + 4 * k
     return expert_row_bytes_per_token(m, "selective" if mode == "selective" else "eager", b, lora, full, rank) + 4 * k
 
 
@@ -420,7 +449,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
 
     def layer_bytes(i):
-        moe, first, topk_in = m.is_moe_layer(i), i == 0, receives_topk(m, i, seq) and ac in ("attention", "full")
+        moe, first, topk_in = m.is_moe_layer(i), i == 0, receives_topk(m, i, seq) and ac != "none"
         if moe and split:
             return ep_layer_bytes_per_token(m, mode, ac, b, lora, full, ep, first, rank, seq, topk_in)
         return activation_bytes_per_token(m, moe, "selective" if ac == "selective" else mode, b, lora, full, first,
