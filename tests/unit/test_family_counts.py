@@ -78,7 +78,7 @@ def test_builtin_counts_match_the_model_cards(name, total_b, active_b):
                                        "layout (auto): one process, activation checkpointing none"]),
     ("glm5-lora", 32, "139.8", ["GLM-5 (glm_moe_dsa, MLA + DSA): 78 layers (3 dense + 75 MoE)", "743,911,199,232",
                                 "40,831,942,656", "106,149,888", "DSA indexer (forward)",
-                                "layout (auto): expert parallel (ep 8 × FSDP dp_shard 4), activation checkpointing full"]),
+                                "layout (auto): expert parallel (ep 8 × FSDP dp_shard 4), activation checkpointing attention"]),
 ])
 def test_recipes_inspect_with_the_builtin_shapes(recipe, world, gpu, want, capsys):
     assert main(["inspect", str(CONFIGS / f"{recipe}.yaml"), "--world-size", str(world), "--gpu-mem-gib", gpu]) == 0
