@@ -16,7 +16,7 @@ from moetune.estimate import (activation_bytes_per_token, count_params, ep_layer
 from moetune.inspect import build_meta_model, render_pack
 from moetune.layout import make_layout
 from moetune.model.config import ModelConfig, resolve_model_config
-from moetune.model.recompute import Rebuilt
+from moetune.model import recompute
 from moetune.parallel import apply_ac, apply_ep
 from moetune.tensors import local_tensor
 
@@ -190,19 +190,19 @@ def saved_bytes_by_layer(model, T):
             seen[key] = (t.untyped_storage().nbytes(), where[0])
         return t
 
-    rebuilt_pack = Rebuilt._pack
+    rebuilt_pack = recompute._pack  # what a Rebuilt binds when it is made
 
-    def through_rebuilt(self, t):
-        saved = rebuilt_pack(self, t)
+    def through_rebuilt(recipes, t):
+        saved = rebuilt_pack(recipes, t)
         return pack(t) if saved is t else saved
 
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
-    Rebuilt._pack = through_rebuilt
+    recompute._pack = through_rebuilt
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(ids, None, labels=ids)
     finally:
-        Rebuilt._pack = rebuilt_pack
+        recompute._pack = rebuilt_pack
     for h in hooks:
         h.remove()
     out = collections.Counter()
