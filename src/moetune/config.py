@@ -184,8 +184,8 @@ class TrainConfig(_Section):
     epochs: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     micro_batch_size: int = Field(4, ge=1)  # sequences per rank per micro-batch
     grad_accum: int = Field(1, ge=1)
-    # recompute in backward, lightest first: none | attention (the attention block) | selective (the element-wise
-    # ops) | full (the whole layer); parallel.layout auto chooses it unless set
+    # recompute in backward (recompute.AC_MODES): none | selective (the element-wise ops) | attention (the attention
+    # block) | full (the whole layer); parallel.layout auto chooses it unless set
     activation_checkpointing: Literal[AC_MODES] = "none"
     compile: bool = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping

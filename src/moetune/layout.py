@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from moetune.errors import ConfigError
 from moetune.estimate import FIT_FRACTION, build_meta_model, count_params, estimate_memory
 from moetune.model.recompute import AC_MODES
+
 PINNABLE = {"ep": ("parallel", "ep"), "dp_shard": ("parallel", "dp_shard"),
             "cpu_offload": ("parallel", "cpu_offload"),
             "activation_checkpointing": ("train", "activation_checkpointing")}
