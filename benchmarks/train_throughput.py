@@ -81,7 +81,8 @@ VARIANTS = {
     **{f"ours_ep2rank_{name}_1x4096_packed{suffix}": (
         "ours", 1, 4096, targets, {"layers": 46, "experts": 64, "compile": True, "dispatch": True, "docs": 4, "ac": ac})
        for name, targets in (("qkvo", QKVO), ("experts", QKVO + ["shared_experts", "experts"]))
-       for suffix, ac in (("", "none"), ("_ac", "full"), ("_acattn", "attention"))},
+       for suffix, ac in (("", "none"), ("_ac", "full"), ("_acattn", "attention"),
+                          ("_acsplit", {"full": 17, "attention": 29}))},  # the split auto picks on 2 × H200
 }
 # GLM-4.7-Flash (glm4_moe_lite, MLA) at FULL size (47 layers, 64 experts, bf16 base 56 GiB) on one GPU, seq 4096: LoRA
 # on every MLA projection, and on them + the routed experts; against transformers' Glm4MoeLiteForCausalLM + PEFT
@@ -270,6 +271,8 @@ def worker(name: str) -> dict:
         if "model" in extra:
             cfg = dict(TINY_FLASH)
         extra = {k: v for k, v in extra.items() if k not in ("compile", "offload")}
+        if isinstance(extra.get("ac"), dict):  # a per-layer split, scaled to the rehearsal's layers
+            extra["ac"] = {"full": 1, "attention": cfg["num_hidden_layers"] - 1}
         for f in ("synchronize", "reset_peak_memory_stats"):
             setattr(torch.cuda, f, lambda *a, **k: None)
         torch.cuda.max_memory_allocated = torch.cuda.max_memory_reserved = lambda *a, **k: 0

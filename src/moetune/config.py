@@ -18,9 +18,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
                       model_validator)
 
+from moetune.ac_modes import check_setting
 from moetune.errors import ConfigError  # noqa: F401  (re-exported)
 from moetune.model.config import read_json_object
-from moetune.model.recompute import AC_MODES
 from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
@@ -184,12 +184,19 @@ class TrainConfig(_Section):
     epochs: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     micro_batch_size: int = Field(4, ge=1)  # sequences per rank per micro-batch
     grad_accum: int = Field(1, ge=1)
-    # recompute in backward (recompute.AC_MODES): none | selective (the element-wise ops) | attention (the attention
-    # block) | full (the whole layer); parallel.layout auto chooses it unless set
-    activation_checkpointing: Literal[AC_MODES] = "none"
+    # recompute in backward (ac_modes): none | selective (the element-wise ops) | attention (the attention block) |
+    # full (the whole layer), or {mode: layers} for the layers in order, e.g. {full: 16, attention: 30};
+    # parallel.layout auto chooses it unless set
+    activation_checkpointing: Union[str, dict[str, Any]] = "none"
     compile: bool = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
+
+    @field_validator("activation_checkpointing")
+    @classmethod
+    def _known_modes(cls, v):
+        check_setting(v)  # one message for both forms; the layers' sum is checked against the model (layout.py)
+        return v
 
 
 class OptimConfig(_Section):

@@ -119,6 +119,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moetune.ac_modes import describe, layer_modes
 from moetune.model.config import GLM_MOE_DSA
 from moetune.names import ATTENTION_TARGETS, INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS, MLA_PROJECTIONS, NO_GRADIENT_RE
 
@@ -442,13 +443,14 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
 
     # ---- activations of one micro-batch
-    ac = layout.activation_checkpointing
     mode = "compiled" if cfg.train.compile else "eager"
     seq, L, rank = cfg.data.seq_len, m.num_hidden_layers, cfg.lora.rank
+    modes = layer_modes(layout.activation_checkpointing, L)  # each layer's activation checkpointing
     split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
 
     def layer_bytes(i):
+        ac = modes[i]
         moe, first, topk_in = m.is_moe_layer(i), i == 0, receives_topk(m, i, seq) and ac != "none"
         if moe and split:
             return ep_layer_bytes_per_token(m, mode, ac, b, lora, full, ep, first, rank, seq, topk_in)
@@ -456,7 +458,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
                                           rank, seq, ac, topk_in)
 
     def recomputed(i):  # what one layer's recompute holds at once in backward
-        moe, first = m.is_moe_layer(i), i == 0
+        ac, moe, first = modes[i], m.is_moe_layer(i), i == 0
         attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
         if ac == "attention":
             return attn
@@ -469,7 +471,11 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
 
     per_layer = [layer_bytes(i) for i in range(L)]
     saved = T * (sum(per_layer) + max(recomputed(i) for i in range(L)))
-    if ac == "full":
+    ac = layout.activation_checkpointing
+    if not isinstance(ac, str):
+        how = f"per layer ({describe(ac)}): {sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer on average, " \
+              "+ one layer's recompute"
+    elif ac == "full":
         how = f"full checkpointing: layer inputs {b}·H·T·L + one layer recomputed"
     elif ac == "attention":
         how = f"attention checkpointing: layer inputs + the MLP/MoE halves ({mode}), " \

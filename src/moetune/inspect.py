@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 
+from moetune.ac_modes import describe
 from moetune.config import ConfigError, config_to_yaml, load_config
 from moetune.estimate import build_meta_model
 from moetune.layout import gpu_memory_gib
@@ -175,7 +176,7 @@ def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
     print(f"world size {world_size} (--world-size), ep {layout.ep}, dp_shard {layout.dp_shard}, replicas "
           f"{layout.dp_replicate}; micro-batch {cfg.train.micro_batch_size} × seq_len {cfg.data.seq_len}, grad_accum "
           f"{cfg.train.grad_accum}: global batch {gb} sequences = {gb * cfg.data.seq_len:,} tokens per step")
-    print(f"{cfg.model.dtype}, activation checkpointing: {layout.activation_checkpointing}, compile: "
+    print(f"{cfg.model.dtype}, activation checkpointing: {describe(layout.activation_checkpointing)}, compile: "
           f"{cfg.train.compile}, cpu_offload: {layout.cpu_offload}, reshard_after_forward: "
           f"{cfg.parallel.reshard_after_forward}")
     print(format_estimate(estimate_memory(cfg, m, counts, layout)))

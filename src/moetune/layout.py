@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from moetune.errors import ConfigError
 from moetune.estimate import FIT_FRACTION, build_meta_model, count_params, estimate_memory
-from moetune.model.recompute import AC_MODES
+from moetune.ac_modes import AC_MODES, describe, layer_modes, normalize
 
 PINNABLE = {"ep": ("parallel", "ep"), "dp_shard": ("parallel", "dp_shard"),
             "cpu_offload": ("parallel", "cpu_offload"),
@@ -51,7 +51,7 @@ class Layout:
     ep: int = 1
     dp_shard: int = 1
     dp_replicate: int = 1
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str | tuple[tuple[str, int], ...] = "none"  # a mode, or (mode, layers) pairs (ac_modes)
     cpu_offload: bool = False
     auto: bool = False  # chosen by `parallel.layout: auto` (some fields may still be the user's)
     gpu_memory_gib: float | None = None  # the memory it was chosen for (None: no limit)
@@ -62,9 +62,10 @@ class Layout:
         if self.dp_replicate * self.dp_shard * self.ep != self.world_size:
             raise ConfigError(f"layout: dp_replicate {self.dp_replicate} × parallel.dp_shard {self.dp_shard} × "
                               f"parallel.ep {self.ep} must equal the world size {self.world_size}")
-        if self.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"train.activation_checkpointing must be one of {', '.join(AC_MODES)}, got "
-                              f"{self.activation_checkpointing!r}")
+        ac = self.activation_checkpointing
+        if (ac not in AC_MODES) if isinstance(ac, str) else any(m not in AC_MODES or n < 0 for m, n in ac):
+            raise ConfigError(f"train.activation_checkpointing must be one of {', '.join(AC_MODES)} or "
+                              f"{{mode: layers}}, got {describe(ac)!r}")
 
     @property
     def kind(self) -> str:
@@ -84,13 +85,13 @@ class Layout:
         est = f"; estimated peak {self.estimate_gib:.2f} GiB per GPU" if self.estimate_gib is not None else ""
         mem = f" of {self.gpu_memory_gib:.1f}" if self.gpu_memory_gib is not None and est else ""
         return (f"layout ({'auto' if self.auto else 'manual'}): {self.kind}, activation checkpointing "
-                f"{self.activation_checkpointing}, cpu_offload {str(self.cpu_offload).lower()}{est}{mem}")
+                f"{describe(self.activation_checkpointing)}, cpu_offload {str(self.cpu_offload).lower()}{est}{mem}")
 
     def describe(self) -> str:
         return "\n".join([self.summary()] + [f"  {r}" for r in self.reasons])
 
 
-def make_layout(world_size: int, ep: int = 1, dp_shard: int = -1, activation_checkpointing: str = "none",
+def make_layout(world_size: int, ep: int = 1, dp_shard: int = -1, activation_checkpointing="none",
                 cpu_offload: bool = False, n_experts: int | None = None, **kw) -> Layout:
     """A layout from explicit values (dp_shard -1: world / ep), checked as init_distributed needs them."""
     if world_size < 1 or ep < 1 or (dp_shard < 1 and dp_shard != -1):
@@ -108,7 +109,7 @@ def make_layout(world_size: int, ep: int = 1, dp_shard: int = -1, activation_che
     if rest or replicate == 0 or (replicate > 1 and ep > 1):
         raise ConfigError(f"parallel.dp_shard ({dp_shard}) × parallel.ep ({ep}) must equal the world size "
                           f"({world_size}), or, without expert parallelism, divide it (the rest replicates)")
-    return Layout(world_size, ep, dp_shard, replicate, activation_checkpointing, cpu_offload, **kw)
+    return Layout(world_size, ep, dp_shard, replicate, normalize(activation_checkpointing), cpu_offload, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -141,7 +142,8 @@ def pinned_fields(cfg) -> dict[str, object]:
     for name, (section, key) in PINNABLE.items():
         sec = getattr(cfg, section)
         if cfg.parallel.layout == "manual" or key in sec.model_fields_set:
-            out[name] = getattr(sec, key)
+            value = getattr(sec, key)
+            out[name] = normalize(value) if name == "activation_checkpointing" else value
     return out
 
 
@@ -176,12 +178,13 @@ def _candidates(structures, pinned: dict, compiled: bool):
     def ok(ac, off):
         return pinned.get("activation_checkpointing", ac) == ac and pinned.get("cpu_offload", off) == off
 
-    light = ("none",) if compiled and pinned.get("activation_checkpointing") != "selective" else ("none", "selective")
+    pin = pinned.get("activation_checkpointing")
+    light = ("none",) if compiled and pin != "selective" else ("none", "selective")
+    heavy = ("attention", "full") if pin is None or isinstance(pin, str) else (pin,)  # a per-layer split as written
     out = [(s, ac, False) for s in structures for ac in light]  # by structure first, none before selective
-    out += [(s, ac, False) for ac in ("attention", "full") for s in structures]
+    out += [(s, ac, False) for ac in heavy for s in structures]
     offload = [s for s in structures if s[0] == "fsdp"] if "cpu_offload" not in pinned else structures
-    out += [(s, ac, True) for s in offload for ac in light + ("attention", "full")
-            if s[0] != "one" or pinned.get("cpu_offload")]
+    out += [(s, ac, True) for s in offload for ac in light + heavy if s[0] != "one" or pinned.get("cpu_offload")]
     return [(s[1], s[2], ac, off) for s, ac, off in out if ok(ac, off)]
 
 
@@ -195,8 +198,10 @@ def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *,
         model_config = model_config_for(cfg)
     if counts is None:
         counts = count_params(build_meta_model(cfg, model_config))
-    n_experts = model_config.n_routed_experts or 0
+    n_experts, n_layers = model_config.n_routed_experts or 0, model_config.num_hidden_layers
     pinned = pinned_fields(cfg)
+    if "activation_checkpointing" in pinned:
+        layer_modes(pinned["activation_checkpointing"], n_layers)  # a split must add up to the model's layers
     limit = FIT_FRACTION * gpu_memory_gib if gpu_memory_gib is not None else None
     common = dict(n_experts=n_experts, gpu_memory_gib=gpu_memory_gib)
 
@@ -224,13 +229,36 @@ def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *,
     structures = _structures(world_size, n_experts, experts_share > 0.5,
                              gpus_per_node or launch_gpus_per_node() or min(world_size, 8), pinned)
     candidates = _candidates(structures, pinned, cfg.train.compile)
-    kept = ", ".join(f"{'.'.join(PINNABLE[k])} {_show(v)}" for k, v in pinned.items())
+    kept = ", ".join(f"{'.'.join(PINNABLE[k])} {describe(v) if k == 'activation_checkpointing' else _show(v)}"
+                     for k, v in pinned.items())
     if not candidates:
         raise ConfigError(f"no layout for {world_size} process(es) is compatible with what the config sets: {kept}")
     tried = []
+
+    def split(ep, dp_shard, offload):
+        """The layout of this structure that recomputes the attention of as many layers as fit and the rest whole
+        (ac_modes), when recomputing only the attention everywhere was tried and does not fit; None if none fits.
+        The estimate grows with the attention layers, so the largest that fits is found by bisection."""
+        attention_tried = any(t.activation_checkpointing == "attention" and (t.ep, t.dp_shard, t.cpu_offload) ==
+                              (ep, dp_shard, offload) for t, _ in tried)
+        if not attention_tried or "activation_checkpointing" in pinned or limit is None:
+            return None
+        best, lo, hi = None, 1, n_layers - 1  # attention layers
+        while lo <= hi:
+            n = (lo + hi) // 2
+            layout = make_layout(world_size, ep, dp_shard, {"full": n_layers - n, "attention": n}, offload, auto=True,
+                                 **common)
+            gib = estimate(layout)
+            if fits(gib):
+                best, lo = (layout, gib), n + 1
+            else:
+                hi = n - 1
+        return best
+
     for ep, dp_shard, ac, offload in candidates:
-        layout = make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common)
-        gib = estimate(layout)
+        found = split(ep, dp_shard, offload) if ac == "full" else None
+        layout, gib = found or (make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common), None)
+        gib = estimate(layout) if gib is None else gib
         tried.append((layout, gib))
         if fits(gib):
             break
@@ -238,7 +266,8 @@ def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *,
         best, gib = min(tried, key=lambda t: t[1])
         raise ConfigError(
             f"parallel.layout auto: nothing fits {world_size} GPU(s) of {gpu_memory_gib:.1f} GiB: the smallest "
-            f"estimate is {gib:.1f} GiB per GPU ({best.kind}, activation checkpointing {best.activation_checkpointing}"
+            f"estimate is {gib:.1f} GiB per GPU ({best.kind}, activation checkpointing "
+            f"{describe(best.activation_checkpointing)}"
             f", cpu_offload {str(best.cpu_offload).lower()}) over the limit {limit:.1f} GiB ({FIT_FRACTION:.0%})"
             + (f"; kept from the config: {kept}" if kept else "")
             + "; use more GPUs, a smaller data.seq_len or train.micro_batch_size, or LoRA")
@@ -250,7 +279,7 @@ def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *,
                        + ("" if experts_share > 0.5 else ": expert parallelism not considered"))
     for t, g in tried:
         verdict = "chosen" if t is layout else "does not fit"
-        reasons.append(f"{t.kind}, activation checkpointing {t.activation_checkpointing}, cpu_offload "
+        reasons.append(f"{t.kind}, activation checkpointing {describe(t.activation_checkpointing)}, cpu_offload "
                        f"{str(t.cpu_offload).lower()}: {g:.2f} GiB — {verdict}")
     reasons += estimate_memory(cfg, model_config, counts, layout).notes
     return _with(layout, estimate_gib=gib, reasons=reasons)

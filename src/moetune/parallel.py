@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetune.model.recompute import layer_modes
+from moetune.ac_modes import layer_modes
 
 
 @dataclass
@@ -201,8 +201,8 @@ def clip_grad_norm(params, max_norm: float) -> float:
 
 
 def apply_ac(model, spec) -> None:
-    """Activation checkpointing per decoder layer (recompute.AC_MODES; `spec` one mode for all layers or
-    {mode: layers}, recompute.layer_modes): "full" recomputes the whole layer in backward; "attention" only its
+    """Activation checkpointing per decoder layer (ac_modes: `spec` one mode for all layers or
+    {mode: layers}): "full" recomputes the whole layer in backward; "attention" only its
     attention block; "selective" keeps the GEMM and attention outputs and recomputes only the cheap elementwise
     ops."""
     layers = model.model.layers

@@ -97,7 +97,7 @@ def test_expert_lora_any_rank_matches_per_expert_products():
 def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
     import moetune
     from moetune.model.lora import apply_lora
-    from moetune.model.recompute import AC_MODES
+    from moetune.ac_modes import AC_MODES
     from moetune.parallel import apply_ac
 
     from helpers import hf_model, save_hf
@@ -107,7 +107,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
     labels = torch.roll(ids, -1, 1)
     grads = {}
     layers = len(moetune.load_model(path).model.layers)
-    mixed = {"full": 1, "attention": layers - 2, "none": 1}  # modes per layer in a run of layers (recompute.layer_modes)
+    mixed = {"full": 1, "attention": layers - 2, "none": 1}  # modes per layer, in the order written (ac_modes)
     for mode in AC_MODES + ("mixed",):
         model = moetune.load_model(path)
         torch.manual_seed(0)
@@ -134,7 +134,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
 ])
 def test_activation_checkpointing_per_layer_errors_name_the_key(spec, message):
     from moetune.errors import ConfigError
-    from moetune.model.recompute import layer_modes
+    from moetune.ac_modes import layer_modes
 
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing .*" + message):
         layer_modes(spec, 3)

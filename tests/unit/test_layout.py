@@ -55,8 +55,8 @@ def shape(layout: Layout):
     (AIR_EXPERTS, [], 8, H200, (8, 1, 1, "none", False)),  # 87.5 GiB
     # ep 2 + full: 125.9 (measured 122.4; the exchange keeps the ~2 rows a token sends, not its 8 pairs; the bad-step
     # copy of the 1.19 B LoRA parameters lives in host memory); ep 2 + attention 136.3 and FSDP + attention 149.1 do
-    # not fit, and FSDP + full (measured 121.4) comes after EP
-    (AIR_EXPERTS, [], 2, H200, (2, 1, 1, "full", False)),
+    # not fit: ep 2 recomputes the attention of as many layers as fit (29, 132.7) and the other 17 whole
+    (AIR_EXPERTS, [], 2, H200, (2, 1, 1, (("full", 17), ("attention", 29)), False)),
     # with LoRA on the experts on 8 x 80 GB ep 8 does not fit without recompute (78.0 GiB > 75.1: the exchange keeps
     # the rows received, not the expanded pairs), ep 4 × FSDP 2 does (65.5)
     (AIR_EXPERTS, [], 8, H100, (4, 2, 1, "none", False)),
@@ -71,7 +71,7 @@ def shape(layout: Layout):
     # fine-tuning goes expert parallel (71.5)
     (FLASH, AS_FLASH, 1, H200, (1, 1, 1, "none", False)),
     (FLASH, AS_FLASH, 1, H100, (1, 1, 1, "none", False)),
-    (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, H100, (1, 1, 1, "full", False)),
+    (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, H100, (1, 1, 1, (("full", 9), ("attention", 38)), False)),
     (FLASH, AS_FLASH, 8, H200, (1, 1, 8, "none", False)),
     (FLASH, AS_FLASH + ["--finetune.mode", "full"], 8, H200, (8, 1, 1, "none", False)),
     # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention recomputed (100.9
@@ -127,6 +127,34 @@ def test_attention_recompute_takes_less_than_none_and_more_than_full(path, over,
                           "--parallel.dp_shard", str(dp_shard), "--train.activation_checkpointing", ac).estimate_gib
            for ac in ("none", "attention", "full")}
     assert gib["none"] > gib["attention"] > gib["full"], gib
+
+
+def test_a_split_is_the_most_attention_layers_that_fit_and_its_estimate_adds_up_the_layers():
+    """Auto's per-layer split (ac_modes): between attention everywhere (does not fit) and full everywhere, the most
+    layers with only their attention recomputed whose estimate fits; one more does not. A split's estimate is the
+    sum of its layers': a split of 0 full layers is attention everywhere."""
+    chosen = layout_for(AIR_EXPERTS, 2, H200)
+    (_, n_full), (_, n_attn) = chosen.activation_checkpointing
+    limit = FIT_FRACTION * H200
+
+    def gib(ac):
+        return layout_for(AIR_EXPERTS, 2, None, "--parallel.layout", "manual", "--parallel.ep", "2",
+                          "--parallel.dp_shard", "1", "--train.activation_checkpointing", ac).estimate_gib
+
+    assert gib("full") < chosen.estimate_gib <= limit < gib(f"{{full: {n_full - 1}, attention: {n_attn + 1}}}")
+    assert gib("{full: 0, attention: 46}") == pytest.approx(gib("attention"))
+    assert gib("{full: 46, attention: 0}") == pytest.approx(gib("full"))
+    assert "activation checkpointing full on 17 layers, attention on 29 layers" in chosen.summary()
+
+
+def test_a_split_written_in_the_config_is_kept_and_must_add_up_to_the_layers():
+    kept = layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 40, attention: 6}")
+    assert shape(kept) == (2, 1, 1, (("full", 40), ("attention", 6)), False)
+    assert "kept from the config: train.activation_checkpointing full on 40 layers, attention on 6 layers" in \
+        kept.describe()
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing full on 40 layers, attention on 5 layers: "
+                                          r"the numbers of layers must be ≥ 0 and add up to the model's 46 layers"):
+        layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 40, attention: 5}")
 
 
 def test_expert_parallelism_stays_within_a_node():

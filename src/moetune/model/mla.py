@@ -92,7 +92,7 @@ class MLADecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.activation_checkpointing = "none"  # one of recompute.AC_MODES, set by parallel.apply_ac
+        self.activation_checkpointing = "none"  # one of ac_modes.AC_MODES, set by parallel.apply_ac
 
     def _forward(self, x, cos, sin, attn, topk):
         h, topk = self._attention(x, cos, sin, attn, topk)

@@ -14,9 +14,6 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from moetune.errors import ConfigError
-
-AC_MODES = ("none", "attention", "selective", "full")  # train.activation_checkpointing, lightest first
 
 
 @functools.cache
@@ -45,25 +42,8 @@ def recompute(fn, mode: str, *args):
     return checkpoint(fn, *args, use_reentrant=False, **kw)
 
 
-def layer_modes(spec, n_layers: int) -> list[str]:
-    """Each decoder layer's mode from `train.activation_checkpointing`: one of AC_MODES for every layer, or
-    {mode: number of layers} given to the layers in the order written, the first layers first (Megatron's "block"
-    method: {full: 6, attention: 40} recomputes layers 0-5 in full and the attention of the other 40). The
-    memory peak (the start of backward) holds what every layer saved, so which layers take which mode changes
-    memory and time alike; only the numbers matter."""
-    if isinstance(spec, str):
-        spec = {spec: n_layers}
-    modes = [mode for mode, n in dict(spec).items() for _ in range(n)]
-    unknown = sorted(set(modes) - set(AC_MODES))
-    if unknown or len(modes) != n_layers or any(n < 0 for n in dict(spec).values()):
-        raise ConfigError(f"train.activation_checkpointing {dict(spec)}: "
-                          + (f"unknown mode(s) {unknown}, choose from {list(AC_MODES)}" if unknown else
-                             f"the numbers of layers must be ≥ 0 and add up to the model's {n_layers} layers"))
-    return modes
-
-
 def split_modes(mode: str, expert_parallel: bool) -> tuple[str, str] | None:
-    """How a decoder layer applies its mode (AC_MODES): None to recompute the layer as one piece, else the modes of
+    """How a decoder layer applies its mode (ac_modes.AC_MODES): None to recompute the layer as one piece, else the modes of
     its attention block and of its MLP/MoE half. Under expert parallelism a whole-layer recompute would repeat the
     all-to-all, so attention and the local expert work recompute apart and the exchange's rows are kept."""
     if mode == "attention":
