@@ -40,6 +40,7 @@ VARIANTS = {
     "hf_qkvo_1x4096": ("hf", 1, 4096, QKVO, {}),
     "ours_qkvo_1x4096": ("ours", 1, 4096, QKVO, {}),
     "ours_qkvo_2x8192_packed": ("ours", 2, 8192, QKVO, {"docs": 4}),
+    "ours_qkvo_1x4096_packed": ("ours", 1, 4096, QKVO, {"docs": 4}),  # the shape of `moetune train` on AIR-8
     "hf_experts_4x1024": ("hf", 4, 1024, QKVO + ["experts"], {}),
     "ours_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {}),
     "ours_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2, "compile": True}),
