@@ -44,6 +44,11 @@ VARIANTS = {
     "hf_experts_4x1024": ("hf", 4, 1024, QKVO + ["experts"], {}),
     "ours_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {}),
     "ours_full_4x1024_2layers": ("ours", 4, 1024, None, {"layers": 2, "compile": True}),
+    # local path, LoRA attention + experts: the trainer's step around the update; activation checkpointing
+    "ours_experts_4x1024_guard": ("ours", 4, 1024, QKVO + ["experts"], {"guard": True}),
+    "ours_experts_4x1024_ac": ("ours", 4, 1024, QKVO + ["experts"], {"ac": "full"}),
+    "ours_experts_4x1024_acattn": ("ours", 4, 1024, QKVO + ["experts"], {"ac": "attention"}),
+    "ours_experts_4x1024_acsplit": ("ours", 4, 1024, QKVO + ["experts"], {"ac": {"full": 4, "attention": 4}}),
     # 2 GPUs (torchrun), per-GPU batch 4x1024: FSDP2 over both, and expert parallelism EP=2
     "ours_fsdp2_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2}),
     "ours_fsdp2_keep_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "nproc": 2, "reshard": False}),
@@ -191,15 +196,22 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
-def ours_step_fn(model, full: bool, offload: bool = False):
+def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
+    """guard: around the update, what `moetune train`'s step adds (train/loop.py train_step): gradient clipping, the
+    bad-step guard's checks and its copy of the LoRA state to host memory."""
     from types import SimpleNamespace
 
+    from moetune.parallel import clip_grad_norm
+    from moetune.train.bad_steps import StepGuard
     from moetune.train.optim import build_optimizer
 
     params = [p for p in model.parameters() if p.requires_grad]
     # the trainer's AdamW (its param groups keep EP's DTensor experts apart from plain tensors); offload: on the host
     opt = build_optimizer(params, SimpleNamespace(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                                   fused=not (offload or CPU_DRY_RUN)), torch.device("cuda"))
+    device = params[0].device
+    guarded = StepGuard(params, opt, SimpleNamespace(device=device, all_reduce_sum=lambda t: t), rollback=not full)
+    n = [0]
 
     def step(ids, labels, pos):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()
@@ -208,7 +220,14 @@ def ours_step_fn(model, full: bool, offload: bool = False):
             from moetune.parallel import sync_replicated_grads
 
             sync_replicated_grads(params, model.dist)
+        if guard:
+            n[0] += 1
+            clip_grad_norm(params, 1.0)
+            float(loss)
+            guarded.before_update(n[0])
         opt.step()
+        if guard:
+            guarded.record(n[0], guarded.weights_finite(), True)
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -293,7 +312,7 @@ def worker(name: str) -> dict:
         step = hf_step_fn(model)
     else:
         model = build_ours(cfg, targets, extra, dev)
-        step = ours_step_fn(model, targets is None, extra.get("offload", False))
+        step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
     batch = make_batch(B, S, cfg["vocab_size"], docs, dev, seed=int(os.environ.get("RANK", 0)))  # own data per rank
     if stack == "hf":
         batch = (batch[0], torch.roll(batch[1], 1, 1), batch[2] if docs > 1 else None)  # HF shifts itself
