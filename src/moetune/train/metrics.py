@@ -329,8 +329,12 @@ class Throughput:
         self.t = time.perf_counter()
 
     def lap(self, device: torch.device) -> float:
+        """Seconds since the last lap, once the compute stream has run what was queued. Only that stream: a device-wide
+        synchronize would also wait for the bad-step guard's copy of the LoRA state to host memory, which runs on its
+        own stream under the next step's compute (with LoRA on the experts of AIR-8 it added 42 ms to a 119 ms step,
+        BENCHMARKS.md)."""
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
