@@ -67,6 +67,8 @@ under attention and full checkpointing, GQA, MLA and DSA, and the EP exchange on
              (+ the full-mode/LoRA inputs). One attention block is recomputed at a time.
   full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time (under EP a MoE
              layer's attention and expert work one after the other: the larger of the two).
+  A per-layer split ({mode: layers}, ac_modes) counts each layer in its own mode; one layer's recompute, the
+             largest of any layer's, is added once.
   A checkpoint (selective, attention, full) keeps all its inputs, whether the layer reads them or not: a DSA model
              past index_topk hands each "full" indexer layer's top-k to the next layer, kept there, 8·index_topk
              per token (`receives_topk`).

@@ -16,8 +16,9 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   each first without activation checkpointing, then with `selective` (not under torch.compile). Then every
   structure again with `attention` (the attention block's forward repeated in backward, the MLP/MoE activations
   kept: the middle ground), then with `full` (the whole layer; under EP the attention and the local expert work
-  apart, model/recompute.split_modes): recompute on a preferred structure is not assumed to beat a less preferred
-  structure without it. CPU offload (FSDP) only when nothing else fits, its modes in the same order. A layout fits
+  apart, model/recompute.split_modes) — or rather, where `attention` did not fit on that structure, the per-layer
+  split {full: n, attention: L - n} (ac_modes) with the most attention layers that fits: recompute on a preferred
+  structure is not assumed to beat a less preferred structure without it. CPU offload (FSDP) only when nothing else fits, its modes in the same order. A layout fits
   when its estimate is under FIT_FRACTION (95 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or
   inspect's --gpu-mem-gib) when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
 
@@ -34,9 +35,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from moetune.ac_modes import AC_MODES, describe, layer_modes, normalize
 from moetune.errors import ConfigError
 from moetune.estimate import FIT_FRACTION, build_meta_model, count_params, estimate_memory
-from moetune.ac_modes import AC_MODES, describe, layer_modes, normalize
 
 PINNABLE = {"ep": ("parallel", "ep"), "dp_shard": ("parallel", "dp_shard"),
             "cpu_offload": ("parallel", "cpu_offload"),
