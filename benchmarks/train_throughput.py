@@ -210,7 +210,8 @@ def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
     opt = build_optimizer(params, SimpleNamespace(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                                   fused=not (offload or CPU_DRY_RUN)), torch.device("cuda"))
     device = params[0].device
-    guarded = StepGuard(params, opt, SimpleNamespace(device=device, all_reduce_sum=lambda t: t), rollback=not full)
+    guarded = StepGuard(params, opt, SimpleNamespace(device=device, all_reduce_sum=lambda t: t),
+                        rollback=not full) if guard else None
     n = [0]
 
     def step(ids, labels, pos):

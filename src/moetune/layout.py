@@ -18,9 +18,10 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   kept: the middle ground), then with `full` (the whole layer; under EP the attention and the local expert work
   apart, model/recompute.split_modes) — or rather, where `attention` did not fit on that structure, the per-layer
   split {full: n, attention: L - n} (ac_modes) with the most attention layers that fits: recompute on a preferred
-  structure is not assumed to beat a less preferred structure without it. CPU offload (FSDP) only when nothing else fits, its modes in the same order. A layout fits
-  when its estimate is under FIT_FRACTION (95 %) of the GPU memory: torch.cuda's, or `parallel.gpu_memory_gib` (or
-  inspect's --gpu-mem-gib) when set. Without a GPU (CPU runs) there is no limit and the first preference wins.
+  structure is not assumed to beat a less preferred structure without it. CPU offload (FSDP) only when nothing
+  else fits, its modes in the same order. A layout fits when its estimate is under FIT_FRACTION (95 %) of the GPU
+  memory: torch.cuda's, or `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib) when set. Without a GPU (CPU
+  runs) there is no limit and the first preference wins.
 
 Whatever the user set — `parallel.ep`, `dp_shard`, `cpu_offload`, `train.activation_checkpointing` written in the
 file or on the command line, whatever its value — is kept, and the rest is chosen around it (a dp_shard set without
@@ -35,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from moetune.ac_modes import AC_MODES, describe, layer_modes, normalize
+from moetune.ac_modes import AC_MODES, check_setting, describe, layer_modes, normalize
 from moetune.errors import ConfigError
 from moetune.estimate import FIT_FRACTION, build_meta_model, count_params, estimate_memory
 
@@ -64,9 +65,11 @@ class Layout:
             raise ConfigError(f"layout: dp_replicate {self.dp_replicate} × parallel.dp_shard {self.dp_shard} × "
                               f"parallel.ep {self.ep} must equal the world size {self.world_size}")
         ac = self.activation_checkpointing
-        if (ac not in AC_MODES) if isinstance(ac, str) else any(m not in AC_MODES or n < 0 for m, n in ac):
+        try:
+            check_setting(ac if isinstance(ac, str) else dict(ac))
+        except ValueError:
             raise ConfigError(f"train.activation_checkpointing must be one of {', '.join(AC_MODES)} or "
-                              f"{{mode: layers}}, got {describe(ac)!r}")
+                              f"{{mode: layers}}, got {describe(ac)!r}") from None
 
     @property
     def kind(self) -> str:
@@ -238,11 +241,10 @@ def resolve_layout(cfg, world_size: int, gpu_memory_gib: float | None = None, *,
 
     def split(ep, dp_shard, offload):
         """The layout of this structure that recomputes the attention of as many layers as fit and the rest whole
-        (ac_modes), when recomputing only the attention everywhere was tried and does not fit; None if none fits.
-        The estimate grows with the attention layers, so the largest that fits is found by bisection."""
-        attention_tried = any(t.activation_checkpointing == "attention" and (t.ep, t.dp_shard, t.cpu_offload) ==
-                              (ep, dp_shard, offload) for t, _ in tried)
-        if not attention_tried or "activation_checkpointing" in pinned or limit is None:
+        (ac_modes); None if none fits. Asked for at a structure's `full`, which unless the mode is pinned comes
+        after its `attention` (_candidates), so attention everywhere was tried there and did not fit. The estimate
+        grows with the attention layers, so the largest that fits is found by bisection."""
+        if "activation_checkpointing" in pinned or limit is None:
             return None
         best, lo, hi = None, 1, n_layers - 1  # attention layers
         while lo <= hi:

@@ -39,13 +39,17 @@ class Bags:
     slots: torch.Tensor  # [m, J]
 
 
+def _expand(src: torch.Tensor, bags: Bags) -> torch.Tensor:
+    return src.index_select(0, bags.bag)
+
+
 class _Expand(torch.autograd.Function):
     """bag rows [m, H] -> item rows [n, H] (each item a copy of its bag's row); the backward sums per bag."""
 
     @staticmethod
     def forward(ctx, src, bags):
         ctx.bags = bags
-        return src.index_select(0, bags.bag)
+        return _expand(src, bags)
 
     @staticmethod
     def backward(ctx, grad):
@@ -191,7 +195,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt):
                     pair_rows = _Expand.apply(r_rows, rec.pairs)
                     if rebuilt is not None:
-                        rebuilt.add(pair_rows, functools.partial(torch.index_select, r_rows.detach(), 0, rec.pairs.bag))
+                        rebuilt.add(pair_rows, functools.partial(_expand, r_rows.detach(), rec.pairs))
                     pair_weights = w_rows.reshape(-1)[rec.order]
                     y = compute(pair_rows, rec.offs, pair_weights, *local_weights, rebuilt=rebuilt)
                     return _Combine.apply(y, rec.pairs)

@@ -15,7 +15,6 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
-
 @functools.cache
 def _saved_ops() -> frozenset:
     aten = torch.ops.aten
@@ -43,9 +42,10 @@ def recompute(fn, mode: str, *args):
 
 
 def split_modes(mode: str, expert_parallel: bool) -> tuple[str, str] | None:
-    """How a decoder layer applies its mode (ac_modes.AC_MODES): None to recompute the layer as one piece, else the modes of
-    its attention block and of its MLP/MoE half. Under expert parallelism a whole-layer recompute would repeat the
-    all-to-all, so attention and the local expert work recompute apart and the exchange's rows are kept."""
+    """How a decoder layer applies its mode (ac_modes.AC_MODES): None to recompute the layer as one piece, else the
+    modes of its attention block and of its MLP/MoE half. Under expert parallelism a whole-layer recompute would
+    repeat the all-to-all, so attention and the local expert work recompute apart and the exchange's rows are
+    kept."""
     if mode == "attention":
         return "full", "none"
     if mode != "none" and expert_parallel:
