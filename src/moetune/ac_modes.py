@@ -27,11 +27,11 @@ def check_setting(spec) -> None:
 
 
 def normalize(spec):
-    """A setting as the layout keeps it: a mode name, or ((mode, layers), ...) in the order written (hashable)."""
+    """A setting as the layout keeps it: a mode name, or ((mode, layers), ...) in the order written (hashable; a
+    mapping of one mode stays a mapping: its number of layers is checked against the model's)."""
     if isinstance(spec, str):
         return spec
-    pairs = tuple((str(mode), int(n)) for mode, n in dict(spec).items())
-    return pairs[0][0] if len(pairs) == 1 else pairs
+    return tuple((str(mode), int(n)) for mode, n in dict(spec).items())
 
 
 def layer_modes(spec, n_layers: int) -> list[str]:

@@ -155,6 +155,11 @@ def test_a_split_written_in_the_config_is_kept_and_must_add_up_to_the_layers():
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing full on 40 layers, attention on 5 layers: "
                                           r"the numbers of layers must be ≥ 0 and add up to the model's 46 layers"):
         layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 40, attention: 5}")
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing full on 1 layer: the numbers of layers "
+                                          r"must be ≥ 0 and add up to the model's 46 layers"):
+        layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 1}")  # not "full" everywhere
+    assert shape(layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 46}")) == (
+        2, 1, 1, (("full", 46),), False)
 
 
 def test_expert_parallelism_stays_within_a_node():
