@@ -184,10 +184,15 @@ def saved_bytes_by_layer(model, T):
              for i, layer in enumerate(model.model.layers)]
     hooks.append(model.model.norm.register_forward_pre_hook(lambda mod, a: where.__setitem__(0, "final")))
 
+    kept = []  # the storages seen, alive to the end: a storage freed early (the exchange releases some) could
+    # otherwise hand its address to a later one, which a key by address would then skip
+
     def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params and key not in seen:
-            seen[key] = (t.untyped_storage().nbytes(), where[0])
+        storage = t.untyped_storage()
+        key = storage._cdata  # the storage itself: tensors that share one are counted once
+        if storage.data_ptr() not in params and key not in seen:
+            seen[key] = (storage.nbytes(), where[0])
+            kept.append(storage)
         return t
 
     rebuilt_pack = recompute._pack  # what a Rebuilt binds when it is made
