@@ -101,6 +101,11 @@ def shard_files(path: str) -> list[str]:
     return files
 
 
+def checkpoint_reader(path: str) -> "_Reader":
+    """The index of a checkpoint directory's tensors (no data read)."""
+    return _Reader(path)
+
+
 @dataclass
 class _Stored:
     file: str
@@ -126,6 +131,9 @@ class _Reader:
             for key in h.keys():
                 sl = h.get_slice(key)
                 self.tensors[key] = _Stored(fname, key, tuple(sl.get_shape()), sl.get_dtype())
+
+    def is_fp8(self) -> bool:
+        return checkpoint_scheme(self.path) is not None
 
     def dtype(self, key: str) -> str:
         """safetensors' name of a stored tensor's dtype (BF16, F32, F8_E4M3, ...)."""
