@@ -206,3 +206,90 @@ def test_a_damaged_fp8_config_is_named(tmp_path):
     json.dump(cfg, open(os.path.join(fp8_dir, "config.json"), "w"))
     with pytest.raises(CheckpointError, match="config.json.*8-bit float"):
         load_model(fp8_dir)
+
+
+# ----------------------------------------------------------------------------------------------- random base, LoRA
+def _tiny(quantize=None, targets=None):
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.hf_io import cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.model.quant.fp8 import scheme_named
+    from moetune.model.quant.modules import quantize_model
+    from moetune.train.setup import init_lora
+
+    model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=3)), "meta")
+    cast_model(model, torch.float32)
+    if quantize:
+        quantize_model(model, scheme_named(quantize, (32, 32)))
+    if targets:
+        apply_lora(model, targets, 4, 8)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.05, seed=0)
+    init_lora(model, seed=0)
+    return model
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8_block"])
+def test_random_fp8_base_is_the_quantised_draw_of_the_same_seed(quantize):
+    """Proxies and the demo draw an fp8 base as the bf16 one, then quantise: the two bases are the same weights."""
+    plain, fp8 = _tiny(), _tiny(quantize)
+    params = dict(plain.named_parameters())
+    names = fp8_weights(fp8)
+    assert len(names) == 3 * 4 + 3 + 2 * 3 + 2 * 2  # q,k,v,o per layer; dense MLP; shared experts; expert stacks
+    for name, scheme in names:
+        q, s = scheme.quantize(params[name])
+        assert torch.equal(fp8.get_parameter(name).view(torch.uint8), q.view(torch.uint8)), name
+        torch.testing.assert_close(fp8.get_parameter(scale_name(name, scheme)), s)
+    for name, p in fp8.named_parameters():  # everything else: the same values
+        if p.dtype != FP8 and "scale" not in name:
+            assert torch.equal(p, params[name]), name
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]
+
+
+def test_lora_over_an_fp8_base_gets_the_gradients_of_lora_over_the_dequantised_model():
+    """LoRA on every kind of module over an fp8 base (CPU: the dequantise path) equals LoRA over the same weights
+    dequantised into an fp32 model — whose LoRA equals PEFT's (test_lora_peft_parity)."""
+    fp8 = _tiny("fp8", TARGETS)
+    ref = _tiny(None, TARGETS)
+    with torch.no_grad():
+        for name, scheme in fp8_weights(fp8):
+            ref.get_parameter(name).copy_(scheme.dequantize(fp8.get_parameter(name), fp8.get_parameter(scale_name(name, scheme))))
+        for n, p in fp8.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))  # B ≠ 0: every path counts
+                ref.get_parameter(n).copy_(p)
+    ids = torch.randint(0, 160, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, 1)
+    for m in (fp8, ref):
+        m(ids, labels=labels).backward()
+    trainable = [(n, p) for n, p in fp8.named_parameters() if p.requires_grad]
+    assert {n.rsplit(".", 2)[-2] for n, _ in trainable} >= {"q_proj", "gate_proj", "lora"}
+    for n, p in trainable:
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+        torch.testing.assert_close(p.grad, ref.get_parameter(n).grad, rtol=1e-4, atol=1e-6)
+
+
+def test_train_on_an_fp8_base_resumes_exactly(tmp_path):
+    """`moetune train` with model.quantize fp8: the loss falls, the checkpoint holds only the trainable state (no
+    base weight), and 3 steps + resume + 3 steps give the straight run's losses."""
+    import shutil
+
+    from helpers import run_inprocess, small_run_args, step_losses
+    from moetune.run_dir import load_model_state
+
+    over = {"model.quantize": "fp8", "train.steps": 6, "checkpoint.every": 3, "parallel.layout": "auto"}
+    straight = run_inprocess(small_run_args(tmp_path, "straight", **over))
+    losses = step_losses(straight)
+    assert len(losses) == 6 and all(x == x for x in losses) and losses[-1] < losses[0]
+    state = load_model_state(os.path.join(straight, "checkpoints", "step_000003"))
+    assert state and all(".lora" in k for k in state)
+    resumed = tmp_path / "runs" / "resumed"
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(os.path.join(straight, "checkpoints", "step_000003"), resumed / "checkpoints" / "step_000003")
+    for f in ("metrics.jsonl", "config.yaml"):
+        shutil.copy(os.path.join(straight, f), resumed / f)
+    run_inprocess(small_run_args(tmp_path, "resumed", **over, resume="auto"))
+    assert step_losses(resumed) == losses

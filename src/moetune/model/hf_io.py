@@ -54,10 +54,17 @@ def _param_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) -> None:
     """Random init that does not depend on sharding: each parameter is drawn whole from its own seeded
-    generator (on its device) and each rank keeps its slice. Norms 1, biases and the correction bias 0."""
+    generator (on its device) and each rank keeps its slice. Norms 1, biases and the correction bias 0. An fp8
+    weight is the same draw quantised: an fp8 base is the quantised base of the same seed."""
+    params = dict(model.named_parameters())
+    fp8 = {name: (params[scale_name(name, q)], q) for name, q in fp8_weights(model)}
+    scales = {id(s) for s, _ in fp8.values()}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".lora" in name:
-            continue  # LoRA keeps its own init (B = 0)
+        if ".lora" in name or id(p) in scales:
+            continue  # LoRA keeps its own init (B = 0); an fp8 scale is made with its weight
+        if name in fp8:
+            _fill_seeded_fp8(p, *fp8[name], name, seed, std)
+            continue
         local = local_tensor(p)
         if name.endswith("norm.weight"):
             local.fill_(1.0)
