@@ -44,7 +44,7 @@ def kernels():
                                             reference_fp8_grouped_linear, reference_fp8_linear, expert_of_rows)
 
     torch.manual_seed(0)
-    M, K, N, E = (64, 64, 96, 4) if CPU else (4096, 4096, 1536, 16)
+    M, K, N, E = (64, 64, 96, 4) if CPU else (2048, 1024, 1536, 8)
     res = {}
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     w8, s = quantize_rows(torch.randn(N, K, device=DEV) * 0.02)
@@ -107,52 +107,64 @@ def _time(fn, n=20):
 
 
 def speed():
-    import torch.nn.functional as F
+    """Each GEMM of a frozen layer (forward, input gradient) at Air's shapes, every candidate compiled (so the
+    activation quantisation fuses as in the compiled model): bf16, fp8 (dgrad with and without fast accumulation),
+    and the just-in-time dequantised bf16 product; the weight transpose alone."""
+    from moetune.model.moe import _grouped_mm
+    from moetune.model.quant.fp8 import quantize_rows
+    from moetune.model.quant.matmul import _gmm_dgrad, _gmm_fwd, _mm_dgrad, _mm_fwd
 
-    from moetune.model.moe import grouped_linear
-    from moetune.model.quant.fp8 import ROWWISE, quantize_rows
-    from moetune.model.quant.matmul import fp8_grouped_linear, fp8_linear
-
+    cc = (lambda f: f) if CPU else (lambda f: torch.compile(f, dynamic=False))
+    bf = torch.bfloat16
     res = {}
     shapes = {"q_proj 4096x4096->12288": (4096, 4096, 12288), "o_proj 4096x12288->4096": (4096, 12288, 4096),
-              "dense gate_up 4096x4096->21888": (4096, 4096, 21888)}
+              "shared gate 4096x4096->1408": (4096, 4096, 1408)}
     if CPU:
         shapes = {"tiny": (64, 64, 96)}
     for name, (M, K, N) in shapes.items():
-        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(M, K, device=DEV, dtype=bf)
+        w = torch.randn(N, K, device=DEV, dtype=bf) * 0.02
         w8, s = quantize_rows(w)
-        g = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
-        flops = 4 * M * K * N  # forward + input gradient
-
-        def bf16():
-            F.linear(x, w).backward(g)
-
-        def fp8():
-            fp8_linear(x, w8, s, ROWWISE).backward(g)
-
-        tb, tf = _time(bf16), _time(fp8)
-        res[name] = {"bf16_tflops": round(flops / tb / 1e12, 1), "fp8_tflops": round(flops / tf / 1e12, 1),
-                     "speedup": round(tb / tf, 3)}
+        g = torch.randn(M, N, device=DEV, dtype=bf)
+        cands = {"bf16_fwd": cc(lambda: x @ w.t()), "bf16_dgrad": cc(lambda: g @ w),
+                 "fp8_fwd": cc(lambda: _mm_fwd(x, w8, s, None)),
+                 "fp8_dgrad_exact_accum": cc(lambda: _mm_dgrad(g, w8, s, False)),
+                 "fp8_dgrad_fast_accum": cc(lambda: _mm_dgrad(g, w8, s, True)),
+                 "dequant_bf16_dgrad": cc(lambda: g @ (w8.to(bf) * s.to(bf))),
+                 "weight_transpose": cc(lambda: w8.t().contiguous())}
+        if CPU:
+            cands.pop("fp8_dgrad_fast_accum")
+        r = {}
+        for k, f in cands.items():
+            try:
+                r[k] = round(_time(f) * 1e3, 4)
+            except Exception as ex:  # noqa: BLE001
+                r[k] = f"{type(ex).__name__}: {str(ex)[:120]}"
+        res[name] = r
     E, H, I, R = (8, 64, 32, 256) if CPU else (128, 4096, 1408, 32768)
-    counts = torch.full((E,), R // E)
-    offs = counts.cumsum(0).to(torch.int32).to(DEV)
+    offs = torch.full((E,), R // E).cumsum(0).to(torch.int32).to(DEV)
     for name, (N, K) in {"experts gate_up": (2 * I, H), "experts down": (H, I)}.items():
-        x = torch.randn(R, K, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16) * 0.02
+        if CPU:
+            break  # no fp8 grouped GEMM on the CPU
+        x = torch.randn(R, K, device=DEV, dtype=bf)
+        w = torch.randn(E, N, K, device=DEV, dtype=bf) * 0.02
         w8, s = quantize_rows(w)
-        g = torch.randn(R, N, device=DEV, dtype=torch.bfloat16)
-
-        def bf16():
-            grouped_linear(x, w, offs).backward(g)
-
-        def fp8():
-            fp8_grouped_linear(x, w8, s, offs, ROWWISE).backward(g)
-
-        tb, tf = _time(bf16), _time(fp8)
-        flops = 4 * R * K * N
-        res[name] = {"bf16_tflops": round(flops / tb / 1e12, 1), "fp8_tflops": round(flops / tf / 1e12, 1),
-                     "speedup": round(tb / tf, 3)}
+        g = torch.randn(R, N, device=DEV, dtype=bf)
+        cands = {"bf16_fwd": cc(lambda: _grouped_mm(x, w.transpose(-2, -1), offs=offs)),
+                 "bf16_dgrad": cc(lambda: _grouped_mm(g, w, offs=offs)),
+                 "fp8_fwd": cc(lambda: _gmm_fwd(x, w8, s, offs)),
+                 "fp8_dgrad_exact_accum": cc(lambda: _gmm_dgrad(g, w8, s, offs, False)),
+                 "fp8_dgrad_fast_accum": cc(lambda: _gmm_dgrad(g, w8, s, offs, True)),
+                 "dequant_bf16_dgrad": cc(lambda: _grouped_mm(g, w8.to(bf) * s.to(bf), offs=offs)),
+                 "weight_transpose": cc(lambda: w8.transpose(-2, -1).contiguous())}
+        r = {}
+        for k, f in cands.items():
+            try:
+                r[k] = round(_time(f) * 1e3, 4)
+            except Exception as ex:  # noqa: BLE001
+                r[k] = f"{type(ex).__name__}: {str(ex)[:120]}"
+        res[name] = r
+        del w, w8, x, g
     save("speed", res)
 
 

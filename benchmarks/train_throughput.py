@@ -106,6 +106,8 @@ FP8_VARIANTS = {
     "ours_fp8_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8"}),
     "ours_fp8_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"quantize": "fp8"}),
     "ours_fp8block_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8_block"}),
+    "ours_fp8_qkvo_4x1024_eager": ("ours", 4, 1024, QKVO, {"quantize": "fp8", "compile": False}),
+    "ours_fp8fast_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8", "fast_accum_dgrad": True}),
     "ours_fp8_qkvo_1x4096_packed": ("ours", 1, 4096, QKVO, {"quantize": "fp8", "docs": 4}),
     **{f"ours_fp8_air_{name}_1x4096_packed{suffix}": (
         "ours", 1, 4096, targets, {"layers": 46, "quantize": "fp8", "docs": 4, "ac": ac})
@@ -181,6 +183,10 @@ def build_ours(cfg: dict, targets, extra, device):
         from moetune.model.quant.modules import quantize_model
 
         quantize_model(model, scheme_named(extra["quantize"]))
+        if "fast_accum_dgrad" in extra:  # a candidate setting, measured against the default
+            import moetune.model.quant.matmul as fp8_matmul
+
+            fp8_matmul.FAST_ACCUM_DGRAD = extra["fast_accum_dgrad"]
     if not full:
         apply_lora(model, targets, 16, 32)
     apply_ac(model, extra.get("ac", "none"))

@@ -36,16 +36,26 @@ def _row_scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- dense
+# Hopper's fp8 tensor cores accumulate in reduced precision unless the GEMM promotes partial sums ("fast accum"
+# off): on for the forward as torchao's float8 recipe has it, off for the gradient.
+FAST_ACCUM_FORWARD, FAST_ACCUM_DGRAD = True, False
+
+
 def _mm_fwd(x2, w8, scale, bias):
     xq, sx = quantize_rows(x2)
-    return torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
-                            bias=None if bias is None else bias.to(x2.dtype), out_dtype=x2.dtype, use_fast_accum=True)
+    # _scaled_mm takes a bias only for a 16-bit output
+    fused_bias = bias is not None and x2.dtype != torch.float32
+    y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
+                         bias=bias.to(x2.dtype) if fused_bias else None, out_dtype=x2.dtype,
+                         use_fast_accum=FAST_ACCUM_FORWARD)
+    return y + bias.to(y.dtype) if bias is not None and not fused_bias else y
 
 
-def _mm_dgrad(g2, w8, scale):
+def _mm_dgrad(g2, w8, scale, fast_accum=None):
     gq, sg = quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
-    return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype)
+    return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
+                            use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -106,15 +116,16 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 def _gmm_fwd(x, w8, scale, offs):
     xq, sx = quantize_rows(x)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
-                                    offs=offs, out_dtype=x.dtype, use_fast_accum=True)
+                                    offs=offs, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
 
 
-def _gmm_dgrad(g, w8, scale, offs):
+def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
     s_rows = _row_scales(scale)[expert_of_rows(offs, g.shape[0])]
     gq, sg = quantize_rows(g.float() * s_rows)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
     return torch._scaled_grouped_mm(gq, w8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_a=sg.view(-1),
-                                    scale_b=ones, offs=offs, out_dtype=g.dtype)
+                                    scale_b=ones, offs=offs, out_dtype=g.dtype,
+                                    use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
