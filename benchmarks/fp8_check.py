@@ -229,13 +229,17 @@ def curves():
     S = 64 if CPU else 1024
     data = torch.randint(0, min(1000, cfg["vocab_size"]), (16, S), generator=g).to(DEV)
     res = {}
-    for name, q in (("bf16", None), ("fp8", "fp8")):
+    for name, q, dgrad in (("bf16", None, None), ("fp8", "fp8", "fp8"), ("fp8_dgrad_dequant", "fp8", "dequant")):
         from moetune.model.config import ModelConfig
         from moetune.model.hf_io import build_model, cast_model, init_weights
         from moetune.model.quant.fp8 import scheme_named
         from moetune.model.quant.modules import quantize_model
         from moetune.parallel import apply_compile
+        import moetune.model.quant.matmul as fp8_matmul
 
+        if dgrad:
+            fp8_matmul.DGRAD = dgrad
+        torch._dynamo.reset()
         model = build_model(ModelConfig.from_hf_dict(cfg), "meta")
         cast_model(model, torch.bfloat16)
         if q:
@@ -260,11 +264,12 @@ def curves():
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(round(float(loss), 5))
-        res[name] = {"losses": losses, "final_mean_last10": sum(losses[-10:]) / 10, "s": round(time.perf_counter() - t, 1)}
+        res[name] = {"losses": losses, "final_mean_last10": sum(losses[-10:]) / 10, "mean_last50": sum(losses[-50:]) / len(losses[-50:]), "s": round(time.perf_counter() - t, 1)}
         del model, opt
         if not CPU:
             torch.cuda.empty_cache()
-    res["final_ratio_fp8_over_bf16"] = res["fp8"]["final_mean_last10"] / res["bf16"]["final_mean_last10"]
+    for k in ("fp8", "fp8_dgrad_dequant"):
+        res[f"final_ratio_{k}_over_bf16"] = res[k]["final_mean_last10"] / res["bf16"]["final_mean_last10"]
     save("curves", res)
 
 

@@ -23,7 +23,8 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 def _fp8_kernels(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
-    if scheme.block is not None or not x.is_cuda:
+    # the grouped fp8 GEMM writes bf16 only; an fp32 model (reference runs) takes the dequantising path
+    if scheme.block is not None or not x.is_cuda or x.dtype != torch.bfloat16:
         return False
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
@@ -38,7 +39,10 @@ def _row_scales(scale: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- dense
 # Hopper's fp8 tensor cores accumulate in reduced precision unless the GEMM promotes partial sums ("fast accum"
 # off): on for the forward as torchao's float8 recipe has it, off for the gradient.
-FAST_ACCUM_FORWARD, FAST_ACCUM_DGRAD = True, False
+FAST_ACCUM_FORWARD, FAST_ACCUM_DGRAD = True, True
+# The input gradient through fp8 tensor cores quantises dy per row as well ("fp8"), or runs in bf16 on the weight
+# dequantised just in time ("dequant": only the weight's own rounding, no gradient quantisation).
+DGRAD = "fp8"
 
 
 def _mm_fwd(x2, w8, scale, bias):
@@ -76,7 +80,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            if _fp8_kernels(g2, w8, ctx.scheme):
+            if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
                 dx = _mm_dgrad(g2, w8, scale)
             else:
                 dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
@@ -141,7 +145,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     def backward(ctx, g):
         w8, scale, offs = ctx.saved_tensors
         g = g.contiguous()
-        if _fp8_kernels(g, w8, ctx.scheme):
+        if DGRAD == "fp8" and _fp8_kernels(g, w8, ctx.scheme):
             return _gmm_dgrad(g, w8, scale, offs), None, None, None, None
         return _grouped_mm(g, ctx.scheme.dequantize(w8, scale, g.dtype), offs=offs), None, None, None, None
 
