@@ -12,9 +12,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 LOGS=/tmp/fp8_session_logs
 mkdir -p "$LOGS"
-run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; echo "rc=$?";
-        grep -E "AIR_RESULT|Error|error:|^variant|^ours|final_ratio|^numerics" "$LOGS/$name.log" | cut -c1-700 | tail -n 6; } \
-        2>&1 | tee -a "$OUT/summary.txt"
+run() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+        { echo "== $name rc=$?"; grep -E "AIR_RESULT|Error|error:|^variant|^ours|final_ratio|^numerics" "$LOGS/$name.log" \
+          | cut -c1-700 | tail -n 6; } | tee -a "$OUT/summary.txt"; }
 run air_qkvo 150 env OUT="$OUT/air_qkvo" QUANT=fp8 NPROC=1 AC=attention SPEED_ONLY=1 STEPS=12 bash benchmarks/air_full_size.sh
 run air_experts 150 env OUT="$OUT/air_experts" QUANT=fp8 NPROC=1 AC=full SPEED_ONLY=1 STEPS=12 \
   TARGETS="[q_proj,k_proj,v_proj,o_proj,shared_experts,experts]" bash benchmarks/air_full_size.sh
