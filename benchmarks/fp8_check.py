@@ -84,10 +84,18 @@ def kernels():
         xq = x.detach().float().view(M, K // 128, 128)
         sx = (xq.abs().amax(-1) / 448).clamp(min=1e-12)
         x8 = (xq / sx.unsqueeze(-1)).to(torch.float8_e4m3fn).view(M, K)
-        yb = F.scaled_mm(x8, wb8.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128, sb.t().contiguous().t(),
-                         F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
         wbd = (wb8.float().view(N // 128, 128, K // 128, 128) * sb[:, None, :, None]).view(N, K)
-        res["block_scaled_mm_vs_dequantised"] = rel(yb, (x8.float().view(M, K // 128, 128) * sx.unsqueeze(-1)).view(M, K) @ wbd.t())
+        want = (x8.float().view(M, K // 128, 128) * sx.unsqueeze(-1)).view(M, K) @ wbd.t()
+        layouts = {"a_outer_major,b_t": (sx.t().contiguous().t(), sb.t()),
+                   "a_outer_major,b_t_contig": (sx.t().contiguous().t(), sb.t().contiguous()),
+                   "a_contig,b_t": (sx.contiguous(), sb.t())}
+        for lname, (sa_, sb_) in layouts.items():
+            try:
+                yb = F.scaled_mm(x8, wb8.t(), sa_, F.ScalingType.BlockWise1x128, sb_, F.ScalingType.BlockWise128x128,
+                                 output_dtype=torch.bfloat16)
+                res[f"block_scaled_mm[{lname}]_vs_dequantised"] = rel(yb, want)
+            except Exception as ex:  # noqa: BLE001
+                res[f"block_scaled_mm[{lname}]"] = f"{type(ex).__name__}: {str(ex)[:200]}"
     except Exception as ex:  # noqa: BLE001  (a probe: record why not)
         res["block_scaled_mm_error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
     save("kernels", res)
