@@ -85,19 +85,20 @@ def scale_name(weight_name: str, scheme: Fp8Scheme) -> str:
 def quantizable_linears(model) -> list[tuple[nn.Module, str, str]]:
     """(parent, attribute, qualified name) of every frozen linear an FP8 base stores in fp8: attention projections,
     the dense MLPs and the shared experts."""
-    from moetune.model.glm4_moe import MLP, MoE
-
     out = []
     for i, layer in enumerate(model.model.layers):
         for name in ATTENTION_TARGETS + MLA_ATTENTION_TARGETS:
             mod = getattr(layer.self_attn, name, None)
             if isinstance(mod, nn.Linear):
                 out.append((layer.self_attn, name, f"model.layers.{i}.self_attn.{name}"))
+        # a MoE layer's dense part is its shared expert; a dense layer's MLP is the layer's own (the model file is
+        # not imported here: it imports this module)
         mlp = layer.mlp
-        dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp if isinstance(mlp, MLP) else None
-        prefix = f"model.layers.{i}.mlp" + (".shared_experts" if isinstance(mlp, MoE) else "")
-        if dense is not None:
-            for name in ("gate_proj", "up_proj", "down_proj"):
+        moe = hasattr(mlp, "shared_experts")
+        dense = mlp.shared_experts if moe else mlp
+        prefix = f"model.layers.{i}.mlp" + (".shared_experts" if moe else "")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if isinstance(getattr(dense, name, None), nn.Linear):
                 out.append((dense, name, f"{prefix}.{name}"))
     return out
 
