@@ -5,6 +5,7 @@ Module and parameter names mirror transformers v5's `Glm4MoeForCausalLM`, expert
 
     embed → N × [x + Attn(RMSNorm(x)); x + MLP-or-MoE(RMSNorm(x))] → RMSNorm → lm_head
     Attn: GQA, q/k/v bias, optional per-head qk RMSNorm, NeoX RoPE on the first head_dim·partial_rotary_factor dims
+          (GLM-4.7-Flash and GLM-5 are this model with MLA, mla.py, and MLA + DSA, glm_moe_dsa.py, in its place)
     MoE:  sigmoid router in fp32 (+e_score_correction_bias for the choice only), group-limited top-k,
           normalised weights × routed_scaling_factor; routed experts via grouped GEMM; + shared expert
 """
