@@ -87,8 +87,8 @@ def test_dsa_selection_matters_and_shared_layers_reuse_the_previous_top_k(tmp_pa
             first["topk"] = topk
             return attn, topk
 
-        def use_first(x, q_latent, cos, sin, attn, topk, _orig=orig[3]):
-            return _orig(x, q_latent, cos, sin, attn, first["topk"])
+        def use_first(x, q_latent, cos, sin, attn, topk, cache, _orig=orig[3]):
+            return _orig(x, q_latent, cos, sin, attn, first["topk"], cache)
 
         layers[0].self_attn.select_keys, layers[3].self_attn.select_keys = keep_first, use_first
         assert rel_err(ours(ids), want) > 1e-3

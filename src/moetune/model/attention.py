@@ -3,6 +3,7 @@
 One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
 position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
 diagonal of each document are computed), SDPA with a dense boolean mask elsewhere (its CPU-testable twin).
+Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
 """
 
 from __future__ import annotations
@@ -60,8 +61,41 @@ def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
     return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device))
 
 
+class KVCache:
+    """What each attention module keeps of the positions already seen, so that a decoding step computes only its new
+    positions. A module appends its per-position tensors with `extend` (keyed by the module itself: each GQA, MLA
+    or indexer module decides what it keeps); the model's forward takes the step's mask from `attn_meta` and moves
+    `length` on after its layers. Rows have one length (no padding)."""
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0  # positions cached by every layer
+        self._buffers: dict[object, tuple[torch.Tensor, ...]] = {}
+
+    def extend(self, owner, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write `new` (each [B, S, ...], sequence second) at positions length..length+S of `owner`'s buffers
+        (allocated for max_len positions on first use); return each buffer's positions 0..length+S."""
+        end = self.length + new[0].shape[1]
+        if end > self.max_len:
+            raise ValueError(f"the cache holds {self.max_len} positions; {end} asked")
+        buffers = self._buffers.get(owner)
+        if buffers is None:
+            buffers = tuple(t.new_empty(t.shape[0], self.max_len, *t.shape[2:]) for t in new)
+            self._buffers[owner] = buffers
+        for buffer, t in zip(buffers, new):
+            buffer[:, self.length:end] = t
+        return tuple(buffer[:, :end] for buffer in buffers)
+
+    def attn_meta(self, batch: int, new: int, device) -> AttnMeta:
+        """New position i (absolute length + i) sees positions <= length + i: a dense mask, which sparse
+        attention also reads as the keys its indexer may choose from."""
+        start = self.length
+        mask = torch.ones(batch, 1, new, start + new, dtype=torch.bool, device=device).tril_(diagonal=start)
+        return AttnMeta(dense_mask=mask)
+
+
 def attend(q, k, v, meta: AttnMeta):
-    """q [B, Hq, S, D], k/v [B, Hkv, S, D] -> [B, Hq, S, D]."""
+    """q [B, Hq, S, D], k/v [B, Hkv, T, D] -> [B, Hq, S, D] (T > S only with a dense mask: a decoding step)."""
     if meta.block_mask is not None:
         return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
     if meta.dense_mask is not None:

@@ -1,8 +1,8 @@
-"""Text generation with a KV cache, on the model `moetune.load_model` returns (base, or base + LoRA adapter).
+"""Text generation on the model `moetune.load_model` returns (base, or base + LoRA adapter): the decoding loop.
 
-A separate code path from the training forward (glm4_moe.py is untouched and keeps its speed): it calls the
-layers' own pieces — norms, q/k/v/o projections (LoRA included), RoPE, the MoE block — and keeps each layer's
-keys and values (after RoPE) in preallocated buffers, so each new token costs one position, not the whole prefix.
+The model's own forward decodes: given an attention.KVCache, each attention (GQA, MLA, the DSA indexer) keeps what
+it needs of the positions already seen, so each new token costs one position, not the whole prefix; this file only
+chooses the next token and stops.
 
     ids = generate(model, input_ids, max_new_tokens=32)                      # greedy
     ids = generate(model, input_ids, max_new_tokens=32, temperature=0.7, top_p=0.9, seed=0)
@@ -13,67 +13,9 @@ then padded with it while the others go on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-from moetune.model.glm4_moe import apply_rope, rope_cos_sin
-
-
-@dataclass
-class KVCache:
-    """Per layer: keys and values [B, n_kv, max_len, D] (keys after RoPE); `length` positions are filled."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    length: int = 0
-
-    @classmethod
-    def empty(cls, model, batch: int, max_len: int, device, dtype) -> "KVCache":
-        c = model.config
-        shape = (batch, c.num_key_value_heads, max_len, c.head_dim)
-        n = len(model.model.layers)
-        return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(n)],
-                   [torch.empty(shape, device=device, dtype=dtype) for _ in range(n)])
-
-
-def _attention(attn, x, cos, sin, cache: KVCache, layer: int):
-    """Attention.forward with the new positions' keys/values appended to the cache; queries attend to everything
-    cached (causally within the new positions)."""
-    B, S, _ = x.shape
-    q = attn.q_proj(x).view(B, S, attn.n_heads, attn.head_dim)
-    k = attn.k_proj(x).view(B, S, attn.n_kv, attn.head_dim)
-    v = attn.v_proj(x).view(B, S, attn.n_kv, attn.head_dim)
-    if attn.q_norm is not None:  # after the bias, before RoPE (as the training forward)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    start, end = cache.length, cache.length + S
-    cache.keys[layer][:, :, start:end] = k.transpose(1, 2)
-    cache.values[layer][:, :, start:end] = v.transpose(1, 2)
-    keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-    q = q.transpose(1, 2)
-    if S == 1:  # one new token sees every cached position: no mask
-        o = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-    else:  # new position i (absolute start + i) sees positions <= start + i
-        mask = torch.ones(S, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-    return attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-
-
-@torch.no_grad()
-def forward_cached(model, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits [B, V] of the last position of `input_ids` [B, S], which continue the `cache.length` cached ones."""
-    B, S = input_ids.shape
-    cfg = model.config
-    positions = torch.arange(cache.length, cache.length + S, device=input_ids.device).expand(B, S)
-    x = model.model.embed_tokens(input_ids)
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, x.dtype)
-    for i, layer in enumerate(model.model.layers):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache, i)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    cache.length += S
-    return model.lm_head(model.model.norm(x[:, -1:]))[:, 0]
+from moetune.model.attention import KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -108,10 +50,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    cache = KVCache.empty(model, B, S + max_new_tokens, device, model.model.embed_tokens.weight.dtype)
+    cache = KVCache(S + max_new_tokens)
     out = [input_ids]
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    logits = forward_cached(model, input_ids, cache) if max_new_tokens else None
+    logits = model(input_ids, cache=cache)[:, -1] if max_new_tokens else None
     for step in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_p, generator)
         nxt = torch.where(done, out[-1][:, -1], nxt)  # a finished row repeats its stop token
@@ -121,5 +63,5 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperatu
         done |= torch.isin(nxt, stops)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        logits = forward_cached(model, nxt[:, None], cache)
+        logits = model(nxt[:, None], cache=cache)[:, -1]
     return torch.cat(out, 1)

@@ -5,6 +5,7 @@ Module and parameter names mirror transformers v5's `Glm4MoeForCausalLM`, expert
 
     embed → N × [x + Attn(RMSNorm(x)); x + MLP-or-MoE(RMSNorm(x))] → RMSNorm → lm_head
     Attn: GQA, q/k/v bias, optional per-head qk RMSNorm, NeoX RoPE on the first head_dim·partial_rotary_factor dims
+          (GLM-4.7-Flash and GLM-5 are this model with MLA, mla.py, and MLA + DSA, glm_moe_dsa.py, in its place)
     MoE:  sigmoid router in fp32 (+e_score_correction_bias for the choice only), group-limited top-k,
           normalised weights × routed_scaling_factor; routed experts via grouped GEMM; + shared expert
 """
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.model.attention import AttnMeta, attend, build_attn_meta
+from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
 from moetune.names import LOSS_CHUNK_TOKENS
@@ -57,7 +58,12 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention. Every attention class (this, mla.MLAttention, glm_moe_dsa.DSAttention) has this
+    forward: `topk` is sparse attention's selection handed from layer to layer (GQA takes and gives none); with a
+    `cache` (decoding) the new positions' keys and values are appended to it and the queries attend to every cached
+    one. Without a cache it is the training forward."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         H, D = cfg.hidden_size, cfg.head_dim
@@ -71,7 +77,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn: AttnMeta):
+    def forward(self, x, cos, sin, attn: AttnMeta, topk=None, cache: KVCache | None = None):
+        """x [B, S, H] -> (out [B, S, H], None)."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
@@ -79,9 +86,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # after the bias, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        o = attend(q, k, v, attn)
-        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        if cache is not None:  # keys after RoPE: a cached key never moves
+            k, v = cache.extend(self, k, v)
+        o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)), None
 
 
 class MLP(nn.Module):
@@ -213,6 +221,11 @@ def load_balancing_loss(scores, counts, top_k):
     return E * (f * probs.mean(0)).sum()
 
 
+def exchanges_rows(mlp: nn.Module) -> bool:
+    """Whether a layer's MLP is a MoE under expert parallelism (its experts' rows cross ranks)."""
+    return isinstance(mlp, MoE) and mlp.experts.dispatcher is not None
+
+
 def mlp_with(mlp: nn.Module, x, mode: str):
     """A layer's MLP or MoE half under activation checkpointing `mode` (a MoE applies it to its local expert work
     and shared expert, never to an expert-parallel exchange)."""
@@ -220,61 +233,78 @@ def mlp_with(mlp: nn.Module, x, mode: str):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """x + Attn(RMSNorm(x)); x + MLP-or-MoE(RMSNorm(x)), whatever the attention (GQA, MLA, MLA + DSA indexer):
+    `attention_cls` is built as attention_cls(cfg, layer_idx) and called as Attention.forward says."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attention_cls=None):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = (attention_cls or Attention)(cfg, layer_idx)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.activation_checkpointing = "none"  # one of ac_modes.AC_MODES, set by parallel.apply_ac
 
-    def _forward(self, x, cos, sin, attn):
-        x = x + self._attention(x, cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _forward(self, x, cos, sin, attn, topk, cache):
+        h, topk = self._attention(x, cos, sin, attn, topk, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), topk
 
-    def _attention(self, x, cos, sin, attn):
-        return self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def _attention(self, x, cos, sin, attn, topk, cache):
+        return self.self_attn(self.input_layernorm(x), cos, sin, attn, topk, cache)
 
-    def forward(self, x, cos, sin, attn):
+    def forward(self, x, cos, sin, attn, topk=None, cache: KVCache | None = None):
+        """-> (x, the sparse attention's top-k for the next layer or None). The top-k travels as an input and an
+        output, so a recomputed layer uses the one its forward used."""
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        split = split_modes(mode, isinstance(self.mlp, MoE) and self.mlp.experts.dispatcher is not None)
+        split = split_modes(mode, exchanges_rows(self.mlp))
         if split is None:
             # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-            return recompute(self._forward, mode, x, cos, sin, attn)
+            return recompute(self._forward, mode, x, cos, sin, attn, topk, cache)
         attention_mode, mlp_mode = split
-        x = x + recompute(self._attention, attention_mode, x, cos, sin, attn)
-        return x + mlp_with(self.mlp, self.post_attention_layernorm(x), mlp_mode)
+        h, topk = recompute(self._attention, attention_mode, x, cos, sin, attn, topk, cache)
+        x = x + h
+        return x + mlp_with(self.mlp, self.post_attention_layernorm(x), mlp_mode), topk
 
 
 class Backbone(nn.Module):
     """`model.*` in HF naming."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention_cls):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, attention_cls) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Glm4MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backbone: nn.Module | None = None):
-        """`backbone`: the `model.*` stack, GLM-4.5's by default (the MLA family passes its own)."""
+    """The causal LM; GLM-4.7-Flash and GLM-5 are this with their own `attention_cls`."""
+
+    attention_cls = Attention
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = backbone if backbone is not None else Backbone(cfg)
+        self.model = Backbone(cfg, self.attention_cls)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "eager" (model.attn_implementation)
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, cache: KVCache | None = None):
         """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32
-        cross-entropy over the target tokens (the trainer divides by the global token count)."""
+        cross-entropy over the target tokens (the trainer divides by the global token count).
+        cache (decoding: model/generation.py): input_ids continue the cache.length positions the cache holds, which
+        each attention extends; the logits are the last position's only, [B, 1, V] (the next token's)."""
         B, S = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+            start = 0 if cache is None else cache.length
+            position_ids = torch.arange(start, start + S, device=input_ids.device).expand(B, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
-        x = self.run_layers(x, cos, sin, self.attn_meta(position_ids))
+        if cache is None:
+            x = self.run_layers(x, cos, sin, self.attn_meta(position_ids))
+        else:
+            x = self.run_layers(x, cos, sin, cache.attn_meta(B, S, x.device), cache)[:, -1:]
+            cache.length += S
         x = self.model.norm(x)
         if labels is None:
             return self.lm_head(x)
@@ -283,9 +313,10 @@ class Glm4MoeForCausalLM(nn.Module):
     def attn_meta(self, position_ids) -> AttnMeta:
         return build_attn_meta(position_ids, self.attn_implementation)
 
-    def run_layers(self, x, cos, sin, attn):
+    def run_layers(self, x, cos, sin, attn, cache: KVCache | None = None):
+        topk = None  # sparse attention's selection: a "shared" DSA layer reuses the one before it
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+            x, topk = layer(x, cos, sin, attn, topk, cache)
         return x
 
     def moe_layers(self):

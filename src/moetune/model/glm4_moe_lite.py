@@ -10,8 +10,9 @@ The MTP layer (`model.layers.{num_hidden_layers}`) of the hub checkpoint is not 
 
 from __future__ import annotations
 
-from moetune.model.mla import MLAForCausalLM, MLAttention
+from moetune.model.glm4_moe import Glm4MoeForCausalLM
+from moetune.model.mla import MLAttention
 
 
-class Glm4MoeLiteForCausalLM(MLAForCausalLM):
+class Glm4MoeLiteForCausalLM(Glm4MoeForCausalLM):
     attention_cls = MLAttention

@@ -13,6 +13,8 @@ Training follows transformers: the indexer runs without gradient (its weights wq
 weights_proj get none, and nothing flows back through it into q_a_proj), the top-k selection is a constant
 mask, and the attention's gradients flow through the selected keys only. With no more keys than index_topk the
 selection is every key the mask allows: the indexer is skipped and the dense causal kernel runs (same result).
+Decoding: the indexer caches its one key per position beside MLA's latent, and always runs (so that its cache is
+whole once the keys outnumber index_topk), as transformers'.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.model.attention import AttnMeta, build_attn_meta
+from moetune.model.attention import AttnMeta, KVCache, build_attn_meta
 from moetune.model.config import ModelConfig
-from moetune.model.mla import MLAForCausalLM, MLAttention, apply_rope_interleaved
+from moetune.model.glm4_moe import Glm4MoeForCausalLM
+from moetune.model.mla import MLAttention, apply_rope_interleaved
 from moetune.names import INDEXER_CHUNK_SCORES
 
 
@@ -38,14 +41,17 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
     @torch.no_grad()
-    def forward(self, x, q_latent, cos, sin, allowed):
-        """x [B, S, H], q_latent [B, S, q_lora], allowed [B, S, T] bool -> top-k key indices [B, S, k]."""
+    def forward(self, x, q_latent, cos, sin, allowed, cache: KVCache | None = None):
+        """x [B, S, H], q_latent [B, S, q_lora], allowed [B, S, T] bool -> top-k key indices [B, S, k]. With a
+        `cache`, the S new positions' keys join the T - S cached ones."""
         B, S, _ = x.shape
         split = [self.rope, self.head_dim - self.rope]  # the RoPE slice comes first here (last in MLA heads)
         q_rot, q_pass = self.wq_b(q_latent).view(B, S, self.n_heads, self.head_dim).split(split, dim=-1)
         k_rot, k_pass = self.k_norm(self.wk(x)).unsqueeze(2).split(split, dim=-1)
         q = torch.cat((apply_rope_interleaved(q_rot, cos, sin), q_pass), dim=-1)  # [B, S, h, D]
-        k = torch.cat((apply_rope_interleaved(k_rot, cos, sin), k_pass), dim=-1).squeeze(2)  # [B, T, D]
+        k = torch.cat((apply_rope_interleaved(k_rot, cos, sin), k_pass), dim=-1).squeeze(2)  # [B, S, D]
+        if cache is not None:
+            k, = cache.extend(self, k)  # [B, T, D]
         weights = F.linear(x.float(), self.weights_proj.weight.float()) * self.n_heads**-0.5  # [B, S, h]
         k_t = k.transpose(-1, -2).float().unsqueeze(1)  # [B, 1, D, T]
         T = k_t.shape[-1]
@@ -69,20 +75,20 @@ class DSAttention(MLAttention):
         self.index_topk = cfg.index_topk
         self.indexer = Indexer(cfg) if cfg.indexer_type(layer_idx) == "full" else None
 
-    def select_keys(self, x, q_latent, cos, sin, attn: AttnMeta, topk):
-        B, S, _ = x.shape
-        if S <= self.index_topk:
+    def select_keys(self, x, q_latent, cos, sin, attn: AttnMeta, topk, cache: KVCache | None):
+        if cache is None and x.shape[1] <= self.index_topk:
             return attn, None  # every allowed key is among the top index_topk
-        allowed = attn.dense_mask[:, 0]  # the model builds a dense mask for sequences longer than index_topk
+        # a dense mask: the model builds one for sequences longer than index_topk, the cache one at every step
+        allowed = attn.dense_mask[:, 0]
         if self.indexer is not None:
-            topk = self.indexer(x, q_latent, cos, sin, allowed)
+            topk = self.indexer(x, q_latent, cos, sin, allowed, cache)
         elif topk is None:
             raise RuntimeError("a 'shared' DSA layer got no top-k from the layer before it")
         selected = torch.zeros_like(allowed).scatter_(-1, topk, True)
         return AttnMeta(dense_mask=(allowed & selected).unsqueeze(1)), topk
 
 
-class GlmMoeDsaForCausalLM(MLAForCausalLM):
+class GlmMoeDsaForCausalLM(Glm4MoeForCausalLM):
     attention_cls = DSAttention
 
     def attn_meta(self, position_ids) -> AttnMeta:
