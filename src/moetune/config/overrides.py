@@ -1,0 +1,234 @@
+"""Reading a configuration: the YAML file, the `--section.key value` overrides on top of it, and the one-line
+messages (naming the dotted key, the file or the override, and a suggestion) that pydantic's errors become.
+
+Precedence: built-in defaults (the tiny CPU demo) < YAML file < `--section.key value` overrides.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from moetune.config.schema import Config, _all_paths, _did_you_mean, _model_in, _section_class
+from moetune.errors import ConfigError
+
+def _key_suggestion(bad: str) -> str:
+    parent, _, leaf = bad.rpartition(".")
+    if parent.endswith("]"):  # a key of a model inside a list (data.train[0].wieght): its siblings only
+        cls: Optional[type[BaseModel]] = Config
+        for name in re.sub(r"\[\d+\]", "", parent).split("."):
+            field = cls.model_fields.get(name) if cls is not None else None
+            cls = _model_in(field.annotation) if field is not None else None
+        siblings = list(cls.model_fields) if cls is not None else []
+        match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+        return f" — did you mean {parent + '.' + match[0]!r}?" if match else (
+            f" (allowed: {', '.join(siblings)})" if siblings else "")
+    paths = _all_paths()
+    # The right key in the wrong section ("optim.steps" -> "train.steps") beats a fuzzy sibling.
+    moved = [p for p in paths if p.rpartition(".")[2] == leaf and p != bad]
+    if moved:
+        return " — did you mean " + " or ".join(repr(p) for p in moved) + "?"
+    siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
+    if match := difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6):
+        return f" — did you mean {(parent + '.' if parent else '') + match[0]!r}?"
+    return _did_you_mean(bad, paths)
+
+
+# --- YAML ------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # let SafeLoader report unhashable keys its own way
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 reads `2e-4` (no dot) as a string; that would break floats inside an inline model.config.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str, label: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{label}:{mark.line + 1}:{mark.column + 1}" if mark else label
+        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+
+
+# --- command-line overrides ------------------------------------------------------------------
+
+def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
+    """["--a.b", "1", "--c=2"] -> [(["a","b"], 1, "--a.b"), (["c"], 2, "--c=2")]."""
+    out, args, i = [], list(args), 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE "
+                              "or --section.key=VALUE")
+        key, eq, raw = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"missing value for {arg!r}")
+            i += 1
+            raw = args[i]
+        i += 1
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"malformed key in override {arg!r}")
+        if not raw.strip():
+            # YAML reads "" as null, which means "the default" (the demo's data, the tiny random model): an unset
+            # shell variable ("--model.path $MODEL") must not silently train something else
+            raise ConfigError(f"empty value for {arg!r} (an unset shell variable?); write null to mean none")
+        out.append((parts, _yaml_load(raw, f"value of override {arg!r}"), arg))
+    return out
+
+
+def _nest(parts: list[str], value: Any) -> dict:
+    for p in reversed(parts):
+        value = {p: value}
+    return value
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(args: Sequence[str]) -> dict:
+    """Turn `--a.b 1 --c=2` style arguments into a nested dict; values are parsed as YAML."""
+    result: dict = {}
+    for parts, value, _ in _split_overrides(args):
+        result = _deep_merge(result, _nest(parts, value))
+    return result
+
+
+def _check_override_key(parts: list[str], arg: str) -> None:
+    """Fail on an unknown override key with the full dotted path (pydantic would only name a prefix)."""
+    cls: type[BaseModel] = Config
+    for i, name in enumerate(parts):
+        dotted = ".".join(parts[: i + 1])
+        if name not in cls.model_fields:
+            full = ".".join(parts)
+            raise ConfigError(f"unknown key {full!r} in command-line override {arg!r}{_key_suggestion(full)}")
+        sub = _section_class(cls, name)
+        if sub is None:
+            # Only a mapping-valued field (model.config) may be addressed below itself.
+            kinds = [getattr(a, "__origin__", a) for a in get_args(cls.model_fields[name].annotation)]
+            if i < len(parts) - 1 and dict not in kinds:
+                raise ConfigError(f"{dotted!r} is a value, not a section; cannot apply {arg!r}")
+            return
+        cls = sub
+
+
+def _check_override_target(data: dict, parts: list[str], arg: str, label: str, overridden: dict[str, str]) -> None:
+    """An override of a key inside a section (or inside model.config) that the file, or an earlier override, set
+    to a value that is not a mapping: merging would silently replace that value, so its error would never be seen
+    (`train: 5` in the file plus `--train.steps 2` used to train with the defaults)."""
+    node: Any = data
+    for i, name in enumerate(parts[:-1]):
+        if not isinstance(node, dict) or name not in node or node[name] is None:
+            return
+        node = node[name]
+        if not isinstance(node, dict):
+            dotted = ".".join(parts[: i + 1])
+            raise ConfigError(f"invalid value for {dotted!r} in {_source(dotted, label, overridden)}: expected a "
+                              f"mapping of keys (got {repr(node)[:80]}), so {arg!r} cannot set a key inside it")
+
+
+# --- loading and reporting -------------------------------------------------------------------
+
+# what pydantic puts into an error's loc for a union member, besides field names: our tags and its type names
+_UNION_TAGS = frozenset({"str", "list", "source", "auto", "int", "float", "bool", "dict", "none", "tuple"})
+
+
+def _loc_to_path(loc: tuple, err_type: str) -> str:
+    """pydantic loc -> dotted path, dropping union-member tags like 'str' / 'dict[str,any]'."""
+    path, cls = "", Config
+    for i, seg in enumerate(loc):
+        if isinstance(seg, int):
+            path += f"[{seg}]"
+        elif cls is not None and seg in cls.model_fields:
+            path += ("." if path else "") + seg
+            cls = _section_class(cls, seg)
+        elif (err_type == "extra_forbidden" and i == len(loc) - 1) or (
+                cls is None and path.endswith("]") and re.fullmatch(r"[a-z_][a-z0-9_]*", str(seg))
+                and seg not in _UNION_TAGS):
+            path += ("." if path else "") + str(seg)  # a field of a model inside a list (data.train[0].weight)
+    return path
+
+
+def _source(path: str, label: str, overridden: dict[str, str]) -> str:
+    """Blame the override that set `path` (or a section above or below it), else the file."""
+    if not path:  # cross-field error: could come from either
+        return f"{label} + command-line overrides" if overridden else label
+    for key, arg in overridden.items():
+        if path == key or path.startswith((key + ".", key + "[")) or key.startswith(path + "."):
+            return f"command-line override {arg!r}"
+    return label
+
+
+def _format_errors(err: ValidationError, label: str, overridden: dict[str, str]) -> str:
+    lines = []
+    for e in err.errors():
+        path = _loc_to_path(e["loc"], e["type"])
+        src = _source(path, label, overridden)
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown key {path!r} in {src}{_key_suggestion(path)}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        got = "" if e["type"] in ("value_error", "missing") else f" (got {repr(e['input'])[:80]})"
+        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}" if path
+                     else f"invalid config in {src}: {msg}")
+    lines = list(dict.fromkeys(lines))  # union members can repeat the same complaint
+    if len(lines) == 1:
+        return lines[0]
+    return f"{len(lines)} config errors:\n" + "\n".join("  " + line for line in lines)
+
+
+def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ()) -> Config:
+    """Load `path` (None -> the built-in tiny demo defaults), apply overrides, validate."""
+    data: Any = {}
+    label = "built-in defaults"
+    if path is not None:
+        label = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        data = _yaml_load(text, label)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{label}: the top level must be a mapping of sections, got {type(data).__name__}")
+    overridden: dict[str, str] = {}
+    for parts, value, arg in _split_overrides(overrides):
+        _check_override_key(parts, arg)
+        _check_override_target(data, parts, arg, label, overridden)
+        data = _deep_merge(data, _nest(parts, value))
+        overridden[".".join(parts)] = arg
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, label, overridden)) from None
