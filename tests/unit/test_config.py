@@ -183,15 +183,16 @@ def test_exponent_without_dot_is_a_float(tmp_path):
 # --- overrides ------------------------------------------------------------------------------
 
 def test_parse_overrides_both_syntaxes():
+    # a scalar of the schema stays the text as typed, for the field's type to read (load_config validates)
     got = parse_overrides(["--optim.lr", "2e-4", "--train.steps=5", "--run.name", "x"])
-    assert got == {"optim": {"lr": 2e-4}, "train": {"steps": 5}, "run": {"name": "x"}}
+    assert got == {"optim": {"lr": "2e-4"}, "train": {"steps": "5"}, "run": {"name": "x"}}
 
 
 def test_parse_overrides_lists_bools_null_and_merge():
     got = parse_overrides(["--lora.targets", "[q_proj,v_proj]", "--train.compile=true",
-                           "--model.path", "null", "--lora.rank=8"])
-    assert got == {"lora": {"targets": ["q_proj", "v_proj"], "rank": 8},
-                   "train": {"compile": True}, "model": {"path": None}}
+                           "--model.path", "null", "--lora.rank=8", "--model.config", "{rms_norm_eps: 1e-5}"])
+    assert got == {"lora": {"targets": ["q_proj", "v_proj"], "rank": "8"}, "train": {"compile": "true"},
+                   "model": {"path": None, "config": {"rms_norm_eps": 1e-5}}}
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -220,6 +221,52 @@ def test_overrides_apply_on_top_of_file(tmp_path):
 
 def test_numeric_string_fields():
     assert load_config(None, ["--run.name", "7"]).run.name == "7"
+
+
+@pytest.mark.parametrize("typed", ["off", "yes", "2024-01-01", "010", "0x10", "1:30", "1.50", "1e3", "~off"])
+def test_a_text_field_takes_the_text_as_typed(tmp_path, typed):
+    # YAML 1.1 read `off`/`yes` as booleans and `2024-01-01` as a date (refused as not a string), and `010` as 8,
+    # `0x10` as 16, `1:30` as 90, `1.50` as 1.5 (silently another name): from the command line and from a file
+    assert load_config(None, ["--run.name", typed]).run.name == typed
+    assert load_config(None, [f"--run.name={typed}"]).run.name == typed
+    assert load_config(write(tmp_path, f"run:\n  name: {typed}\n")).run.name == typed
+    assert load_config(None, ["--data.columns", f"{{output: {typed}}}"]).data.columns == {"output": typed}
+    assert load_config(None, ["--lora.targets", "[q_proj]", "--data.train", f"[{typed}.jsonl]"]).data.train == [
+        f"{typed}.jsonl"]
+
+
+def test_a_number_field_reads_the_text_as_typed(tmp_path):
+    # YAML 1.1 read `010` as octal 8 and `1:30` as sexagesimal 90
+    assert load_config(None, ["--train.steps", "010"]).train.steps == 10
+    assert load_config(write(tmp_path, "run:\n  seed: 010\n")).run.seed == 10
+    with pytest.raises(ConfigError, match=r"'train.steps'.*unable to parse string as an integer \(got '1:30'\)"):
+        load_config(None, ["--train.steps", "1:30"])
+    cfg = load_config(None, ["--optim.lr", "2e-4", "--data.shuffle", "off", "--optim.betas", "[0.8, 0.9]",
+                             "--eval.max_batches", "null"])
+    assert (cfg.optim.lr, cfg.data.shuffle, cfg.optim.betas, cfg.eval.max_batches) == (2e-4, False, (0.8, 0.9), None)
+
+
+@pytest.mark.parametrize("typed, kind", [("null", "no value (null)"), ("[a, b]", "a list"), ("{a: 1}", "a mapping")])
+def test_yaml_that_is_not_text_for_a_text_field_says_how_to_quote(tmp_path, typed, kind):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--run.name", typed])
+    assert f"YAML read the value as {kind}: to mean the text, put it in quotes (--run.name \"'TEXT'\")" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f"run:\n  name: {typed}\n"))
+    assert f"YAML read the value as {kind}: to mean the text, put it in quotes (name: 'TEXT')" in str(e.value)
+
+
+def test_a_section_given_a_value_names_its_keys_not_a_class():
+    from moetune.config.overrides import _schema_models
+
+    classes = [m.__name__ for m in _schema_models()]
+    assert "RunConfig" in classes and "DataSource" in classes  # the premise: the check knows the class names
+    for args in [[f"--{section}", "demo"] for section in Config.model_fields if section != "resume"] + [
+            ["--data.train", "[[a]]"]]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, args)
+        assert "expected a mapping of keys (" in str(e.value), args
+        assert not [c for c in classes if c in str(e.value)], str(e.value)
 
 
 def test_unknown_override_key_suggests():

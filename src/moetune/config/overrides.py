@@ -9,7 +9,8 @@ import difflib
 import re
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Optional, Sequence, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -64,13 +65,91 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _yaml_load(text: str, label: str) -> Any:
+def read_yaml(text: str, label: str, annotation: Any = Config) -> Any:
+    """The one reader of user YAML (a config file, an override's value), guided by the schema's `annotation` for it.
+
+    A scalar where the schema expects text, a number or a switch is passed on as the text as typed, for the field's
+    own type to read: YAML 1.1 would read `off`/`yes` as booleans, `2024-01-01` as a date, `010` as 8, `0x10` as 16
+    and `1:30` as 90, and a run name, a path or a step count typed that way must mean what it says. YAML still decides
+    what is null (`null`, `~`), a list and a mapping; values the schema leaves open (an inline model.config) keep
+    YAML's reading."""
+    loader = _Loader(text)
     try:
-        return yaml.load(text, Loader=_Loader)
+        node = loader.get_single_node()
+        return None if node is None else _construct(loader, node, annotation)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{label}:{mark.line + 1}:{mark.column + 1}" if mark else label
         raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+    finally:
+        loader.dispose()
+
+
+def _construct(loader: _Loader, node: yaml.Node, annotation: Any) -> Any:
+    if annotation is Any:
+        return loader.construct_object(node, deep=True)
+    if isinstance(node, yaml.ScalarNode):
+        value = loader.construct_object(node, deep=True)
+        return node.value if value is not None and node.style is None and _reads_scalars(annotation) else value
+    if isinstance(node, yaml.SequenceNode):
+        return [_construct(loader, item, _item_annotation(annotation, i)) for i, item in enumerate(node.value)]
+    loader.flatten_mapping(node)  # `<<: *anchor` merge keys
+    out: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, Hashable):
+            raise yaml.constructor.ConstructorError(None, None, "found an unhashable key", key_node.start_mark)
+        if key in out:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        out[key] = _construct(loader, value_node, _key_annotation(annotation, key))
+    return out
+
+
+def _members(annotation: Any) -> list:
+    """The types a field's annotation admits: Optional, Union and Annotated (tags, discriminators) unwrapped."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):
+        return [m for arg in get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _reads_scalars(annotation: Any) -> bool:
+    """Whether the field reads a scalar itself (text, a number, a switch, one of some words; or a list of those,
+    which takes one item alone)."""
+    for m in _members(annotation):
+        if m in (str, int, float, bool) or get_origin(m) is Literal:
+            return True
+        if get_origin(m) in (list, tuple) and any(_reads_scalars(a) for a in get_args(m) if a is not Ellipsis):
+            return True
+    return False
+
+
+def _key_annotation(annotation: Any, key: Any) -> Any:
+    for m in _members(annotation):
+        if isinstance(m, type) and issubclass(m, BaseModel):
+            return m.model_fields[key].annotation if key in m.model_fields else Any
+        if get_origin(m) is dict:
+            return get_args(m)[1]
+    return Any
+
+
+def _item_annotation(annotation: Any, index: int) -> Any:
+    for m in _members(annotation):
+        args = get_args(m)
+        if get_origin(m) is list and args:
+            return args[0]
+        if get_origin(m) is tuple and args:
+            return args[0] if args[-1] is Ellipsis else args[index] if index < len(args) else Any
+    return Any
+
+
+def _field_annotation(parts: Sequence[str]) -> Any:
+    """The schema's annotation for a dotted key (Any for a key it does not know: that is reported on its own)."""
+    annotation: Any = Config
+    for name in parts:
+        annotation = _key_annotation(annotation, name)
+    return annotation
 
 
 # --- command-line overrides ------------------------------------------------------------------
@@ -97,7 +176,7 @@ def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
             # YAML reads "" as null, which means "the default" (the demo's data, the tiny random model): an unset
             # shell variable ("--model.path $MODEL") must not silently train something else
             raise ConfigError(f"empty value for {arg!r} (an unset shell variable?); write null to mean none")
-        out.append((parts, _yaml_load(raw, f"value of override {arg!r}"), arg))
+        out.append((parts, read_yaml(raw, f"value of override {arg!r}", _field_annotation(parts)), arg))
     return out
 
 
@@ -187,6 +266,37 @@ def _source(path: str, label: str, overridden: dict[str, str]) -> str:
     return label
 
 
+def _message(e: dict, path: str) -> str:
+    """pydantic's message in the user's words: a section (or a data source) given something else than a mapping is
+    said so with its keys, not as "a valid dictionary or instance of RunConfig" (a class name the user never saw)."""
+    if e["type"] in ("model_type", "model_attributes_type", "dataclass_type"):
+        cls = e.get("ctx", {}).get("class_name")
+        model = next((m for m in _schema_models() if m.__name__ == cls), None)
+        keys = f" ({', '.join(model.model_fields)})" if model is not None else ""
+        return f"expected a mapping of keys{keys}"
+    return e["msg"].removeprefix("Value error, ")
+
+
+def _schema_models(cls: type[BaseModel] = Config) -> list[type[BaseModel]]:
+    """Every pydantic model of the schema, sections and the models inside their fields (DataSource)."""
+    out = [cls]
+    for field in cls.model_fields.values():
+        if (sub := _model_in(field.annotation)) is not None and sub not in out:
+            out += [m for m in _schema_models(sub) if m not in out]
+    return out
+
+
+def _quote_hint(e: dict, path: str, src: str) -> str:
+    """Text that YAML reads as no value, a list or a mapping: the field wants text, so say how to quote it."""
+    if e["type"] != "string_type" or not isinstance(e["input"], (type(None), list, dict)):
+        return ""
+    kind = "no value (null)" if e["input"] is None else "a list" if isinstance(e["input"], list) else "a mapping"
+    leaf = path.rpartition(".")[2]
+    example = (f"{src.removeprefix('command-line override ').strip(chr(39)).partition('=')[0]} \"'TEXT'\""
+               if src.startswith("command-line override") else f"{leaf}: 'TEXT'")
+    return f"; YAML read the value as {kind}: to mean the text, put it in quotes ({example})"
+
+
 def _format_errors(err: ValidationError, label: str, overridden: dict[str, str]) -> str:
     lines = []
     for e in err.errors():
@@ -195,9 +305,9 @@ def _format_errors(err: ValidationError, label: str, overridden: dict[str, str])
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown key {path!r} in {src}{_key_suggestion(path)}")
             continue
-        msg = e["msg"].removeprefix("Value error, ")
+        msg = _message(e, path)
         got = "" if e["type"] in ("value_error", "missing") else f" (got {repr(e['input'])[:80]})"
-        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}" if path
+        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}{_quote_hint(e, path, src)}" if path
                      else f"invalid config in {src}: {msg}")
     lines = list(dict.fromkeys(lines))  # union members can repeat the same complaint
     if len(lines) == 1:
@@ -217,7 +327,7 @@ def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ())
             raise ConfigError(f"config file not found: {path}") from None
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e}") from None
-        data = _yaml_load(text, label)
+        data = read_yaml(text, label)
         if data is None:
             data = {}
         if not isinstance(data, dict):
