@@ -38,9 +38,14 @@ def test_model_path_means_its_own_config():
     assert load_config(None, ["--model.config", "glm45-air-8layers"]).model.effective_config == "glm45-air-8layers"
 
 
-def test_empty_file_and_empty_section_mean_defaults(tmp_path):
-    assert load_config(write(tmp_path, "")) == Config()
+def test_an_empty_section_means_defaults_and_an_empty_file_is_refused(tmp_path):
     assert load_config(write(tmp_path, "lora:\n  # rank: 8\n")) == Config()
+    assert load_config(write(tmp_path, "{}\n")) == Config()  # said explicitly
+    # an empty file trained the demo's defaults without a word
+    for text in ("", "# optim:\n#   lr: 1.0e-4\n"):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError, match=rf"^{path}: the config file is empty"):
+            load_config(path)
 
 
 # --- unknown keys ---------------------------------------------------------------------------
@@ -267,6 +272,17 @@ def test_a_section_given_a_value_names_its_keys_not_a_class():
             load_config(None, args)
         assert "expected a mapping of keys (" in str(e.value), args
         assert not [c for c in classes if c in str(e.value)], str(e.value)
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--optim.learning_rate", "1e-4"], "did you mean 'optim.lr'?"),  # was optim.min_lr_ratio
+    (["--train.mbs", "2"], "did you mean 'train.micro_batch_size'?"),
+    (["--config", "x.yaml"], "a config file is the first argument"),  # was model.config
+])
+def test_suggestions_say_what_was_meant(args, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert hint in str(e.value)
 
 
 def test_unknown_override_key_suggests():

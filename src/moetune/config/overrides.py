@@ -18,6 +18,11 @@ from pydantic import BaseModel, ValidationError
 from moetune.config.schema import Config, _all_paths, _did_you_mean, _model_in, _section_class
 from moetune.errors import ConfigError
 
+def _initials(name: str) -> str:
+    parts = name.split("_")
+    return "".join(p[0] for p in parts if p) if len(parts) > 1 else ""
+
+
 def _key_suggestion(bad: str) -> str:
     parent, _, leaf = bad.rpartition(".")
     if parent.endswith("]"):  # a key of a model inside a list (data.train[0].wieght): its siblings only
@@ -35,6 +40,10 @@ def _key_suggestion(bad: str) -> str:
     if moved:
         return " — did you mean " + " or ".join(repr(p) for p in moved) + "?"
     siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
+    # a spelled-out name of an abbreviated key or the reverse (learning_rate / lr), before the fuzzy match, which
+    # finds min_lr_ratio closer to learning_rate than lr
+    if short := [s for s in siblings if _initials(leaf) == s or _initials(s) == leaf]:
+        return f" — did you mean {(parent + '.' if parent else '') + short[0]!r}?"
     if match := difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6):
         return f" — did you mean {(parent + '.' if parent else '') + match[0]!r}?"
     return _did_you_mean(bad, paths)
@@ -208,7 +217,9 @@ def _check_override_key(parts: list[str], arg: str) -> None:
         dotted = ".".join(parts[: i + 1])
         if name not in cls.model_fields:
             full = ".".join(parts)
-            raise ConfigError(f"unknown key {full!r} in command-line override {arg!r}{_key_suggestion(full)}")
+            hint = (" — a config file is the first argument, before any --section.key VALUE (model.config is the "
+                    "model's config.json)" if parts == ["config"] else _key_suggestion(full))
+            raise ConfigError(f"unknown key {full!r} in command-line override {arg!r}{hint}")
         sub = _section_class(cls, name)
         if sub is None:
             # Only a mapping-valued field (model.config) may be addressed below itself.
@@ -329,7 +340,9 @@ def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ())
             raise ConfigError(f"cannot read config file {path}: {e}") from None
         data = read_yaml(text, label)
         if data is None:
-            data = {}
+            # an empty file (or one all comments) would train the demo's defaults without a word
+            raise ConfigError(f"{label}: the config file is empty (no sections); for the built-in demo give no "
+                              "config file")
         if not isinstance(data, dict):
             raise ConfigError(f"{label}: the top level must be a mapping of sections, got {type(data).__name__}")
     overridden: dict[str, str] = {}
