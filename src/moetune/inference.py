@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from moetune.errors import CheckpointError, ConfigError
+from moetune.errors import CheckpointError, DeviceError, RunContentsError, TextError
 from moetune.model.generation import generate as generate_ids
 
 # Where GLM's chat format ends an assistant turn: the next role tag, or the end of text.
@@ -26,47 +26,71 @@ _STOP_TOKENS = ("<|user|>", "<|observation|>", "<|endoftext|>")
 
 
 def _is_moetune_source(path: str) -> bool:
-    """A run dir, an adapter dir or a training checkpoint (as opposed to an HF model directory)."""
+    """A run dir (config.yaml, adapter/ or checkpoints/), an adapter dir or a training checkpoint (as opposed to an
+    HF model directory)."""
     p = os.fspath(path)
     return any(os.path.exists(os.path.join(p, f)) for f in ("adapter", "adapter_config.json", ".metadata",
-                                                              "checkpoints"))
+                                                              "checkpoints", "config.yaml"))
 
 
-def _pick_device(device: str | None) -> str:
+def _adapter_of(source: str) -> str:
+    """The adapter a run (or adapter dir, or checkpoint) holds; a run that has none yet says so."""
+    from pathlib import Path
+
+    from moetune.export.adapter import resolve_adapter_dir
+    from moetune.run_dir import latest_checkpoint
+
+    is_run = not any(os.path.exists(os.path.join(source, f)) for f in ("adapter", "adapter_config.json", ".metadata"))
+    if is_run and latest_checkpoint(Path(source) / "checkpoints") is None:
+        raise RunContentsError(f"{source}: a run with no adapter and no complete checkpoint yet (the adapter is "
+                               "written when training ends; checkpoint.every N writes checkpoints while it runs)")
+    return resolve_adapter_dir(source)
+
+
+def pick_device(device: str | None, label: str = "device") -> str:
+    """The device to load on: None/"auto" is cuda when present, else cpu. One this machine does not have is a
+    DeviceError naming `label` (the flag or argument it came from), before torch's AssertionError."""
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"--device {device}: not a device (auto, cpu, cuda, cuda:1, ...)") from None
+    except (RuntimeError, ValueError, TypeError):
+        raise DeviceError(f"{label} {device}: not a device (auto, cpu, cuda, cuda:1, ...)") from None
     if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} usable CUDA GPUs "
-                          "(--device cpu, or auto)")
-    return device
+        raise DeviceError(f"{label} {device}: this machine has {torch.cuda.device_count()} usable CUDA GPUs "
+                          "(cpu, or auto)")
+    return str(device)
 
 
 def load_for_generation(source: str, base: str | None = None, adapter: str | None = None, device: str | None = None,
                         dtype: str | None = None):
     """(model, tokenizer) for a run directory / adapter / checkpoint, or an HF checkpoint directory (optionally with
     a moetune `adapter`). dtype default: bfloat16 on a GPU, float32 on the CPU."""
-    from moetune.model.hf_io import load_model
     from moetune.export.adapter import resolve_adapter_dir
+    from moetune.model.hf_io import load_model
     from moetune.export.run_base import resolve_base
     from moetune.model.adapter_io import read_adapter_config
 
-    if not os.path.exists(source):
-        raise CheckpointError(f"{source}: no such run directory or model directory")
+    if not os.path.isdir(source):
+        raise CheckpointError(f"{source}: no such run directory or model directory" if not os.path.exists(source)
+                              else f"{source}: not a directory (a run directory or an HF checkpoint directory)")
+    adapter = resolve_adapter_dir(adapter) if adapter is not None else None  # given: it wins over the run's own
     if _is_moetune_source(source):
-        adapter = resolve_adapter_dir(source)
-        meta = read_adapter_config(adapter)
-        base = resolve_base(adapter, meta, base)
-        if not base:
-            raise CheckpointError(f"{adapter}: the adapter names no base model: pass --base")
+        if adapter is None or base is None:
+            own = _adapter_of(source)
+            base = resolve_base(own, read_adapter_config(own), base)
+            if not base:
+                raise CheckpointError(f"{own}: the adapter names no base model: pass --base")
+            adapter = adapter or own
     else:
+        if not os.listdir(source):
+            raise CheckpointError(f"{source}: an empty directory: neither a moetune run (config.yaml, adapter/, "
+                                  "checkpoints/) nor an HF checkpoint (config.json)")
         base = base or source
     if not os.path.isfile(os.path.join(base, "config.json")):
-        raise CheckpointError(f"{base}: not an HF checkpoint directory (no config.json)")
-    device = _pick_device(device)
+        raise CheckpointError(f"{base}: neither a moetune run (config.yaml, adapter/, checkpoints/) nor an HF "
+                              "checkpoint directory (no config.json)")
+    device = pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = load_model(base, device=device, dtype=dtype, adapter=adapter)
     return model, load_tokenizer_for(base)
@@ -94,9 +118,27 @@ def default_stop_ids(tokenizer, model_dir: str | None = None) -> list[int]:
     return sorted(ids)
 
 
+def check_text(text: str, where: str) -> str:
+    """Text the tokenizer can encode: bytes that are not UTF-8 reach Python as lone surrogates (from the command line
+    and stdin they are escaped, PEP 383; JSON's \\u escapes can spell them too), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF
+                else f"{text[e.start]!r}, half of a UTF-16 surrogate pair")
+        raise TextError(f"{where}: character {e.start + 1} is {what}; the model reads UTF-8 text") from None
+    return text
+
+
 def encode_prompt(tokenizer, messages_or_text, chat: bool = True) -> torch.Tensor:
     """Token ids [1, S] of a prompt: messages (or a text as one user message) through the chat template, ready for
     the assistant's reply; with chat=False the text as is."""
+    if isinstance(messages_or_text, str):
+        check_text(messages_or_text, "the prompt")
+    else:
+        for i, m in enumerate(messages_or_text):
+            check_text(m["content"], f"message {i + 1} ({m.get('role', 'user')})")
     if chat and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "user", "content": messages_or_text}] if isinstance(messages_or_text, str)
                     else messages_or_text)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from moetune.cli import error_line
 from moetune.cli.args import ArgumentParser
-from moetune.errors import UsageError
+from moetune.errors import TextError, UsageError
 
 
 def _parser(prog: str, description: str) -> ArgumentParser:
@@ -30,11 +31,16 @@ def _parser(prog: str, description: str) -> ArgumentParser:
 
 
 def _load(a):
-    from moetune.inference import load_for_generation
+    """Check the arguments (before minutes of loading), then load."""
+    from moetune.inference import check_text, load_for_generation, pick_device
 
     if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
         raise UsageError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-    return load_for_generation(a.source, base=a.base, adapter=a.adapter, device=a.device, dtype=a.dtype)
+    for flag in ("prompt", "system"):
+        if getattr(a, flag, None) is not None:
+            check_text(getattr(a, flag), f"--{flag}")
+    device = pick_device(a.device, "--device")
+    return load_for_generation(a.source, base=a.base, adapter=a.adapter, device=device, dtype=a.dtype)
 
 
 def generate(argv: list[str]) -> int:
@@ -54,14 +60,19 @@ def generate(argv: list[str]) -> int:
 
 
 def chat(argv: list[str], stdin=None) -> int:
-    from moetune.inference import generate as generate_reply
+    from moetune.inference import check_text, generate as generate_reply
 
     p = _parser("moetune chat", "Chat in the terminal with a trained run (base + adapter) or an HF checkpoint. Each "
                 "line you type is a user message; the conversation so far goes through the chat template. /reset "
                 "starts over, /exit (or end of input) quits.")
     a = p.parse_args(argv)
     model, tokenizer = _load(a)
-    stdin = stdin or sys.stdin
+    if stdin is None:
+        stdin = sys.stdin
+        # bytes that are not UTF-8 become lone surrogates (as in argv), refused line by line below, where the
+        # default 'strict' reading ended the session with a UnicodeDecodeError traceback
+        stdin.reconfigure(errors="surrogateescape")
+    refused = 0
     interactive = stdin.isatty()
     history = [{"role": "system", "content": a.system}] if a.system else []
     if interactive:
@@ -80,8 +91,14 @@ def chat(argv: list[str], stdin=None) -> int:
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
-        reply = generate_reply(model, history, tokenizer, a.max_new_tokens, a.temperature, a.top_p, a.seed)
-        history.append({"role": "assistant", "content": reply})
+        try:
+            check_text(line, "that line")
+            reply = generate_reply(model, history + [{"role": "user", "content": line}], tokenizer,
+                                   a.max_new_tokens, a.temperature, a.top_p, a.seed)
+        except TextError as e:  # that line is refused; the conversation so far stays
+            print(error_line(e), file=sys.stderr, flush=True)
+            refused += 1
+            continue
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
         print(("model> " if interactive else "") + reply, flush=True)
-    return 0
+    return 1 if refused else 0
