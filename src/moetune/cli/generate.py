@@ -71,7 +71,8 @@ def chat(argv: list[str], stdin=None) -> int:
         stdin = sys.stdin
         # bytes that are not UTF-8 become lone surrogates (as in argv), refused line by line below, where the
         # default 'strict' reading ended the session with a UnicodeDecodeError traceback
-        stdin.reconfigure(errors="surrogateescape")
+        if hasattr(stdin, "reconfigure"):
+            stdin.reconfigure(errors="surrogateescape")
     refused = 0
     interactive = stdin.isatty()
     history = [{"role": "system", "content": a.system}] if a.system else []
