@@ -18,8 +18,9 @@ import os
 
 import torch
 
-from moetune.errors import CheckpointError, DeviceError, RunContentsError, TextError
+from moetune.errors import CheckpointError, DeviceError, RunContentsError
 from moetune.model.generation import generate as generate_ids
+from moetune.text import check_text
 
 # Where GLM's chat format ends an assistant turn: the next role tag, or the end of text.
 _STOP_TOKENS = ("<|user|>", "<|observation|>", "<|endoftext|>")
@@ -116,19 +117,6 @@ def default_stop_ids(tokenizer, model_dir: str | None = None) -> list[int]:
             eos = json.load(f).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return sorted(ids)
-
-
-def check_text(text: str, where: str) -> str:
-    """Text the tokenizer can encode: bytes that are not UTF-8 reach Python as lone surrogates (from the command line
-    and stdin they are escaped, PEP 383; JSON's \\u escapes can spell them too), which no tokenizer encodes."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        code = ord(text[e.start])
-        what = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF
-                else f"{text[e.start]!r}, half of a UTF-16 surrogate pair")
-        raise TextError(f"{where}: character {e.start + 1} is {what}; the model reads UTF-8 text") from None
-    return text
 
 
 def encode_prompt(tokenizer, messages_or_text, chat: bool = True) -> torch.Tensor:

@@ -369,11 +369,11 @@ def test_text_that_is_not_utf8_is_one_line(trained):
     p = subprocess.run([sys.executable, "-m", "moetune", "generate", str(trained[0]), "--prompt", b"upper: a\xffb"],
                        capture_output=True, env=env, timeout=120)
     assert p.returncode == 1 and p.stderr.decode().splitlines() == [
-        "moetune: error: --prompt: character 9 is the byte 0xff, which is not UTF-8; the model reads UTF-8 text"]
+        "moetune: error: --prompt: character 9 is the byte 0xff, which is not UTF-8; moetune reads UTF-8 text"]
     p = subprocess.run([sys.executable, "-m", "moetune", "chat", str(trained[0]), "--max-new-tokens", "3"],
                        input=b"upper: a\xffb\nupper: ab\n", capture_output=True, env=env, timeout=120)
     assert p.returncode == 1 and "Traceback" not in p.stderr.decode(), p.stderr.decode()[-2000:]
-    assert ("moetune: error: that line: character 9 is the byte 0xff, which is not UTF-8; the model reads UTF-8 text"
+    assert ("moetune: error: that line: character 9 is the byte 0xff, which is not UTF-8; moetune reads UTF-8 text"
             in p.stderr.decode().splitlines())
     assert len(p.stdout.decode().splitlines()) == 1  # the second line was answered
     import moetune

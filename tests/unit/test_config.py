@@ -466,3 +466,15 @@ def test_an_empty_override_is_refused_not_read_as_null():
         with pytest.raises(ConfigError, match=r"empty value for '--(data.train|model.path=  )' \(an unset shell"):
             load_config(None, args)
     assert load_config(None, ["--model.path", "null"]).model.path is None
+
+
+def test_config_text_that_is_not_utf8_is_one_error_naming_where(tmp_path):
+    # a config file with a byte that is not UTF-8 was a UnicodeDecodeError traceback; the same byte in a command-line
+    # value (a lone surrogate, PEP 383) was a yaml ReaderError traceback
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^{path}:2: the byte 0xe9 is not UTF-8; moetune reads UTF-8 text$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^value of override '--run.name': character 4 is the byte 0xe9, which is "
+                                          r"not UTF-8"):
+        load_config(None, ["--run.name", b"caf\xe9".decode("utf-8", "surrogateescape")])

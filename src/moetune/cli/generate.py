@@ -32,7 +32,8 @@ def _parser(prog: str, description: str) -> ArgumentParser:
 
 def _load(a):
     """Check the arguments (before minutes of loading), then load."""
-    from moetune.inference import check_text, load_for_generation, pick_device
+    from moetune.inference import load_for_generation, pick_device
+    from moetune.text import check_text
 
     if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
         raise UsageError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
@@ -60,7 +61,8 @@ def generate(argv: list[str]) -> int:
 
 
 def chat(argv: list[str], stdin=None) -> int:
-    from moetune.inference import check_text, generate as generate_reply
+    from moetune.inference import generate as generate_reply
+    from moetune.text import check_text
 
     p = _parser("moetune chat", "Chat in the terminal with a trained run (base + adapter) or an HF checkpoint. Each "
                 "line you type is a user message; the conversation so far goes through the chat template. /reset "

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from moetune.config.schema import Config, _all_paths, _did_you_mean, _model_in, _section_class
 from moetune.errors import ConfigError
+from moetune.text import check_text, decode_utf8
 
 def _initials(name: str) -> str:
     parts = name.split("_")
@@ -82,6 +83,7 @@ def read_yaml(text: str, label: str, annotation: Any = Config) -> Any:
     and `1:30` as 90, and a run name, a path or a step count typed that way must mean what it says. YAML still decides
     what is null (`null`, `~`), a list and a mapping; values the schema leaves open (an inline model.config) keep
     YAML's reading."""
+    check_text(text, label, ConfigError)  # YAML's reader would refuse it with a traceback
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -333,7 +335,7 @@ def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ())
     if path is not None:
         label = str(path)
         try:
-            text = Path(path).read_text()
+            text = decode_utf8(Path(path).read_bytes(), label, ConfigError)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except OSError as e:
