@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from moetune.errors import MissingDependency, RunContentsError
+from moetune.errors import MissingDependency, OutputError, RunContentsError
 
 FIGSIZE = (9, 4.8)
 DPI = 120
@@ -78,11 +78,15 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=DPI)
+    except OSError as e:  # a full disk, a read-only run directory
+        raise OutputError(f"{path}: cannot write the figure ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -254,7 +258,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
         raise RunContentsError(f"{metrics} holds no metrics yet")
     _plt()  # matplotlib is an extra: say so before anything is written
     out = Path(out) if out else run_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, no permission
+        raise OutputError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     title, layer_ids = _run_info(run_dir)
     notes = [f"{bad} unreadable line(s) skipped (a line being written?)"] if bad else []
     written = []

@@ -104,3 +104,19 @@ def test_plot_on_a_folder_without_metrics_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"moetune: error: {tmp_path}: no metrics.jsonl (not a run directory, or a run that has not logged a step "
         "yet)"]
+
+
+@needs_matplotlib
+def test_plot_to_a_place_it_cannot_write_is_one_line(tmp_path, capsys):
+    # --out naming a file was a FileExistsError traceback; a folder it cannot write into, a PermissionError one
+    from moetune.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    (tmp_path / "a_file").write_text("")
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "a_file")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"moetune: error: --out {tmp_path / 'a_file'}: cannot make the folder (File exists)"]
+    (tmp_path / "loss.png").mkdir()  # where the figure goes: savefig cannot write a file there
+    assert main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moetune: error: {tmp_path / 'loss.png'}: cannot write the figure"), err
