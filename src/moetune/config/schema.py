@@ -30,8 +30,9 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 
 class _Section(BaseModel):
     # extra="forbid": a misspelt key must fail, not fall back to a default unnoticed.
-    # coerce_numbers_to_str: YAML reads `--run.name 7` as an int; it is still a fine name.
-    # allow_inf_nan=False: `.inf` and `.nan` parse as YAML floats; no setting of ours means anything with them.
+    # coerce_numbers_to_str: a config built in Python may give a name as a number (the YAML reader, overrides.py,
+    # passes a scalar on as the text typed, for the field's type to read).
+    # allow_inf_nan=False: `inf` and `nan` read as floats; no setting of ours means anything with them.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
