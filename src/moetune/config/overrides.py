@@ -269,14 +269,20 @@ def _loc_to_path(loc: tuple, err_type: str) -> str:
     return path
 
 
-def _source(path: str, label: str, overridden: dict[str, str]) -> str:
-    """Blame the override that set `path` (or a section above or below it), else the file."""
-    if not path:  # cross-field error: could come from either
-        return f"{label} + command-line overrides" if overridden else label
+def _override_for(path: str, overridden: dict[str, str]) -> Optional[str]:
+    """The override that set `path` (or a section above or below it)."""
     for key, arg in overridden.items():
         if path == key or path.startswith((key + ".", key + "[")) or key.startswith(path + "."):
-            return f"command-line override {arg!r}"
-    return label
+            return arg
+    return None
+
+
+def _source(path: str, label: str, overridden: dict[str, str]) -> str:
+    """Blame the override that set `path`, else the file."""
+    if not path:  # cross-field error: could come from either
+        return f"{label} + command-line overrides" if overridden else label
+    arg = _override_for(path, overridden)
+    return f"command-line override {arg!r}" if arg else label
 
 
 def _message(e: dict, path: str) -> str:
@@ -299,14 +305,13 @@ def _schema_models(cls: type[BaseModel] = Config) -> list[type[BaseModel]]:
     return out
 
 
-def _quote_hint(e: dict, path: str, src: str) -> str:
+def _quote_hint(e: dict, path: str, overridden: dict[str, str]) -> str:
     """Text that YAML reads as no value, a list or a mapping: the field wants text, so say how to quote it."""
     if e["type"] != "string_type" or not isinstance(e["input"], (type(None), list, dict)):
         return ""
     kind = "no value (null)" if e["input"] is None else "a list" if isinstance(e["input"], list) else "a mapping"
-    leaf = path.rpartition(".")[2]
-    example = (f"{src.removeprefix('command-line override ').strip(chr(39)).partition('=')[0]} \"'TEXT'\""
-               if src.startswith("command-line override") else f"{leaf}: 'TEXT'")
+    arg = _override_for(path, overridden)
+    example = f"{arg.partition('=')[0]} \"'TEXT'\"" if arg else f"{path.rpartition('.')[2]}: 'TEXT'"
     return f"; YAML read the value as {kind}: to mean the text, put it in quotes ({example})"
 
 
@@ -320,7 +325,7 @@ def _format_errors(err: ValidationError, label: str, overridden: dict[str, str])
             continue
         msg = _message(e, path)
         got = "" if e["type"] in ("value_error", "missing") else f" (got {repr(e['input'])[:80]})"
-        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}{_quote_hint(e, path, src)}" if path
+        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}{_quote_hint(e, path, overridden)}" if path
                      else f"invalid config in {src}: {msg}")
     lines = list(dict.fromkeys(lines))  # union members can repeat the same complaint
     if len(lines) == 1:
