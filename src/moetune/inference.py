@@ -27,11 +27,12 @@ _STOP_TOKENS = ("<|user|>", "<|observation|>", "<|endoftext|>")
 
 
 def _is_moetune_source(path: str) -> bool:
-    """A run dir (config.yaml, adapter/ or checkpoints/), an adapter dir or a training checkpoint (as opposed to an
-    HF model directory)."""
+    """A run dir (adapter/, checkpoints/, or only its config.yaml so far), an adapter dir or a training checkpoint
+    (as opposed to an HF model directory, which has a config.json)."""
     p = os.fspath(path)
-    return any(os.path.exists(os.path.join(p, f)) for f in ("adapter", "adapter_config.json", ".metadata",
-                                                              "checkpoints", "config.yaml"))
+    has = lambda name: os.path.exists(os.path.join(p, name))  # noqa: E731
+    return (any(has(f) for f in ("adapter", "adapter_config.json", ".metadata", "checkpoints"))
+            or (has("config.yaml") and not has("config.json")))
 
 
 def _adapter_of(source: str) -> str:

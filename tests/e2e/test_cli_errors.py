@@ -336,12 +336,14 @@ def test_generate_honours_adapter_over_the_runs_own(trained, tmp_path, monkeypat
 def test_generate_says_what_a_folder_lacks(trained, tmp_path, capsys):
     """A run with no adapter or checkpoint yet and an empty folder were 'not an HF checkpoint directory (no
     config.json)'."""
-    early = tmp_path / "early"
-    early.mkdir()
-    shutil.copy2(trained[0] / "config.yaml", early / "config.yaml")
+    early, earliest = tmp_path / "early", tmp_path / "earliest"
+    for run in (early, earliest):
+        run.mkdir()
+        shutil.copy2(trained[0] / "config.yaml", run / "config.yaml")
     (early / "checkpoints").mkdir()
     (tmp_path / "empty").mkdir()
     for folder, said in ((early, "a run with no adapter and no complete checkpoint yet"),
+                         (earliest, "a run with no adapter and no complete checkpoint yet"),
                          (tmp_path / "empty", "an empty directory: neither a moetune run")):
         assert main(["generate", str(folder), "--prompt", "hi"]) == 1
         assert _user_lines(capsys.readouterr().err) == [f"moetune: error: {folder}: {said}" + (
