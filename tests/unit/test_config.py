@@ -251,14 +251,26 @@ def test_a_number_field_reads_the_text_as_typed(tmp_path):
     assert (cfg.optim.lr, cfg.data.shuffle, cfg.optim.betas, cfg.eval.max_batches) == (2e-4, False, (0.8, 0.9), None)
 
 
+@pytest.mark.parametrize("typed", ["exp #3", "[a, b]", "a: b", "@home", "null", "*x", "- a"])
+def test_a_text_only_field_on_the_command_line_is_the_text_as_typed(typed):
+    # nothing of a run name typed on the command line is YAML syntax: `#3` was dropped as a comment, `[a, b]` became a
+    # list, `@home` a YAML error, `null` no value (refused)
+    assert load_config(None, ["--run.name", typed]).run.name == typed
+    # quotes stay the way to give the text `null` to a field that may be unset
+    assert load_config(None, ["--model.path", "null"]).model.path is None
+    assert load_config(None, ["--model.path", "'null'"]).model.path == "null"
+    assert load_config(None, ["--data.train", "my data #1.jsonl"]).data.train == "my data #1.jsonl"
+
+
 @pytest.mark.parametrize("typed, kind", [("null", "no value (null)"), ("[a, b]", "a list"), ("{a: 1}", "a mapping")])
 def test_yaml_that_is_not_text_for_a_text_field_says_how_to_quote(tmp_path, typed, kind):
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["--run.name", typed])
-    assert f"YAML read the value as {kind}: to mean the text, put it in quotes (--run.name \"'TEXT'\")" in str(e.value)
-    with pytest.raises(ConfigError) as e:
+    hint = f"YAML read the value as {kind}: to mean the text, put it in quotes ('...')"
+    with pytest.raises(ConfigError, match="'run.name'") as e:
         load_config(write(tmp_path, f"run:\n  name: {typed}\n"))
-    assert f"YAML read the value as {kind}: to mean the text, put it in quotes (name: 'TEXT')" in str(e.value)
+    assert hint in str(e.value)
+    with pytest.raises(ConfigError, match="'data.columns'") as e:  # text inside a mapping typed on the command line
+        load_config(None, ["--data.columns", f"{{output: {typed}}}"])
+    assert hint in str(e.value)
 
 
 def test_a_section_given_a_value_names_its_keys_not_a_class():

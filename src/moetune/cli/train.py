@@ -19,7 +19,8 @@ arguments:
                           logging, checkpoint, parallel, resume (configs/ holds recipes for GLM-4.5-Air,
                           GLM-4.5, GLM-4.7-Flash and GLM-5)
   --section.key VALUE     override one key, e.g. --optim.lr 2e-4 --lora.targets [q_proj,v_proj] (also
-                          --section.key=VALUE; values are YAML, a text key takes the text as typed)
+                          --section.key=VALUE): a key of one value takes the text as typed (null: unset, where
+                          the key may be); lists and mappings are YAML
   --print-config          print the resolved config (defaults < file < overrides) as YAML and exit
   -h, --help              show this help and exit
 

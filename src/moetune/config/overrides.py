@@ -136,6 +136,32 @@ def _reads_scalars(annotation: Any) -> bool:
     return False
 
 
+def _only_scalars(annotation: Any) -> bool:
+    """A field that reads one scalar and never a list or a mapping (run.name, train.steps, model.path)."""
+    return all(m in (str, int, float, bool, type(None)) or get_origin(m) is Literal for m in _members(annotation))
+
+
+def read_override(raw: str, label: str, annotation: Any) -> Any:
+    """An override's value. For a field that only reads a scalar, the text as typed: nothing of it is YAML syntax
+    (`--run.name "exp #3"` keeps its `#3`, `--run.name "[a]"` is that name), except `null` where the field may be
+    unset and quotes, which stay the way to say `'null'` itself. Other fields (lists, mappings) read YAML."""
+    check_text(raw, label, ConfigError)
+    if not _only_scalars(annotation):
+        value = read_yaml(raw, label, annotation)
+        return raw if isinstance(value, str) and _reads_scalars(annotation) and _plain(raw) else value
+    if not _plain(raw):
+        return read_yaml(raw, label, str)  # the quoted text
+    if type(None) in _members(annotation) and read_yaml(raw, label, Any) is None:
+        return None
+    return raw
+
+
+def _plain(raw: str) -> bool:
+    """Not a quoted YAML scalar."""
+    text = raw.strip()
+    return not (len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"")
+
+
 def _key_annotation(annotation: Any, key: Any) -> Any:
     for m in _members(annotation):
         if isinstance(m, type) and issubclass(m, BaseModel):
@@ -187,7 +213,7 @@ def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
             # YAML reads "" as null, which means "the default" (the demo's data, the tiny random model): an unset
             # shell variable ("--model.path $MODEL") must not silently train something else
             raise ConfigError(f"empty value for {arg!r} (an unset shell variable?); write null to mean none")
-        out.append((parts, read_yaml(raw, f"value of override {arg!r}", _field_annotation(parts)), arg))
+        out.append((parts, read_override(raw, f"value of override {arg!r}", _field_annotation(parts)), arg))
     return out
 
 
@@ -305,14 +331,12 @@ def _schema_models(cls: type[BaseModel] = Config) -> list[type[BaseModel]]:
     return out
 
 
-def _quote_hint(e: dict, path: str, overridden: dict[str, str]) -> str:
+def _quote_hint(e: dict) -> str:
     """Text that YAML reads as no value, a list or a mapping: the field wants text, so say how to quote it."""
     if e["type"] != "string_type" or not isinstance(e["input"], (type(None), list, dict)):
         return ""
     kind = "no value (null)" if e["input"] is None else "a list" if isinstance(e["input"], list) else "a mapping"
-    arg = _override_for(path, overridden)
-    example = f"{arg.partition('=')[0]} \"'TEXT'\"" if arg else f"{path.rpartition('.')[2]}: 'TEXT'"
-    return f"; YAML read the value as {kind}: to mean the text, put it in quotes ({example})"
+    return f"; YAML read the value as {kind}: to mean the text, put it in quotes ('...')"
 
 
 def _format_errors(err: ValidationError, label: str, overridden: dict[str, str]) -> str:
@@ -325,7 +349,7 @@ def _format_errors(err: ValidationError, label: str, overridden: dict[str, str])
             continue
         msg = _message(e, path)
         got = "" if e["type"] in ("value_error", "missing") else f" (got {repr(e['input'])[:80]})"
-        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}{_quote_hint(e, path, overridden)}" if path
+        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}{_quote_hint(e)}" if path
                      else f"invalid config in {src}: {msg}")
     lines = list(dict.fromkeys(lines))  # union members can repeat the same complaint
     if len(lines) == 1:
