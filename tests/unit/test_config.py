@@ -268,7 +268,7 @@ def test_yaml_that_is_not_text_for_a_text_field_says_how_to_quote(tmp_path, type
     with pytest.raises(ConfigError, match="'run.name'") as e:
         load_config(write(tmp_path, f"run:\n  name: {typed}\n"))
     assert hint in str(e.value)
-    with pytest.raises(ConfigError, match="'data.columns'") as e:  # text inside a mapping typed on the command line
+    with pytest.raises(ConfigError, match="'data.columns.output'") as e:  # text in a mapping on the command line
         load_config(None, ["--data.columns", f"{{output: {typed}}}"])
     assert hint in str(e.value)
 

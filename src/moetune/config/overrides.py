@@ -281,12 +281,18 @@ _UNION_TAGS = frozenset({"str", "list", "source", "auto", "int", "float", "bool"
 
 def _loc_to_path(loc: tuple, err_type: str) -> str:
     """pydantic loc -> dotted path, dropping union-member tags like 'str' / 'dict[str,any]'."""
-    path, cls = "", Config
+    path, cls, keyed = "", Config, False
     for i, seg in enumerate(loc):
         if isinstance(seg, int):
             path += f"[{seg}]"
+        elif keyed:  # a key of a mapping field (data.columns.output)
+            path += f".{seg}"
+            keyed = False
         elif cls is not None and seg in cls.model_fields:
             path += ("." if path else "") + seg
+            members = _members(cls.model_fields[seg].annotation)
+            keyed = dict in [get_origin(m) for m in members] and not any(m is str or get_origin(m) is list
+                                                                         for m in members)
             cls = _section_class(cls, seg)
         elif (err_type == "extra_forbidden" and i == len(loc) - 1) or (
                 cls is None and path.endswith("]") and re.fullmatch(r"[a-z_][a-z0-9_]*", str(seg))
