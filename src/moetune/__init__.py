@@ -5,9 +5,10 @@ from moetune.version import __version__
 
 def load_model(path, device="cpu", dtype=None, adapter=None):
     """Load an HF-format GLM-4.5 checkpoint directory (optionally with a moetune adapter)."""
+    from moetune.inference import pick_device
     from moetune.model.hf_io import load_model as _load
 
-    return _load(path, device=device, dtype=dtype, adapter=adapter)
+    return _load(path, device=pick_device(device), dtype=dtype, adapter=adapter)
 
 
 def load_for_generation(source, base=None, adapter=None, device=None, dtype=None):

@@ -50,3 +50,28 @@ class ExportError(MoetuneError):
 
 class TrackerError(MoetuneError):
     """A tracker was asked for and cannot be used; the message says how to fix it."""
+
+
+class UsageError(ConfigError):
+    """A command line that does not parse (unknown flag, missing argument, a value of the wrong kind)."""
+
+
+class VerificationError(ExportError):
+    """--verify found the export's logits beyond the tolerance: the export must not be used."""
+
+
+class RunContentsError(MoetuneError):
+    """A run directory (or a file a command reads from it) lacks what the command needs: no metrics yet, no adapter
+    or checkpoint yet."""
+
+
+class MissingDependency(MoetuneError):
+    """An optional dependency a command needs is not installed; the message names the extra that installs it."""
+
+
+class DeviceError(ConfigError):
+    """A device that this machine does not have (cuda without a GPU, cuda:3 on a machine with two)."""
+
+
+class TextError(MoetuneError):
+    """Text that cannot be encoded as UTF-8 (lone surrogates, from bytes that are not UTF-8)."""

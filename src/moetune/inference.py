@@ -1,4 +1,4 @@
-"""Try a trained model: `moetune generate` and `moetune chat`, and the same from Python.
+"""Try a trained model from Python (and behind `moetune generate` and `moetune chat`).
 
     model, tokenizer = moetune.load_for_generation("runs/demo")             # a run dir: base + its adapter
     moetune.generate(model, "upper: abc", tokenizer=tokenizer, max_new_tokens=8)   # -> "ABC"
@@ -13,62 +13,86 @@ models (the whole model on one GPU).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 
 import torch
 
-from moetune.errors import CheckpointError, ConfigError, MoetuneError
+from moetune.errors import CheckpointError, DeviceError, RunContentsError
 from moetune.model.generation import generate as generate_ids
+from moetune.text import check_text
 
 # Where GLM's chat format ends an assistant turn: the next role tag, or the end of text.
 _STOP_TOKENS = ("<|user|>", "<|observation|>", "<|endoftext|>")
 
 
 def _is_moetune_source(path: str) -> bool:
-    """A run dir, an adapter dir or a training checkpoint (as opposed to an HF model directory)."""
+    """A run dir (adapter/, checkpoints/, or only its config.yaml so far), an adapter dir or a training checkpoint
+    (as opposed to an HF model directory, which has a config.json)."""
     p = os.fspath(path)
-    return any(os.path.exists(os.path.join(p, f)) for f in ("adapter", "adapter_config.json", ".metadata",
-                                                              "checkpoints"))
+    has = lambda name: os.path.exists(os.path.join(p, name))  # noqa: E731
+    return (any(has(f) for f in ("adapter", "adapter_config.json", ".metadata", "checkpoints"))
+            or (has("config.yaml") and not has("config.json")))
 
 
-def _pick_device(device: str | None) -> str:
+def _adapter_of(source: str) -> str:
+    """The adapter a run (or adapter dir, or checkpoint) holds; a run that has none yet says so."""
+    from pathlib import Path
+
+    from moetune.export.adapter import resolve_adapter_dir
+    from moetune.run_dir import latest_checkpoint
+
+    is_run = not any(os.path.exists(os.path.join(source, f)) for f in ("adapter", "adapter_config.json", ".metadata"))
+    if is_run and latest_checkpoint(Path(source) / "checkpoints") is None:
+        raise RunContentsError(f"{source}: a run with no adapter and no complete checkpoint yet (the adapter is "
+                               "written when training ends; checkpoint.every N writes checkpoints while it runs)")
+    return resolve_adapter_dir(source)
+
+
+def pick_device(device: str | None, label: str = "device") -> str:
+    """The device to load on: None/"auto" is cuda when present, else cpu. One this machine does not have is a
+    DeviceError naming `label` (the flag or argument it came from), before torch's AssertionError."""
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ConfigError(f"--device {device}: not a device (auto, cpu, cuda, cuda:1, ...)") from None
+    except (RuntimeError, ValueError, TypeError):
+        raise DeviceError(f"{label} {device}: not a device (auto, cpu, cuda, cuda:1, ...)") from None
     if dev.type == "cuda" and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} usable CUDA GPUs "
-                          "(--device cpu, or auto)")
-    return device
+        raise DeviceError(f"{label} {device}: this machine has {torch.cuda.device_count()} usable CUDA GPUs "
+                          "(cpu, or auto)")
+    return str(device)
 
 
 def load_for_generation(source: str, base: str | None = None, adapter: str | None = None, device: str | None = None,
                         dtype: str | None = None):
     """(model, tokenizer) for a run directory / adapter / checkpoint, or an HF checkpoint directory (optionally with
     a moetune `adapter`). dtype default: bfloat16 on a GPU, float32 on the CPU."""
-    from moetune.model.hf_io import load_model
     from moetune.export.adapter import resolve_adapter_dir
+    from moetune.model.hf_io import load_model
     from moetune.export.run_base import resolve_base
     from moetune.model.adapter_io import read_adapter_config
 
-    if not os.path.exists(source):
-        raise CheckpointError(f"{source}: no such run directory or model directory")
+    if not os.path.isdir(source):
+        raise CheckpointError(f"{source}: no such run directory or model directory" if not os.path.exists(source)
+                              else f"{source}: not a directory (a run directory or an HF checkpoint directory)")
+    adapter = resolve_adapter_dir(adapter) if adapter is not None else None  # given: it wins over the run's own
     if _is_moetune_source(source):
-        adapter = resolve_adapter_dir(source)
-        meta = read_adapter_config(adapter)
-        base = resolve_base(adapter, meta, base)
-        if not base:
-            raise CheckpointError(f"{adapter}: the adapter names no base model: pass --base")
+        if adapter is None or base is None:
+            own = _adapter_of(source)
+            base = resolve_base(own, read_adapter_config(own), base)
+            if not base:
+                raise CheckpointError(f"{own}: the adapter names no base model: pass --base")
+            adapter = adapter or own
     else:
+        if not os.listdir(source):
+            raise CheckpointError(f"{source}: an empty directory: neither a moetune run (config.yaml, adapter/, "
+                                  "checkpoints/) nor an HF checkpoint (config.json)")
         base = base or source
     if not os.path.isfile(os.path.join(base, "config.json")):
-        raise CheckpointError(f"{base}: not an HF checkpoint directory (no config.json)")
-    device = _pick_device(device)
+        raise CheckpointError(f"{base}: neither a moetune run (config.yaml, adapter/, checkpoints/) nor an HF "
+                              "checkpoint directory (no config.json)")
+    device = pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     model = load_model(base, device=device, dtype=dtype, adapter=adapter)
     return model, load_tokenizer_for(base)
@@ -99,6 +123,11 @@ def default_stop_ids(tokenizer, model_dir: str | None = None) -> list[int]:
 def encode_prompt(tokenizer, messages_or_text, chat: bool = True) -> torch.Tensor:
     """Token ids [1, S] of a prompt: messages (or a text as one user message) through the chat template, ready for
     the assistant's reply; with chat=False the text as is."""
+    if isinstance(messages_or_text, str):
+        check_text(messages_or_text, "the prompt")
+    else:
+        for i, m in enumerate(messages_or_text):
+            check_text(m["content"], f"message {i + 1} ({m.get('role', 'user')})")
     if chat and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "user", "content": messages_or_text}] if isinstance(messages_or_text, str)
                     else messages_or_text)
@@ -127,90 +156,3 @@ def _decode(tokenizer, ids: list[int], stops) -> str:
     stops = set(stops)
     cut = next((i for i, t in enumerate(ids) if t in stops), len(ids))
     return tokenizer.decode(ids[:cut], skip_special_tokens=True)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def _common_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="RUN_DIR_OR_MODEL",
-                   help="a run directory (runs/NAME: its base + adapter), an adapter dir, a training checkpoint, or "
-                        "an HF checkpoint directory")
-    p.add_argument("--base", default=None, help="the base HF checkpoint for a run/adapter (default: the one it "
-                                                "trained on; a random-init base is rebuilt into RUN/base/)")
-    p.add_argument("--adapter", default=None, help="a moetune adapter to apply to an HF checkpoint SOURCE")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens per reply")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
-                                                            "whose probability adds up to this")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampler (reproducible sampling)")
-    p.add_argument("--device", default="auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: bfloat16 on a GPU, float32 on the CPU")
-    p.add_argument("--system", default=None, help="a system message before the conversation")
-
-
-def _load(a):
-    model, tokenizer = load_for_generation(a.source, base=a.base, adapter=a.adapter, device=a.device, dtype=a.dtype)
-    return model, tokenizer
-
-
-def _check_sampling(a) -> None:
-    if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
-        raise MoetuneError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-
-
-def generate_main(argv) -> int:
-    from moetune.help_format import HelpFormatter
-
-    p = argparse.ArgumentParser(
-        prog="moetune generate", formatter_class=HelpFormatter,
-        description="Generate a reply to --prompt with a trained run (base + adapter) or an HF checkpoint, "
-                    "with a KV cache; greedy unless --temperature > 0.")
-    _common_flags(p)
-    p.add_argument("--prompt", required=True, help="the user message (or, with --raw, the text to continue)")
-    p.add_argument("--raw", action="store_true", help="continue the prompt as plain text (no chat template)")
-    a = p.parse_args(argv)
-    _check_sampling(a)
-    model, tokenizer = _load(a)
-    messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
-    reply = generate(model, a.prompt if a.raw else messages, tokenizer, a.max_new_tokens, a.temperature, a.top_p,
-                     a.seed, chat=not a.raw)
-    print(reply)
-    return 0
-
-
-def chat_main(argv, stdin=None) -> int:
-    from moetune.help_format import HelpFormatter
-
-    p = argparse.ArgumentParser(
-        prog="moetune chat", formatter_class=HelpFormatter,
-        description="Chat in the terminal with a trained run (base + adapter) or an HF checkpoint. Each line you "
-                    "type is a user message; the conversation so far goes through the chat template. "
-                    "/reset starts over, /exit (or end of input) quits.")
-    _common_flags(p)
-    a = p.parse_args(argv)
-    _check_sampling(a)
-    model, tokenizer = _load(a)
-    stdin = stdin or sys.stdin
-    interactive = stdin.isatty()
-    history = [{"role": "system", "content": a.system}] if a.system else []
-    if interactive:
-        print(f"moetune chat with {a.source} (/reset, /exit)", file=sys.stderr)
-    while True:
-        if interactive:
-            print("you> ", end="", flush=True)
-        line = stdin.readline()
-        if not line:
-            break
-        line = line.rstrip("\n")
-        if line.strip() in ("/exit", "/quit"):
-            break
-        if line.strip() == "/reset":
-            history = history[:1] if a.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = generate(model, history, tokenizer, a.max_new_tokens, a.temperature, a.top_p, a.seed)
-        history.append({"role": "assistant", "content": reply})
-        print(("model> " if interactive else "") + reply, flush=True)
-    return 0

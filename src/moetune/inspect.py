@@ -1,5 +1,4 @@
-"""`moetune inspect CONFIG.yaml [--world-size N] [--gpu-mem-gib G] [--section.key value ...]`: a preflight that needs
-no GPU.
+"""The preflight report behind `moetune inspect` (moetune.cli.inspect): it needs no GPU.
 
 Prints the resolved config; the architecture and its parameter counts (total, active per token, trainable by
 module kind: the model is built on the meta device, LoRA applied there, nothing allocated); the parallel layout the
@@ -13,14 +12,12 @@ are reported and make the exit status 1, as does a layout that cannot fit.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import sys
 import tempfile
 
 from moetune.ac_modes import describe
-from moetune.config import ConfigError, config_to_yaml, load_config
+from moetune.config import ConfigError, config_to_yaml
 from moetune.estimate import build_meta_model
 from moetune.layout import gpu_memory_gib
 
@@ -29,44 +26,19 @@ CONTEXT_ANSI = ("\x1b[2m", "\x1b[0m")  # dim
 TRAINED_PLAIN = ("[[", "]]")
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="moetune inspect", allow_abbrev=False, usage="moetune inspect [CONFIG.yaml] [options] [--section.key VALUE ...]",
-                                description=__doc__.split("\n\n")[1],
-                                epilog="CONFIG.yaml: none means the embedded demo. Other --section.key VALUE arguments "
-                                       "override the config, as for `moetune train`.")
-    p.add_argument("--world-size", type=int, default=1, help="GPUs the run will use, for the memory estimate (default 1)")
-    p.add_argument("--gpu-mem-gib", type=float, default=None,
-                   help="memory of one GPU in GiB for the layout (an H200: 139.8, an H100 80GB: 79.1); default: "
-                        "parallel.gpu_memory_gib, else this machine's GPU, else no limit")
-    p.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                   help="mark trained tokens with ANSI colour (auto: on a terminal) or with [[brackets]]")
-    p.add_argument("--sample-tokens", type=int, default=512, help="show at most this many tokens of the sample")
-    # the config is the first argument when it is not an option (as `moetune train`); the rest are ours or overrides
-    config = argv[0] if argv and not argv[0].startswith("-") else None
-    a, overrides = p.parse_known_args(argv[1:] if config else argv)
-    a.config = config
-    return a, overrides
-
-
-def main(argv=None) -> int:
-    a, overrides = _parse(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = load_config(a.config, overrides)
-    except ConfigError as e:
-        print(f"moetune inspect: {e}", file=sys.stderr)
-        return 2
-    color = a.color == "always" or (a.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+def report(cfg, world_size: int = 1, gpu_mem_gib: float | None = None, color: bool = False,
+           sample_tokens: int = 512) -> bool:
+    """Print the preflight report of `cfg` at `world_size` processes of `gpu_mem_gib` each (None:
+    parallel.gpu_memory_gib, else this machine's GPU); False when data problems or a layout that cannot fit were
+    reported."""
     _section("resolved config")
     print(config_to_yaml(cfg).rstrip())
-    if a.world_size < 1 or not (a.gpu_mem_gib is None or a.gpu_mem_gib > 0):
-        print("moetune inspect: --world-size must be >= 1 and --gpu-mem-gib > 0", file=sys.stderr)
-        return 2
-    gpu_mem = a.gpu_mem_gib if a.gpu_mem_gib is not None else gpu_memory_gib(cfg)
-    model_ok = inspect_model(cfg, a.world_size, gpu_mem)
-    ok = inspect_data(cfg, a.world_size, color, a.sample_tokens)
+    gpu_mem = gpu_mem_gib if gpu_mem_gib is not None else gpu_memory_gib(cfg)
+    model_ok = inspect_model(cfg, world_size, gpu_mem)
+    ok = inspect_data(cfg, world_size, color, sample_tokens)
     if model_ok is None:
         print("\n(model sections skipped: see the note above)")
-    return 0 if ok and model_ok is not False else 1
+    return ok and model_ok is not False
 
 
 def _section(title: str) -> None:

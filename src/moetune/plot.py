@@ -1,4 +1,4 @@
-"""`moetune plot RUN_DIR`: PNGs of a run, written next to its metrics.jsonl.
+"""PNGs of a run (`moetune plot RUN_DIR`), written next to its metrics.jsonl.
 
     loss.png         training loss (raw and smoothed) and evaluation loss
     lr.png           learning rate and gradient norm
@@ -14,11 +14,11 @@ the later record of a step wins.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
+
+from moetune.errors import MissingDependency, OutputError, RunContentsError
 
 FIGSIZE = (9, 4.8)
 DPI = 120
@@ -64,7 +64,10 @@ def _window(n: int) -> int:
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependency("plotting needs matplotlib: pip install 'moetune[viz]'") from None
 
     matplotlib.use("Agg")  # no display needed: plots are written to files
     import matplotlib.pyplot as plt
@@ -75,11 +78,15 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=DPI)
+    except OSError as e:  # a full disk, a read-only run directory
+        raise OutputError(f"{path}: cannot write the figure ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -244,12 +251,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
     metrics = run_dir if run_dir.is_file() else run_dir / "metrics.jsonl"
     run_dir = metrics.parent
     if not metrics.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+        raise RunContentsError(f"{run_dir}: no metrics.jsonl (not a run directory, or a run that has not logged a "
+                               "step yet)")
     records, bad = read_metrics(metrics)
     if not records:
-        raise ValueError(f"{metrics} holds no metrics yet")
+        raise RunContentsError(f"{metrics} holds no metrics yet")
+    _plt()  # matplotlib is an extra: say so before anything is written
     out = Path(out) if out else run_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, no permission
+        raise OutputError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     title, layer_ids = _run_info(run_dir)
     notes = [f"{bad} unreadable line(s) skipped (a line being written?)"] if bad else []
     written = []
@@ -271,19 +283,3 @@ def _run_info(run_dir: Path) -> tuple[str, list[int] | None]:
     except Exception:  # no or unreadable config.yaml: still plot, with a plain title and MoE-layer numbering
         return run_dir.name, None
 
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="moetune plot", description="PNGs of a run's metrics.jsonl (works while it runs)")
-    p.add_argument("run_dir", help="a run directory (or its metrics.jsonl)")
-    p.add_argument("--out", default=None, help="where to write the PNGs (default: next to metrics.jsonl)")
-    a = p.parse_args(argv)
-    try:
-        written, notes = plot_run(a.run_dir, a.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"moetune plot: {e}", file=sys.stderr)
-        return 1
-    for path in written:
-        print(path)
-    for n in notes:
-        print(f"  note: {n}", file=sys.stderr)
-    return 0

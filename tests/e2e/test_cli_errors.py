@@ -317,3 +317,70 @@ def test_ctrl_c_during_a_checkpoint_write_is_the_interrupt_not_a_storage_fault(t
     assert err.strip().splitlines()[-1].startswith("moetune: interrupted"), err[-2000:]
     assert "could not write" not in err and "Traceback" not in err
     assert not list((tmp_path / "runs" / "c" / "checkpoints").glob("*.tmp"))
+
+
+def test_generate_honours_adapter_over_the_runs_own(trained, tmp_path, monkeypatch):
+    """`generate RUN --adapter OTHER` loaded RUN's own adapter: load_for_generation overwrote the argument."""
+    from moetune.inference import load_for_generation
+    from moetune.model import hf_io
+
+    other = tmp_path / "other"
+    shutil.copytree(trained[0] / "adapter", other)
+    loaded = []
+    monkeypatch.setattr(hf_io, "load_model", lambda base, device, dtype, adapter: loaded.append((base, adapter)))
+    load_for_generation(str(trained[0]), adapter=str(other))
+    load_for_generation(str(trained[0]))
+    assert loaded == [(str(trained[0] / "base"), str(other)), (str(trained[0] / "base"), str(trained[0] / "adapter"))]
+
+
+def test_generate_says_what_a_folder_lacks(trained, tmp_path, capsys):
+    """A run with no adapter or checkpoint yet and an empty folder were 'not an HF checkpoint directory (no
+    config.json)'."""
+    early, earliest = tmp_path / "early", tmp_path / "earliest"
+    for run in (early, earliest):
+        run.mkdir()
+        shutil.copy2(trained[0] / "config.yaml", run / "config.yaml")
+    (early / "checkpoints").mkdir()
+    (tmp_path / "empty").mkdir()
+    for folder, said in ((early, "a run with no adapter and no complete checkpoint yet"),
+                         (earliest, "a run with no adapter and no complete checkpoint yet"),
+                         (tmp_path / "empty", "an empty directory: neither a moetune run")):
+        assert main(["generate", str(folder), "--prompt", "hi"]) == 1
+        assert _user_lines(capsys.readouterr().err) == [f"moetune: error: {folder}: {said}" + (
+            " (config.yaml, adapter/, checkpoints/) nor an HF checkpoint (config.json)" if folder.name == "empty" else
+            " (the adapter is written when training ends; checkpoint.every N writes checkpoints while it runs)")]
+
+
+def test_load_model_on_a_gpu_that_is_not_here_is_a_clear_error(trained, monkeypatch):
+    """moetune.load_model(..., device='cuda') without CUDA raised torch's AssertionError."""
+    import torch
+
+    import moetune
+    from moetune.errors import DeviceError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(DeviceError, match=r"^device cuda: this machine has 0 usable CUDA GPUs"):
+        moetune.load_model(str(trained[0] / "base"), device="cuda")
+
+
+def test_text_that_is_not_utf8_is_one_line(trained):
+    """Bytes that are not UTF-8 in --prompt or on chat's stdin (and lone surrogates) were a TypeError traceback from
+    the tokenizer; chat refuses the line and goes on with the next."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "moetune", "generate", str(trained[0]), "--prompt", b"upper: a\xffb"],
+                       capture_output=True, env=env, timeout=120)
+    assert p.returncode == 1 and p.stderr.decode().splitlines() == [
+        "moetune: error: --prompt: character 9 is the byte 0xff, which is not UTF-8; moetune reads UTF-8 text"]
+    p = subprocess.run([sys.executable, "-m", "moetune", "chat", str(trained[0]), "--max-new-tokens", "3"],
+                       input=b"upper: a\xffb\nupper: ab\n", capture_output=True, env=env, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr.decode(), p.stderr.decode()[-2000:]
+    assert ("moetune: error: that line: character 9 is the byte 0xff, which is not UTF-8; moetune reads UTF-8 text"
+            in p.stderr.decode().splitlines())
+    assert len(p.stdout.decode().splitlines()) == 1  # the second line was answered
+    import moetune
+    from moetune.errors import TextError
+
+    model, tokenizer = moetune.load_for_generation(str(trained[0]))
+    with pytest.raises(TextError, match=r"^the prompt: character 2 is '\\ud800', half of a UTF-16 surrogate pair"):
+        moetune.generate(model, "a\ud800", tokenizer, max_new_tokens=2)

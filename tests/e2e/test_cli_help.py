@@ -58,9 +58,9 @@ def test_export_subcommands_have_their_own_flags(capsys):
     assert "--dtype" in merged and "--dtype" not in adapter
     for out in (adapter, merged):
         assert "--checkpoint" in out and "--base" in out and "PASS or FAIL" in out
-    with pytest.raises(SystemExit) as e:
-        main(["export", "merged", "--checkpoint", "x", "--out", "y", "--format", "vllm"])
-    assert e.value.code == 2
+    assert main(["export", "merged", "--checkpoint", "x", "--out", "y", "--format", "vllm"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "moetune: error: export: unrecognized arguments: --format vllm (`moetune export --help` lists the flags)"]
 
 
 @pytest.mark.parametrize("cmd", [["generate"], ["chat"], ["inspect"], ["plot"]])
@@ -97,3 +97,21 @@ def test_the_shipped_air_config_unedited_names_its_placeholder(tmp_path):
     p = run("train", str(cfg), cwd=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.startswith("moetune: error: model.path:") and "not found" in p.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--optim.lrr", "1"],
+    ["inspect", "--optim.lrr", "1"],  # was `moetune inspect: ...`
+    ["inspect", "--world-size", "0"],
+    ["plot", "{tmp}"],  # was `moetune plot: ...`
+    ["generate", "{tmp}/nothing", "--prompt", "hi"],
+    ["chat", "{tmp}/nothing"],
+    ["generate", "{tmp}"],  # argparse's own `moetune generate: error:` and its usage lines
+    ["export", "adapter", "--checkpoint", "{tmp}/nothing", "--out", "{tmp}/o"],
+    ["export", "merged", "--checkpoint", "x", "--out", "y", "--format", "vllm"],
+])
+def test_every_command_reports_a_user_error_in_one_line_with_one_prefix(argv, tmp_path, capsys):
+    assert main([a.format(tmp=tmp_path) for a in argv]) in (1, 2)
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("moetune: error: "), captured.err

@@ -38,9 +38,14 @@ def test_model_path_means_its_own_config():
     assert load_config(None, ["--model.config", "glm45-air-8layers"]).model.effective_config == "glm45-air-8layers"
 
 
-def test_empty_file_and_empty_section_mean_defaults(tmp_path):
-    assert load_config(write(tmp_path, "")) == Config()
+def test_an_empty_section_means_defaults_and_an_empty_file_is_refused(tmp_path):
     assert load_config(write(tmp_path, "lora:\n  # rank: 8\n")) == Config()
+    assert load_config(write(tmp_path, "{}\n")) == Config()  # said explicitly
+    # an empty file trained the demo's defaults without a word
+    for text in ("", "# optim:\n#   lr: 1.0e-4\n"):
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError, match=rf"^{path}: the config file is empty"):
+            load_config(path)
 
 
 # --- unknown keys ---------------------------------------------------------------------------
@@ -183,15 +188,16 @@ def test_exponent_without_dot_is_a_float(tmp_path):
 # --- overrides ------------------------------------------------------------------------------
 
 def test_parse_overrides_both_syntaxes():
+    # a scalar of the schema stays the text as typed, for the field's type to read (load_config validates)
     got = parse_overrides(["--optim.lr", "2e-4", "--train.steps=5", "--run.name", "x"])
-    assert got == {"optim": {"lr": 2e-4}, "train": {"steps": 5}, "run": {"name": "x"}}
+    assert got == {"optim": {"lr": "2e-4"}, "train": {"steps": "5"}, "run": {"name": "x"}}
 
 
 def test_parse_overrides_lists_bools_null_and_merge():
     got = parse_overrides(["--lora.targets", "[q_proj,v_proj]", "--train.compile=true",
-                           "--model.path", "null", "--lora.rank=8"])
-    assert got == {"lora": {"targets": ["q_proj", "v_proj"], "rank": 8},
-                   "train": {"compile": True}, "model": {"path": None}}
+                           "--model.path", "null", "--lora.rank=8", "--model.config", "{rms_norm_eps: 1e-5}"])
+    assert got == {"lora": {"targets": ["q_proj", "v_proj"], "rank": "8"}, "train": {"compile": "true"},
+                   "model": {"path": None, "config": {"rms_norm_eps": 1e-5}}}
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -220,6 +226,75 @@ def test_overrides_apply_on_top_of_file(tmp_path):
 
 def test_numeric_string_fields():
     assert load_config(None, ["--run.name", "7"]).run.name == "7"
+
+
+@pytest.mark.parametrize("typed", ["off", "yes", "2024-01-01", "010", "0x10", "1:30", "1.50", "1e3", "~off"])
+def test_a_text_field_takes_the_text_as_typed(tmp_path, typed):
+    # YAML 1.1 read `off`/`yes` as booleans and `2024-01-01` as a date (refused as not a string), and `010` as 8,
+    # `0x10` as 16, `1:30` as 90, `1.50` as 1.5 (silently another name): from the command line and from a file
+    assert load_config(None, ["--run.name", typed]).run.name == typed
+    assert load_config(None, [f"--run.name={typed}"]).run.name == typed
+    assert load_config(write(tmp_path, f"run:\n  name: {typed}\n")).run.name == typed
+    assert load_config(None, ["--data.columns", f"{{output: {typed}}}"]).data.columns == {"output": typed}
+    assert load_config(None, ["--lora.targets", "[q_proj]", "--data.train", f"[{typed}.jsonl]"]).data.train == [
+        f"{typed}.jsonl"]
+
+
+def test_a_number_field_reads_the_text_as_typed(tmp_path):
+    # YAML 1.1 read `010` as octal 8 and `1:30` as sexagesimal 90
+    assert load_config(None, ["--train.steps", "010"]).train.steps == 10
+    assert load_config(write(tmp_path, "run:\n  seed: 010\n")).run.seed == 10
+    with pytest.raises(ConfigError, match=r"'train.steps'.*unable to parse string as an integer \(got '1:30'\)"):
+        load_config(None, ["--train.steps", "1:30"])
+    cfg = load_config(None, ["--optim.lr", "2e-4", "--data.shuffle", "off", "--optim.betas", "[0.8, 0.9]",
+                             "--eval.max_batches", "null"])
+    assert (cfg.optim.lr, cfg.data.shuffle, cfg.optim.betas, cfg.eval.max_batches) == (2e-4, False, (0.8, 0.9), None)
+
+
+@pytest.mark.parametrize("typed", ["exp #3", "[a, b]", "a: b", "@home", "null", "*x", "- a"])
+def test_a_text_only_field_on_the_command_line_is_the_text_as_typed(typed):
+    # nothing of a run name typed on the command line is YAML syntax: `#3` was dropped as a comment, `[a, b]` became a
+    # list, `@home` a YAML error, `null` no value (refused)
+    assert load_config(None, ["--run.name", typed]).run.name == typed
+    # quotes stay the way to give the text `null` to a field that may be unset
+    assert load_config(None, ["--model.path", "null"]).model.path is None
+    assert load_config(None, ["--model.path", "'null'"]).model.path == "null"
+    assert load_config(None, ["--data.train", "my data #1.jsonl"]).data.train == "my data #1.jsonl"
+
+
+@pytest.mark.parametrize("typed, kind", [("null", "no value (null)"), ("[a, b]", "a list"), ("{a: 1}", "a mapping")])
+def test_yaml_that_is_not_text_for_a_text_field_says_how_to_quote(tmp_path, typed, kind):
+    hint = f"YAML read the value as {kind}: to mean the text, put it in quotes ('...')"
+    with pytest.raises(ConfigError, match="'run.name'") as e:
+        load_config(write(tmp_path, f"run:\n  name: {typed}\n"))
+    assert hint in str(e.value)
+    with pytest.raises(ConfigError, match="'data.columns.output'") as e:  # text in a mapping on the command line
+        load_config(None, ["--data.columns", f"{{output: {typed}}}"])
+    assert hint in str(e.value)
+
+
+def test_a_section_given_a_value_names_its_keys_not_a_class():
+    from moetune.config.overrides import _schema_models
+
+    classes = [m.__name__ for m in _schema_models()]
+    assert "RunConfig" in classes and "DataSource" in classes  # the premise: the check knows the class names
+    for args in [[f"--{section}", "demo"] for section in Config.model_fields if section != "resume"] + [
+            ["--data.train", "[[a]]"]]:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, args)
+        assert "expected a mapping of keys (" in str(e.value), args
+        assert not [c for c in classes if c in str(e.value)], str(e.value)
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--optim.learning_rate", "1e-4"], "did you mean 'optim.lr'?"),  # was optim.min_lr_ratio
+    (["--train.mbs", "2"], "did you mean 'train.micro_batch_size'?"),
+    (["--config", "x.yaml"], "a config file is the first argument"),  # was model.config
+])
+def test_suggestions_say_what_was_meant(args, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, args)
+    assert hint in str(e.value)
 
 
 def test_unknown_override_key_suggests():
@@ -403,3 +478,15 @@ def test_an_empty_override_is_refused_not_read_as_null():
         with pytest.raises(ConfigError, match=r"empty value for '--(data.train|model.path=  )' \(an unset shell"):
             load_config(None, args)
     assert load_config(None, ["--model.path", "null"]).model.path is None
+
+
+def test_config_text_that_is_not_utf8_is_one_error_naming_where(tmp_path):
+    # a config file with a byte that is not UTF-8 was a UnicodeDecodeError traceback; the same byte in a command-line
+    # value (a lone surrogate, PEP 383) was a yaml ReaderError traceback
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^{path}:2: the byte 0xe9 is not UTF-8; moetune reads UTF-8 text$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^value of override '--run.name': character 4 is the byte 0xe9, which is "
+                                          r"not UTF-8"):
+        load_config(None, ["--run.name", b"caf\xe9".decode("utf-8", "surrogateescape")])

@@ -97,3 +97,24 @@ def test_export_imports_nothing_from_train():
     bad = {m: sorted(t for t in deps if t.startswith("moetune.train"))
            for m, deps in g.items() if m.startswith("moetune.export")}
     assert {m: d for m, d in bad.items() if d} == {}
+
+
+def _imports_argparse(path: Path) -> bool:
+    return any(isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names)
+               or isinstance(n, ast.ImportFrom) and n.module == "argparse" for n in ast.walk(ast.parse(path.read_text())))
+
+
+def test_commands_are_parsed_only_in_cli():
+    # the one command layer parses arguments; the libraries below it take values. The demo data's writer is a
+    # build-time script of the assets (python -m moetune.assets.demo_data), not a moetune command.
+    parsing = {m for m, path in _modules().items() if _imports_argparse(path)}
+    assert "moetune.cli.args" in parsing  # the premise: the check sees an import of argparse
+    assert {m for m in parsing if not m.startswith("moetune.cli")} == {"moetune.assets.demo_data"}
+
+
+def test_nothing_below_the_command_layer_imports_it():
+    g = _graph()
+    assert "moetune.cli.args" in g["moetune.cli.export"]  # the premise: edges into cli/ are seen
+    assert {m: sorted(d for d in deps if d.startswith("moetune.cli")) for m, deps in g.items()
+            if not m.startswith("moetune.cli") and m != "moetune.__main__"
+            and any(d.startswith("moetune.cli") for d in deps)} == {}

@@ -7,7 +7,8 @@ import pytest
 
 from helpers import small_run_args
 
-pytest.importorskip("matplotlib")
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="moetune[viz] not installed")
 
 PNGS = ("loss.png", "lr.png", "throughput.png", "memory.png", "expert_load.png")
 
@@ -26,6 +27,7 @@ def run_dir(tmp_path_factory):
     return cfg.run_dir
 
 
+@needs_matplotlib
 def test_plot_writes_every_png(run_dir, capsys):
     from moetune.cli import main
 
@@ -38,6 +40,7 @@ def test_plot_writes_every_png(run_dir, capsys):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@needs_matplotlib
 def test_plot_tolerates_a_partial_last_line_and_a_resumed_run(run_dir, tmp_path, capsys):
     from moetune.plot import plot_run, read_metrics, series
 
@@ -58,6 +61,7 @@ def test_plot_tolerates_a_partial_last_line_and_a_resumed_run(run_dir, tmp_path,
     assert any("unreadable" in n for n in notes)
 
 
+@needs_matplotlib
 def test_plot_early_run_leaves_out_what_has_no_data(tmp_path, capsys):
     from moetune.cli import main
 
@@ -77,3 +81,42 @@ def test_run_wrote_tensorboard_and_expert_stats(run_dir):
     assert len(expert[0]["expert_counts"]) == 2 and all("aux_loss" in r for r in rows if "loss" in r)
     if importlib.util.find_spec("tensorboard") is not None:  # logging.report_to auto: TensorBoard when installed
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_plot_without_matplotlib_says_which_extra_installs_it(tmp_path, capsys, monkeypatch):
+    # it was a ModuleNotFoundError traceback
+    import sys
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` finds when it is not installed
+    from moetune.cli import main
+
+    assert main(["plot", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "moetune: error: plotting needs matplotlib: pip install 'moetune[viz]'"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "metrics.jsonl"]
+
+
+def test_plot_on_a_folder_without_metrics_is_one_line(tmp_path, capsys):
+    from moetune.cli import main
+
+    assert main(["plot", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"moetune: error: {tmp_path}: no metrics.jsonl (not a run directory, or a run that has not logged a step "
+        "yet)"]
+
+
+@needs_matplotlib
+def test_plot_to_a_place_it_cannot_write_is_one_line(tmp_path, capsys):
+    # --out naming a file was a FileExistsError traceback; a folder it cannot write into, a PermissionError one
+    from moetune.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    (tmp_path / "a_file").write_text("")
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "a_file")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"moetune: error: --out {tmp_path / 'a_file'}: cannot make the folder (File exists)"]
+    (tmp_path / "loss.png").mkdir()  # where the figure goes: savefig cannot write a file there
+    assert main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moetune: error: {tmp_path / 'loss.png'}: cannot write the figure"), err

@@ -104,7 +104,7 @@ def test_wrong_base_error_names_the_flag(tmp_path, capsys):
 def test_generate_and_chat_on_the_run_dir(run, capsys, monkeypatch):
     import io
 
-    from moetune.inference import chat_main
+    from moetune.cli.generate import chat as chat_main
 
     assert main(["generate", str(run), "--prompt", "reverse: abc", "--max-new-tokens", "5"]) == 0
     reply = capsys.readouterr().out

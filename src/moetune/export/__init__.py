@@ -11,85 +11,68 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 
 from moetune.export.adapter import (ADAPTER_FILES, ExportError, check_out_dir, convert_adapter, export_adapter,
                                     resolve_adapter_dir)
 from moetune.export.merged import check_base_dir, export_merged
 from moetune.export.merged_sources import export_merged_from_checkpoint, export_merged_from_model, full_checkpoint
-from moetune.errors import MoetuneError
+from moetune.errors import VerificationError
 
 __all__ = ["ExportError", "convert_adapter", "export_adapter", "export_merged", "export_merged_from_checkpoint",
-           "export_merged_from_model", "resolve_adapter_dir", "cli_export"]
+           "export_merged_from_model", "resolve_adapter_dir", "export_run"]
 
 
-def cli_export(a) -> int:
-    """`moetune export adapter|merged` on parsed arguments (what, checkpoint, out, format, base, dtype, verify).
-    A run on a random-init base (the demo) needs no --base: its base is rebuilt from the adapter's recipe. --verify
-    prints PASS or FAIL against its tolerance. --out must be new or empty (an adapter export may replace an earlier
-    one); a failed export leaves nothing in it (adapters are staged and renamed; a merged export's files are
-    removed, or, when --out existed and --verify failed, marked EXPORT_FAILED)."""
-    from moetune.export.verify import TOLERANCE
-
-    existed = os.path.exists(a.out)
+def export_run(what: str, checkpoint: str, out: str, format: str = "peft", base: str | None = None,
+               dtype: str | None = None, verify: bool = False) -> dict:
+    """Export what a run trained: `what` "adapter" (in `format` peft or vllm) or "merged" (in `dtype`, default the
+    run's), from a run directory, its adapter/ or a training checkpoint. A run on a random-init base (the demo) needs
+    no `base`: its base is rebuilt from the adapter's recipe. `out` must be new or empty (an adapter export may
+    replace an earlier one); a failed export leaves nothing in it (adapters are staged and renamed; a merged export's
+    files are removed, or, when `out` existed and verification failed, marked EXPORT_FAILED). Returns the report:
+    out_dir, base, dtype, notes, verify (the measured errors)."""
+    existed = os.path.exists(out)
+    # before any work (a random base is rebuilt first): a --out of the user's is never written into
+    check_out_dir(out, ADAPTER_FILES if what == "adapter" else ())
+    if base is not None:
+        check_base_dir(base, "--base")
     try:
-        # before any work (a random base is rebuilt first): a --out of the user's is never written into
-        check_out_dir(a.out, ADAPTER_FILES if a.what == "adapter" else ())
-        if a.base is not None:
-            check_base_dir(a.base, "--base")
-    except MoetuneError as e:
-        print(f"moetune: error: {e}", file=sys.stderr)
-        return 1
-    try:
-        report = _run_export(a)
-    except MoetuneError as e:
-        if a.what == "merged":
-            _discard(a.out, mark=existed and str(e).startswith("verify"), why=str(e), existed=existed)
-        if str(e).startswith("verify"):
-            print(f"verify: FAIL (tolerance {TOLERANCE:g}, relative logit error): {e}", file=sys.stderr)
-        print(f"moetune: error: {e}", file=sys.stderr)
-        return 1
-    except BaseException:
-        if a.what == "merged":
-            _discard(a.out, mark=False, why="interrupted", existed=existed)
+        return _run_export(what, checkpoint, out, format, base, dtype, verify)
+    except VerificationError as e:
+        if what == "merged":
+            _discard(out, mark=existed, why=str(e), existed=existed)
         raise
-    print(f"exported {a.what} to {report['out_dir']}" + (f" ({a.format})" if a.what == "adapter" else "")
-          + (f", {report['dtype']}" if report.get("dtype") else ""))
-    if report.get("base"):
-        print(f"base: {report['base']}")
-    for note in report.get("notes", []):
-        print(f"note: {note}")
-    if report.get("verify"):
-        print(f"verify: PASS (tolerance {TOLERANCE:g}, relative logit error): "
-              + ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in report["verify"].items()))
-    return 0
+    except BaseException:
+        if what == "merged":
+            _discard(out, mark=False, why="interrupted", existed=existed)
+        raise
 
 
-def _run_export(a) -> dict:
+def _run_export(what, checkpoint, out, format, base_arg, dtype, verify) -> dict:
     from moetune.export.run_base import resolve_base
     from moetune.model.adapter_io import read_adapter_config
 
-    if a.what == "merged" and (ckpt := full_checkpoint(a.checkpoint)) is not None:  # full fine-tuning: no base
-        if a.verify:
-            print("moetune: note: --verify compares against base + adapter; a full fine-tuning export has "
-                  "none, so it is skipped", file=sys.stderr)
-        dtype = a.dtype or _run_dtype(ckpt)
-        return dict(export_merged_from_checkpoint(ckpt, a.out, dtype=dtype), dtype=dtype)
-    adapter = resolve_adapter_dir(a.checkpoint)
+    if what == "merged" and (ckpt := full_checkpoint(checkpoint)) is not None:  # full fine-tuning: no base
+        dtype = dtype or _run_dtype(ckpt)
+        report = dict(export_merged_from_checkpoint(ckpt, out, dtype=dtype), dtype=dtype)
+        if verify:
+            report.setdefault("notes", []).append(
+                "--verify compares against base + adapter; a full fine-tuning export has none, so it was skipped")
+        return report
+    adapter = resolve_adapter_dir(checkpoint)
     meta = read_adapter_config(adapter)
-    base = resolve_base(adapter, meta, a.base)
-    if base and not a.base and (a.verify or a.what == "merged") and not os.path.isdir(base):
+    base = resolve_base(adapter, meta, base_arg)
+    if base and not base_arg and (verify or what == "merged") and not os.path.isdir(base):
         raise ExportError(f"{adapter}: the base it was trained on, {base} (model.path), is not on this machine: "
                           "pass --base DIR")
-    if a.what == "adapter":
-        if a.verify and not base:
+    if what == "adapter":
+        if verify and not base:
             raise ExportError(f"{adapter}: the adapter names no base model to verify against: pass --base")
-        report = export_adapter(adapter, a.out, format=a.format, base_model_path=base, verify=a.verify)
+        report = export_adapter(adapter, out, format=format, base_model_path=base, verify=verify)
     else:
         if not base:
             raise ExportError(f"{adapter}: the adapter names no base model: pass --base")
-        dtype = a.dtype or (meta.get("base_init") or {}).get("dtype") or _config_dtype(base)
-        report = export_merged(base, adapter, a.out, dtype=dtype, verify=a.verify)
+        dtype = dtype or (meta.get("base_init") or {}).get("dtype") or _config_dtype(base)
+        report = export_merged(base, adapter, out, dtype=dtype, verify=verify)
         report["dtype"] = str(dtype)
     report["base"] = base
     return report

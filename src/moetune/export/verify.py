@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from moetune.errors import ExportError
+from moetune.errors import VerificationError
 from moetune.model.adapter_io import read_adapter
 from moetune.model.hf_io import as_dtype, load_model
 from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
@@ -42,7 +42,7 @@ def _hf(path: str):
 def _check(errors: dict, tol: float, what: str) -> dict:
     bad = {k: v for k, v in errors.items() if not v <= tol}  # NaN is never within tolerance
     if bad:
-        raise ExportError(f"verify {what}: logits differ beyond {tol:g} (relative): {bad}")
+        raise VerificationError(f"verify {what}: logits differ beyond {tol:g} (relative): {bad}")
     return errors
 
 
@@ -78,7 +78,7 @@ def verify_vllm_adapter(native_dir: str, vllm_dir: str, base_path: str, tol: flo
     back = from_vllm_state_dict(load_file(os.path.join(vllm_dir, "adapter_model.safetensors")))
     if set(back) != set(native) or any(not torch.equal(back[k], native[k]) for k in native):
         diff = sorted(set(back) ^ set(native))[:3] or [k for k in native if not torch.equal(back[k], native[k])][:3]
-        raise ExportError(f"verify vllm: the exported tensors do not map back to the adapter (e.g. {diff})")
+        raise VerificationError(f"verify vllm: the exported tensors do not map back to the adapter (e.g. {diff})")
     report = {"tensors_round_trip": True}
     if set(meta["targets"]) <= set(ATTENTION) | {"experts"} and not meta.get("rslora"):
         report.update(verify_peft_adapter(native_dir, vllm_dir, base_path, tol))

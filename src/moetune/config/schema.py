@@ -1,8 +1,8 @@
-"""moetune configuration: one YAML file, validated by pydantic, overridable from the command line.
+"""The configuration's schema: one pydantic model per section, validated as a whole.
 
-Precedence: built-in defaults (the tiny CPU demo) < YAML file < `--section.key value` overrides.
-Every problem surfaces as a ConfigError naming the dotted key and where it came from (the file or
-the override), because a trainer that silently ignores `optim.lrr: 1e-4` wastes a GPU-day.
+Precedence and reading (defaults < YAML file < `--section.key value`) live in overrides.py, the checks of the paths a
+config names in paths.py. extra="forbid" everywhere: a trainer that silently ignores `optim.lrr: 1e-4` wastes a
+GPU-day.
 """
 from __future__ import annotations
 
@@ -10,17 +10,14 @@ import difflib
 import hashlib
 import json
 import re
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Sequence, Union, get_args
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from moetune.ac_modes import check_setting
-from moetune.errors import ConfigError  # noqa: F401  (re-exported)
-from moetune.model.config import read_json_object
+from moetune.errors import ConfigError
 from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
@@ -33,8 +30,9 @@ def _did_you_mean(word: str, choices: Sequence[str]) -> str:
 
 class _Section(BaseModel):
     # extra="forbid": a misspelt key must fail, not fall back to a default unnoticed.
-    # coerce_numbers_to_str: YAML reads `--run.name 7` as an int; it is still a fine name.
-    # allow_inf_nan=False: `.inf` and `.nan` parse as YAML floats; no setting of ours means anything with them.
+    # coerce_numbers_to_str: a config built in Python may give a name as a number (the YAML reader, overrides.py,
+    # passes a scalar on as the text typed, for the field's type to read).
+    # allow_inf_nan=False: `inf` and `nan` read as floats; no setting of ours means anything with them.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
@@ -333,223 +331,6 @@ def _model_in(annotation) -> Optional[type[BaseModel]]:
     return None
 
 
-def _key_suggestion(bad: str) -> str:
-    parent, _, leaf = bad.rpartition(".")
-    if parent.endswith("]"):  # a key of a model inside a list (data.train[0].wieght): its siblings only
-        cls: Optional[type[BaseModel]] = Config
-        for name in re.sub(r"\[\d+\]", "", parent).split("."):
-            field = cls.model_fields.get(name) if cls is not None else None
-            cls = _model_in(field.annotation) if field is not None else None
-        siblings = list(cls.model_fields) if cls is not None else []
-        match = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
-        return f" — did you mean {parent + '.' + match[0]!r}?" if match else (
-            f" (allowed: {', '.join(siblings)})" if siblings else "")
-    paths = _all_paths()
-    # The right key in the wrong section ("optim.steps" -> "train.steps") beats a fuzzy sibling.
-    moved = [p for p in paths if p.rpartition(".")[2] == leaf and p != bad]
-    if moved:
-        return " — did you mean " + " or ".join(repr(p) for p in moved) + "?"
-    siblings = [p.rpartition(".")[2] for p in paths if p.rpartition(".")[0] == parent]
-    if match := difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6):
-        return f" — did you mean {(parent + '.' if parent else '') + match[0]!r}?"
-    return _did_you_mean(bad, paths)
-
-
-# --- YAML ------------------------------------------------------------------------------------
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # let SafeLoader report unhashable keys its own way
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-# YAML 1.1 reads `2e-4` (no dot) as a string; that would break floats inside an inline model.config.
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def _yaml_load(text: str, label: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{label}:{mark.line + 1}:{mark.column + 1}" if mark else label
-        raise ConfigError(f"{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
-
-
-# --- command-line overrides ------------------------------------------------------------------
-
-def _split_overrides(args: Sequence[str]) -> list[tuple[list[str], Any, str]]:
-    """["--a.b", "1", "--c=2"] -> [(["a","b"], 1, "--a.b"), (["c"], 2, "--c=2")]."""
-    out, args, i = [], list(args), 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE "
-                              "or --section.key=VALUE")
-        key, eq, raw = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                raise ConfigError(f"missing value for {arg!r}")
-            i += 1
-            raw = args[i]
-        i += 1
-        parts = key.split(".")
-        if not all(parts):
-            raise ConfigError(f"malformed key in override {arg!r}")
-        if not raw.strip():
-            # YAML reads "" as null, which means "the default" (the demo's data, the tiny random model): an unset
-            # shell variable ("--model.path $MODEL") must not silently train something else
-            raise ConfigError(f"empty value for {arg!r} (an unset shell variable?); write null to mean none")
-        out.append((parts, _yaml_load(raw, f"value of override {arg!r}"), arg))
-    return out
-
-
-def _nest(parts: list[str], value: Any) -> dict:
-    for p in reversed(parts):
-        value = {p: value}
-    return value
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def parse_overrides(args: Sequence[str]) -> dict:
-    """Turn `--a.b 1 --c=2` style arguments into a nested dict; values are parsed as YAML."""
-    result: dict = {}
-    for parts, value, _ in _split_overrides(args):
-        result = _deep_merge(result, _nest(parts, value))
-    return result
-
-
-def _check_override_key(parts: list[str], arg: str) -> None:
-    """Fail on an unknown override key with the full dotted path (pydantic would only name a prefix)."""
-    cls: type[BaseModel] = Config
-    for i, name in enumerate(parts):
-        dotted = ".".join(parts[: i + 1])
-        if name not in cls.model_fields:
-            full = ".".join(parts)
-            raise ConfigError(f"unknown key {full!r} in command-line override {arg!r}{_key_suggestion(full)}")
-        sub = _section_class(cls, name)
-        if sub is None:
-            # Only a mapping-valued field (model.config) may be addressed below itself.
-            kinds = [getattr(a, "__origin__", a) for a in get_args(cls.model_fields[name].annotation)]
-            if i < len(parts) - 1 and dict not in kinds:
-                raise ConfigError(f"{dotted!r} is a value, not a section; cannot apply {arg!r}")
-            return
-        cls = sub
-
-
-def _check_override_target(data: dict, parts: list[str], arg: str, label: str, overridden: dict[str, str]) -> None:
-    """An override of a key inside a section (or inside model.config) that the file, or an earlier override, set
-    to a value that is not a mapping: merging would silently replace that value, so its error would never be seen
-    (`train: 5` in the file plus `--train.steps 2` used to train with the defaults)."""
-    node: Any = data
-    for i, name in enumerate(parts[:-1]):
-        if not isinstance(node, dict) or name not in node or node[name] is None:
-            return
-        node = node[name]
-        if not isinstance(node, dict):
-            dotted = ".".join(parts[: i + 1])
-            raise ConfigError(f"invalid value for {dotted!r} in {_source(dotted, label, overridden)}: expected a "
-                              f"mapping of keys (got {repr(node)[:80]}), so {arg!r} cannot set a key inside it")
-
-
-# --- loading and reporting -------------------------------------------------------------------
-
-# what pydantic puts into an error's loc for a union member, besides field names: our tags and its type names
-_UNION_TAGS = frozenset({"str", "list", "source", "auto", "int", "float", "bool", "dict", "none", "tuple"})
-
-
-def _loc_to_path(loc: tuple, err_type: str) -> str:
-    """pydantic loc -> dotted path, dropping union-member tags like 'str' / 'dict[str,any]'."""
-    path, cls = "", Config
-    for i, seg in enumerate(loc):
-        if isinstance(seg, int):
-            path += f"[{seg}]"
-        elif cls is not None and seg in cls.model_fields:
-            path += ("." if path else "") + seg
-            cls = _section_class(cls, seg)
-        elif (err_type == "extra_forbidden" and i == len(loc) - 1) or (
-                cls is None and path.endswith("]") and re.fullmatch(r"[a-z_][a-z0-9_]*", str(seg))
-                and seg not in _UNION_TAGS):
-            path += ("." if path else "") + str(seg)  # a field of a model inside a list (data.train[0].weight)
-    return path
-
-
-def _source(path: str, label: str, overridden: dict[str, str]) -> str:
-    """Blame the override that set `path` (or a section above or below it), else the file."""
-    if not path:  # cross-field error: could come from either
-        return f"{label} + command-line overrides" if overridden else label
-    for key, arg in overridden.items():
-        if path == key or path.startswith((key + ".", key + "[")) or key.startswith(path + "."):
-            return f"command-line override {arg!r}"
-    return label
-
-
-def _format_errors(err: ValidationError, label: str, overridden: dict[str, str]) -> str:
-    lines = []
-    for e in err.errors():
-        path = _loc_to_path(e["loc"], e["type"])
-        src = _source(path, label, overridden)
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key {path!r} in {src}{_key_suggestion(path)}")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        got = "" if e["type"] in ("value_error", "missing") else f" (got {repr(e['input'])[:80]})"
-        lines.append(f"invalid value for {path!r} in {src}: {msg}{got}" if path
-                     else f"invalid config in {src}: {msg}")
-    lines = list(dict.fromkeys(lines))  # union members can repeat the same complaint
-    if len(lines) == 1:
-        return lines[0]
-    return f"{len(lines)} config errors:\n" + "\n".join("  " + line for line in lines)
-
-
-def load_config(path: Optional[Union[str, Path]], overrides: Sequence[str] = ()) -> Config:
-    """Load `path` (None -> the built-in tiny demo defaults), apply overrides, validate."""
-    data: Any = {}
-    label = "built-in defaults"
-    if path is not None:
-        label = str(path)
-        try:
-            text = Path(path).read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e}") from None
-        data = _yaml_load(text, label)
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{label}: the top level must be a mapping of sections, got {type(data).__name__}")
-    overridden: dict[str, str] = {}
-    for parts, value, arg in _split_overrides(overrides):
-        _check_override_key(parts, arg)
-        _check_override_target(data, parts, arg, label, overridden)
-        data = _deep_merge(data, _nest(parts, value))
-        overridden[".".join(parts)] = arg
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_errors(e, label, overridden)) from None
-
-
 def config_to_yaml(cfg: Config) -> str:
     """The fully resolved config as YAML; load_config() on it gives back an equal Config. A comment line names the
     moetune version, so a run directory records what produced it even without a tracker."""
@@ -574,68 +355,6 @@ def dump_hash(dump: dict, sections: Sequence[str] = ("model", "lora", "finetune"
     picked = {s: dump[s] for s in sections if not (s == "lora" and full)}
     blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-# --- paths the config names ------------------------------------------------------------------
-
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
-# what a Hugging Face tokenizer directory holds, one of them at least
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab*", "*.tiktoken")
-
-
-def _local_looking(path: str, suffixes: Sequence[str] = ()) -> bool:
-    """A path the user means as a local file (not a hub name like `org/name` or `org/name:split`)."""
-    p = path.split(":")[0] if not path.startswith("/") else path
-    return (path.startswith(("/", "./", "../", "~")) or p.count("/") != 1 or p.endswith(tuple(suffixes))
-            or "\\" in path)
-
-
-def check_paths(cfg: Config) -> None:
-    """Every path the config names exists (before any model building or hub lookup): ConfigError naming the key
-    and the path otherwise. Hub names (`org/name`) are left to their loaders."""
-    def missing(key: str, path: str, what: str) -> ConfigError:
-        return ConfigError(f"{key}: {what} not found: {path} (set {key} in the config or pass --{key} PATH)")
-
-    m = cfg.model
-    if m.path is not None:
-        p = Path(m.path).expanduser()
-        if not p.exists():
-            raise missing("model.path", m.path, "HF checkpoint directory")
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"model.path: {m.path} has no config.json (expected an HF checkpoint directory)")
-        if m.config is None:
-            _check_json_object(p / "config.json", "model.path")
-    if isinstance(m.config, str) and m.config not in BUILTIN_MODELS:
-        if not Path(m.config).expanduser().is_file():
-            raise missing("model.config", m.config, "config.json file")
-        _check_json_object(Path(m.config).expanduser(), "model.config")
-    for key in ("train", "eval"):
-        sources = getattr(cfg.data, key)
-        sources = [] if sources is None else [sources] if isinstance(sources, str) else sources
-        for src in sources:
-            path = src if isinstance(src, str) else src.path
-            if not Path(path).expanduser().exists() and _local_looking(path, _DATA_SUFFIXES):
-                raise missing(f"data.{key}", path, "file")
-    tok = cfg.data.tokenizer
-    if tok is not None and not Path(tok).expanduser().exists() and _local_looking(tok):
-        raise missing("data.tokenizer", tok, "tokenizer directory")
-    key, tok = ("data.tokenizer", tok) if tok is not None else ("model.path", m.path)
-    if tok is not None and Path(tok).expanduser().is_dir() and not any(
-            any(Path(tok).expanduser().glob(pattern)) for pattern in _TOKENIZER_FILES):
-        raise ConfigError(f"{key}: {tok} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
-                          + ("; set data.tokenizer to the model's tokenizer" if key == "model.path" else ""))
-    if cfg.resume not in ("auto", "none") and not Path(cfg.resume).expanduser().exists():
-        raise missing("resume", cfg.resume, "checkpoint directory")
-
-
-def _check_json_object(path: Path, key: str) -> None:
-    """A model's config.json that is not a JSON object: named with its line here, before the model code reads it."""
-    try:
-        read_json_object(path)
-    except OSError as e:
-        raise ConfigError(f"{key}: cannot read {path} ({e.strerror})") from None
-    except ValueError as e:
-        raise ConfigError(f"{key}: {e}") from None
 
 
 def train_steps_for_epochs(cfg: Config, batches_per_epoch: int) -> int:
