@@ -94,7 +94,9 @@ def load_for_generation(source: str, base: str | None = None, adapter: str | Non
                               "checkpoint directory (no config.json)")
     device = pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model = load_model(base, device=device, dtype=dtype, adapter=adapter)
+    # a base trained in fp8 (model.quantize) is rebuilt in fp8; an FP8 checkpoint is read as stored anyway
+    quantize = read_adapter_config(adapter).get("base_quantize") if adapter is not None else None
+    model = load_model(base, device=device, dtype=dtype, adapter=adapter, quantize=quantize)
     return model, load_tokenizer_for(base)
 
 

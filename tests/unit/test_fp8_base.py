@@ -293,3 +293,33 @@ def test_train_on_an_fp8_base_resumes_exactly(tmp_path):
         shutil.copy(os.path.join(straight, f), resumed / f)
     run_inprocess(small_run_args(tmp_path, "resumed", **over, resume="auto"))
     assert step_losses(resumed) == losses
+
+
+def test_generation_rebuilds_the_fp8_base_a_run_trained_on(tmp_path):
+    """A run with model.quantize records it in its adapter; `load_for_generation(run)` rebuilds the random base,
+    stores it in fp8 as training did, and gives the trained model's logits (the same base draw quantised, the
+    adapter applied)."""
+    from helpers import run_inprocess, small_run_args
+    from moetune.config import load_config
+    from moetune.inference import load_for_generation
+    from moetune.model.adapter_io import load_adapter, read_adapter_config
+    from moetune.model.build import build_model
+    from moetune.model.config import model_config_for
+    from moetune.model.hf_io import cast_model, init_weights
+    from moetune.model.quant.fp8 import scheme_named
+    from moetune.model.quant.modules import quantize_model
+
+    run = run_inprocess(small_run_args(tmp_path, "gen", **{"model.quantize": "fp8", "train.steps": 2}))
+    assert read_adapter_config(os.path.join(run, "adapter"))["base_quantize"] == "fp8"
+    model, _ = load_for_generation(str(run), device="cpu")
+    assert fp8_weights(model)
+    cfg = load_config(os.path.join(run, "config.yaml"))
+    trained = build_model(model_config_for(cfg), "meta")  # the trainer's base: the seed's draw, quantised
+    cast_model(trained, torch.float32)
+    quantize_model(trained, scheme_named("fp8"))
+    trained.to_empty(device="cpu")
+    init_weights(trained, cfg.model.init_std, seed=cfg.run.seed)
+    load_adapter(trained, os.path.join(run, "adapter"))
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), trained(ids), rtol=1e-5, atol=1e-5)

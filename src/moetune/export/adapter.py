@@ -76,6 +76,8 @@ def adapter_from_checkpoint(ckpt: str) -> str:
     c = cfg.lora
     out = tempfile.mkdtemp(prefix="moetune-adapter-")
     meta = dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora, targets=list(c.targets))
+    if cfg.model.quantize:
+        meta["base_quantize"] = cfg.model.quantize
     if (recipe := base_recipe(cfg, _trained_on(ckpt))) is not None:
         meta["base_init"] = recipe
     save_adapter(state, out, meta, base_model=cfg.model.path)

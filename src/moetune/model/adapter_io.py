@@ -53,7 +53,8 @@ def save_adapter(state: dict[str, torch.Tensor], out_dir: str, lora_cfg: dict, b
 
 
 def read_adapter_config(adapter_dir: str) -> dict:
-    """The adapter's meta (format, base_model, rank, alpha, dropout, rslora, targets), checked."""
+    """The adapter's meta (format, base_model, rank, alpha, dropout, rslora, targets; base_quantize when the base was
+    stored in fp8 at load, so that generation rebuilds the base it was trained on), checked."""
     path = os.path.join(adapter_dir, "adapter_config.json")
     try:
         with open(path) as f:
@@ -73,6 +74,9 @@ def read_adapter_config(adapter_dir: str) -> dict:
         raise CheckpointError(f"{path}: alpha must be a finite positive number, got {alpha!r}")
     if not isinstance(targets, list) or not targets or not set(targets) <= set(LORA_TARGETS):
         raise CheckpointError(f"{path}: targets must be a non-empty list of {list(LORA_TARGETS)}, got {targets!r}")
+    if meta.get("base_quantize") not in (None, "fp8", "fp8_block"):
+        raise CheckpointError(f"{path}: base_quantize must be fp8 or fp8_block (the frozen base it was trained on), "
+                              f"got {meta['base_quantize']!r}")
     return meta
 
 

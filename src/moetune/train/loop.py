@@ -283,6 +283,8 @@ def write_adapter(cfg: Config, model, dist: Dist) -> None:
     if dist.is_main:
         c = cfg.lora
         meta = dict(rank=c.rank, alpha=c.alpha, dropout=c.dropout, rslora=c.rslora, targets=list(c.targets))
+        if cfg.model.quantize:
+            meta["base_quantize"] = cfg.model.quantize
         if (recipe := base_recipe(cfg, dist.device.type)) is not None:
             meta["base_init"] = recipe  # a random-init base: what rebuilds it for export (model/random_base.py)
         save_adapter(lora, RunDir(cfg.run_dir).adapter, meta, base_model=cfg.model.path)
