@@ -35,9 +35,10 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     if full and (cfg.model.quantize or (reader is not None and reader.is_fp8())):
         raise ConfigError("finetune.mode full trains the base itself: it cannot be stored in fp8 (model.quantize, or "
                           f"the FP8 checkpoint at model.path {cfg.model.path}); use LoRA or a bf16 checkpoint")
-    if not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None and (dist.fsdp or layout.cpu_offload):
-        raise ConfigError("an fp8 base (model.quantize or an FP8 checkpoint) runs on one data-parallel shard in this "
-                          "version: one GPU, or expert parallelism with parallel.dp_shard 1")
+    fp8 = not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None
+    if fp8 and layout.cpu_offload:
+        raise ConfigError("an fp8 base (model.quantize or an FP8 checkpoint) with parallel.cpu_offload is not supported "
+                          "in this version: the fp8 base already halves the weights' memory")
     if full:
         for name, p in model.named_parameters():
             p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
@@ -57,7 +58,8 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     if cfg.train.compile:
         apply_compile(model)
     if dist.initialized and (dist.fsdp or layout.cpu_offload):
-        apply_fsdp(model, dist.mesh, param_dtype=compute_dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
+        # an fp8 base is gathered as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16
+        apply_fsdp(model, dist.mesh, param_dtype=None if fp8 else compute_dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
                    cpu_offload=layout.cpu_offload)
     elif full and compute_dtype != torch.float32:
         cast_model(model, compute_dtype)  # no FSDP (one process, replicas): no separate master copy
