@@ -43,6 +43,11 @@ LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # transformers v5's (and our) stacked experts: model.layers.N.mlp.experts.{gate_up_proj [E, 2I, H], down_proj [E, H, I]}
 FUSED_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# the weights an fp8 base stores in fp8, in the hub's names (per-expert or fused): attention projections (GQA and MLA),
+# dense MLPs, shared and routed experts — not the router (mlp.gate), DSA's indexer, norms, embeddings or lm_head
+FP8_WEIGHT_RE = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(" + "|".join(ATTENTION_TARGETS + MLA_ATTENTION_TARGETS) + r")\.weight"
+    r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj\.weight|mlp\.experts\.(gate_up|down)_proj)$")
 # the same with an fp8 stack's scales (`gate_up_proj_scale[_inv]`): the hub stores them per expert beside each weight
 FUSED_EXPERT_PART_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$")
 

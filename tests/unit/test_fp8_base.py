@@ -323,3 +323,84 @@ def test_generation_rebuilds_the_fp8_base_a_run_trained_on(tmp_path):
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), trained(ids), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- exports
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8-block"])
+def test_merged_export_of_an_fp8_base_dequantises_then_merges_or_requantises(tmp_path, layout):
+    """An adapter over an FP8 checkpoint: `dtype bfloat16/float32` writes dequantised base + LoRA (no scales, no
+    quantization_config) and equals base + adapter; `dtype fp8` writes the merge requantised in the base's own
+    format (its scale names and quantization_config), which loads as fp8 and --verify passes."""
+    from helpers import random_adapter
+    from moetune.export.merged import export_merged
+
+    fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=4), tmp_path, layout)
+    random_adapter(fp8_dir, tmp_path / "adapter", ALL_TARGETS)
+    ref = load_model(fp8_dir, dtype="float32", adapter=str(tmp_path / "adapter"))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    report = export_merged(fp8_dir, str(tmp_path / "adapter"), str(tmp_path / "f32"), dtype="float32", verify=True)
+    assert report["verify"]["merged_vs_reference"] < 1e-4
+    cfg = json.load(open(tmp_path / "f32" / "config.json"))
+    assert "quantization_config" not in cfg
+    merged = load_model(str(tmp_path / "f32"), dtype="float32")
+    assert not fp8_weights(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+    report = export_merged(fp8_dir, str(tmp_path / "adapter"), str(tmp_path / "fp8"), dtype="fp8", verify=True)
+    assert report["verify"]["merged_vs_reference"] < 1e-4
+    cfg, base_cfg = (json.load(open(os.path.join(d, "config.json"))) for d in (tmp_path / "fp8", fp8_dir))
+    assert cfg["quantization_config"] == base_cfg["quantization_config"]
+    out = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    base = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    assert {k for k, v in out.items() if v.dtype == FP8} == {k for k, v in base.items() if v.dtype == FP8}
+    assert {k for k in out if "scale" in k} == {k for k in base if "scale" in k}
+    requant = load_model(str(tmp_path / "fp8"), dtype="float32")
+    assert fp8_weights(requant)
+    with torch.no_grad():
+        # one more e4m3 rounding of every merged weight (--verify above holds it to the requantised merge at 1e-4);
+        # on these random N(0, 0.08) weights that is ~9% of the logits after 3 layers
+        assert _rel(requant(ids), ref(ids)) < 0.15
+
+
+def test_merged_export_of_a_bf16_base_trained_in_fp8_is_the_trained_model(tmp_path):
+    """model.quantize trained LoRA on the quantised base: the merge goes into the quantised-dequantised weights (the
+    model that was trained), and `dtype fp8` writes our row-wise compressed-tensors format."""
+    from helpers import random_adapter
+    from moetune.export.merged import export_merged
+    from moetune.model.adapter_io import read_adapter_config, save_adapter
+    from moetune.model.adapter_io import read_adapter
+
+    base = save_hf(hf_model(seed=5), tmp_path / "base")
+    random_adapter(base, tmp_path / "adapter", ALL_TARGETS)
+    state, meta = read_adapter(str(tmp_path / "adapter"))
+    meta = {k: v for k, v in meta.items() if k not in ("format", "base_model")}
+    save_adapter(state, str(tmp_path / "adapter"), dict(meta, base_quantize="fp8"), base_model=base)
+    assert read_adapter_config(str(tmp_path / "adapter"))["base_quantize"] == "fp8"
+    trained = load_model(base, dtype="float32", adapter=str(tmp_path / "adapter"), quantize="fp8")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = export_merged(base, str(tmp_path / "adapter"), str(tmp_path / "f32"), dtype="float32", verify=True)
+    assert report["verify"]["merged_vs_reference"] < 1e-4
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(tmp_path / "f32"), dtype="float32")(ids), trained(ids),
+                                   rtol=1e-4, atol=1e-4)
+    export_merged(base, str(tmp_path / "adapter"), str(tmp_path / "fp8"), dtype="fp8")
+    cfg = json.load(open(tmp_path / "fp8" / "config.json"))
+    assert cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert fp8_weights(load_model(str(tmp_path / "fp8"), dtype="float32"))
+
+
+def test_merged_export_in_fp8_needs_an_fp8_base_or_training(tmp_path):
+    from helpers import random_adapter
+    from moetune.export.merged import export_merged
+    from moetune.errors import ExportError
+
+    base = save_hf(hf_model(seed=6), tmp_path / "base")
+    random_adapter(base, tmp_path / "adapter", ["q_proj"])
+    with pytest.raises(ExportError, match="dtype fp8: .* not an FP8 checkpoint"):
+        export_merged(base, str(tmp_path / "adapter"), str(tmp_path / "out"), dtype="fp8")
+    assert not os.path.exists(tmp_path / "out")

@@ -38,8 +38,10 @@ def _parser() -> ArgumentParser:
     me.add_argument("--checkpoint", required=True, help=_CHECKPOINT_HELP + "; full fine-tuning runs too")
     me.add_argument("--out", required=True, help="output directory (created; removed again if the export fails)")
     me.add_argument("--base", default=None, help=_BASE_HELP)
-    me.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="dtype of the written weights (default: the run's model.dtype, i.e. the base's)")
+    me.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp8"], default=None,
+                    help="dtype of the written weights (default: the run's model.dtype, i.e. the base's); fp8: the "
+                         "merged weights requantised in the FP8 base's own format (or the one model.quantize trained "
+                         "on), the rest in bfloat16")
     me.add_argument("--verify", action="store_true",
                     help="reload the merged checkpoint with transformers and moetune and compare logits to base + "
                          "adapter; prints PASS or FAIL against the tolerance (1e-4 relative) and exits 1 on FAIL")

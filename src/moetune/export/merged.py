@@ -26,7 +26,9 @@ from moetune.model.adapter_io import read_adapter
 from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA, read_json_object
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
-from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
+from moetune.model.quant.checkpoint import checkpoint_scheme, fp8_config
+from moetune.model.quant.fp8 import FP8, scheme_named
+from moetune.names import FP8_WEIGHT_RE, FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
 
 COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
                 "merges.txt", "chat_template*", "*.tiktoken", "preprocessor_config.json")
@@ -49,17 +51,47 @@ def lora_delta(A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor
 
 
 class _Merger:
-    """Produces each output tensor; knows which LoRA factors touch which base weight."""
+    """Produces each output tensor; knows which LoRA factors touch which base weight.
 
-    def __init__(self, base: Reader, lora: Reader, scaling: float, dtype: torch.dtype):
+    An FP8 base (`stored`: its scheme) is dequantised with its scales before the merge; a bf16 base that was
+    trained stored in fp8 (`trained`: the adapter's base_quantize) is quantised and dequantised first, so the merge
+    is the model that was trained. `requantise`: the merged weights are written in fp8 again (the base's scheme, or
+    the trained one), each with its new scale, produced right after its weight."""
+
+    def __init__(self, base: Reader, lora: Reader, scaling: float, dtype: torch.dtype, stored=None, trained=None,
+                 requantise=None):
         self.base, self.lora, self.scaling, self.dtype = base, lora, scaling, dtype
+        self.stored, self.trained, self.requantise = stored, trained, requantise
         self.unused_lora = set(lora.entries)
         self._row_cache = (None, None)
+        self._scale = {}
 
     def out_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
         if not stored.is_floating_point or name.endswith(_KEEP_DTYPE):
             return stored
         return self.dtype
+
+    def weight(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """A base weight as the model saw it in training (fp32 when dequantised)."""
+        W = self.base.read(name, rows)
+        if W.dtype == FP8:
+            key = next(k for k in (name + "_scale", name + "_scale_inv") if k in self.base)
+            return self.stored.dequantize(W, self.base.read(key, rows))
+        if self.trained is not None and _fp8_in_training(name):
+            return self.trained.dequantize(*self.trained.quantize(W))
+        return W
+
+    def finish(self, name: str, W: torch.Tensor) -> torch.Tensor:
+        """The merged weight in the output's dtype; with `requantise`, its fp8 values (its scale kept for the tensor
+        planned next)."""
+        if self.requantise is None or not _fp8_in_training(name):
+            return W
+        q, scale = self.requantise.quantize(W)
+        self._scale[name] = scale
+        return q
+
+    def scale(self, weight_name: str) -> torch.Tensor:
+        return self._scale.pop(weight_name)
 
     def _delta(self, A: torch.Tensor, B: torch.Tensor, W: torch.Tensor, what: str) -> torch.Tensor:
         if A.shape[1] != W.shape[1] or B.shape[0] != W.shape[0] or A.shape[0] != B.shape[1]:
@@ -68,26 +100,27 @@ class _Merger:
         return lora_delta(A, B, self.scaling)
 
     def linear(self, name: str) -> torch.Tensor:
-        W = self.base.read(name)
+        W = self.weight(name)
         module = name[: -len(".weight")]
         a, b = f"{module}.lora_A", f"{module}.lora_B"
         if a in self.lora:
             self.unused_lora -= {a, b}
             W = W.float() + self._delta(self.lora.read(a), self.lora.read(b), W, module)
-        return W
+        return self.finish(name, W)
 
     def _fused_row(self, fused_name: str, e: int) -> torch.Tensor:
         # gate and up of one expert come from the same row of a fused gate_up_proj: read it once
         if self._row_cache[0] != (fused_name, e):
-            self._row_cache = ((fused_name, e), self.base.read(fused_name, slice(e, e + 1))[0])
+            self._row_cache = ((fused_name, e), self.weight(fused_name, slice(e, e + 1))[0])
         return self._row_cache[1]
 
     def expert(self, prefix: str, e: int, proj: str, source: str | None) -> torch.Tensor:
         """Expert e's `proj` weight, read from per-expert tensors (source None) or the fused tensor `source`."""
+        out = f"{prefix}.{e}.{proj}.weight"
         if source is None:
-            W = self.base.read(f"{prefix}.{e}.{proj}.weight")
+            W = self.weight(out)
         elif proj == "down_proj":
-            W = self.base.read(source, slice(e, e + 1))[0]
+            W = self.weight(source, slice(e, e + 1))[0]
         else:
             row = self._fused_row(source, e)
             I = row.shape[0] // 2
@@ -95,13 +128,30 @@ class _Merger:
         which = "down" if proj == "down_proj" else "gate_up"
         a, b = f"{prefix}.lora.{which}_A", f"{prefix}.lora.{which}_B"
         if a not in self.lora:
-            return W
+            return self.finish(out, W)
         self.unused_lora -= {a, b}
         A, B = self.lora.read(a, slice(e, e + 1))[0], self.lora.read(b, slice(e, e + 1))[0]
         if which == "gate_up":
             I = B.shape[0] // 2
             B = B[:I] if proj == "gate_proj" else B[I:]
-        return W.float() + self._delta(A, B, W, f"{prefix}.{e}.{proj}")
+        return self.finish(out, W.float() + self._delta(A, B, W, f"{prefix}.{e}.{proj}"))
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith(".weight_scale") or name.endswith(".weight_scale_inv")
+
+
+def _fp8_in_training(name: str) -> bool:
+    """The weights an fp8 base stores in fp8 (model/quant/modules.py, hub names): attention projections, dense MLPs,
+    shared and routed experts; not the router (mlp.gate), DSA's indexer, norms, embeddings or lm_head."""
+    return bool(FP8_WEIGHT_RE.match(name))
+
+
+def _scale_plan(merger: _Merger, name: str, shape):
+    """The (name, shape, dtype, producer) of a requantised weight's scale, planned right after the weight."""
+    scheme = merger.requantise
+    return (name[: -len("weight")] + scheme.scale_suffix, scheme.scale_shape(shape), torch.float32,
+            lambda n=name: merger.scale(n))
 
 
 def _plan(base: Reader, merger: _Merger):
@@ -109,6 +159,8 @@ def _plan(base: Reader, merger: _Merger):
     plan = []
     for name in sorted(base.entries, key=_order_key):
         ent = base.entries[name]
+        if _is_scale(name):
+            continue  # an FP8 base's scales: dequantised into the merge (new ones follow a requantised weight)
         fused = _FUSED_RE.match(name)
         if fused:
             prefix, which = fused.groups()
@@ -120,6 +172,8 @@ def _plan(base: Reader, merger: _Merger):
                     out = f"{prefix}.{e}.{proj}.weight"
                     plan.append((out, shape, merger.out_dtype(out, ent.dtype),
                                  lambda p=prefix, e=e, j=proj, s=name: merger.expert(p, e, j, s)))
+                    if merger.requantise is not None:
+                        plan.append(_scale_plan(merger, out, shape))
             continue
         m = _EXPERT_RE.match(name)
         if m:
@@ -129,7 +183,12 @@ def _plan(base: Reader, merger: _Merger):
             producer = lambda n=name: merger.linear(n)  # noqa: E731
         else:
             producer = lambda n=name: base.read(n)  # noqa: E731
-        plan.append((name, tuple(ent.shape), merger.out_dtype(name, ent.dtype), producer))
+        dtype = merger.out_dtype(name, ent.dtype)
+        if merger.requantise is not None and _fp8_in_training(name):
+            dtype = FP8
+        plan.append((name, tuple(ent.shape), dtype, producer))
+        if merger.requantise is not None and _fp8_in_training(name):
+            plan.append(_scale_plan(merger, name, tuple(ent.shape)))
     return plan
 
 
@@ -148,12 +207,18 @@ def _check_lora_fits(base: Reader, lora: Reader, adapter_dir: str, base_path: st
                           f"(e.g. {sorted(stray)[0]}); is this adapter for this base model?")
 
 
-def _write_config(base_path: str, out_dir: str, dtype: torch.dtype) -> None:
+def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=None) -> None:
+    """The base's config.json with the written dtype; an FP8 base's quantization_config is kept when the merge is
+    requantised into the same scheme, replaced by ours for a scheme the base did not have, dropped otherwise."""
     with open(os.path.join(base_path, "config.json")) as f:
         cfg = json.load(f)
-    if cfg.get("quantization_config"):
-        raise ExportError(f"{base_path} is a quantized checkpoint ({cfg['quantization_config'].get('quant_method')}); "
-                          "merge into the unquantized base and quantize afterwards")
+    stored = cfg.pop("quantization_config", None)
+    if requantise is not None:
+        # the base's own config only where its scale names are the ones written (weight_scale row-wise,
+        # weight_scale_inv per block; a compressed-tensors block checkpoint names its block scales weight_scale)
+        same = stored and checkpoint_scheme(base_path) == requantise and \
+            (stored.get("quant_method") == "fp8") == (requantise.block is not None)
+        cfg["quantization_config"] = stored if same else fp8_config(requantise)
     write_config_dict(cfg, out_dir, dtype)
 
 
@@ -208,18 +273,28 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
     base_path, out_dir = os.fspath(base_path), os.fspath(out_dir)
     adapter_dir = resolve_adapter_dir(adapter_dir)
     _, meta = read_adapter(adapter_dir)  # finite, paired, of its rank: before anything is written
+    check_base_dir(base_path)  # before its quantization_config is read
+    stored = checkpoint_scheme(base_path)
+    trained = scheme_named(meta.get("base_quantize")) if stored is None else None
+    requantise = None
+    if dtype == "fp8":  # the checkpoint's own FP8 format (or, for a bf16 base, the scheme training stored it in)
+        requantise = stored or trained
+        if requantise is None:
+            raise ExportError(f"dtype fp8: {base_path} is not an FP8 checkpoint and the adapter was not trained on an "
+                              "fp8 base (model.quantize): nothing says which fp8 format to write")
+        dtype = "bfloat16"  # what stays unquantised (embeddings, norms, router, lm_head)
     torch_dtype = as_dtype(dtype)
     if torch_dtype is None or not torch_dtype.is_floating_point:
-        raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
+        raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16, float16 or fp8")
     if os.path.abspath(out_dir) == os.path.abspath(base_path):
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
-    check_base_dir(base_path)
     check_out_dir(out_dir)  # written in place: shards of another export left beside ours would poison it
     with output_errors(out_dir):
         os.makedirs(out_dir, exist_ok=True)
-        _write_config(base_path, out_dir, torch_dtype)
+        _write_config(base_path, out_dir, torch_dtype, requantise)
         base, lora = Reader(base_path), Reader(adapter_dir)
-        merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype)
+        merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype,
+                         stored, trained, requantise)
         plan = _plan(base, merger)
         _check_lora_fits(base, lora, adapter_dir, base_path)
         writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)

@@ -60,6 +60,23 @@ def checkpoint_scheme(path: str) -> Fp8Scheme | None:
                           "(compressed-tensors fp8 and fp8 are)")
 
 
+def fp8_config(scheme: Fp8Scheme) -> dict:
+    """The quantization_config an export in `scheme` carries, in the layout whose scale names it writes (row-wise:
+    compressed-tensors, `weight_scale`; blocks: DeepSeek-style fp8, `weight_scale_inv`), with what stays unquantised
+    listed as the releases list it."""
+    if scheme.block is not None:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": list(scheme.block),
+                "modules_to_not_convert": ["lm_head", "mlp.gate", "indexer"]}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*indexer.*"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                      "dynamic": True}}}}
+
+
 def stored_fp8_modules(reader) -> set[str]:
     """Qualified module names whose weight the checkpoint stores in fp8 (`X` for `X.weight`; `...mlp.experts` when
     its experts' weights are)."""

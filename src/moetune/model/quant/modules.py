@@ -139,3 +139,26 @@ def fp8_weights(model) -> list[tuple[str, Fp8Scheme]]:
         names = ("weight",) if isinstance(mod, nn.Linear) or hasattr(mod, "in_features") else ("gate_up_proj", "down_proj")
         out += [(f"{mname}.{n}", quant) for n in names]
     return out
+
+
+@torch.no_grad()
+def dequantize_model(model, dtype=torch.float32):
+    """Turn every fp8 weight back into a plain `dtype` one (q · scale), in place: a model whose weights can be
+    merged into, compared or sent like an unquantised one."""
+    for mname, mod in list(model.named_modules()):
+        quant = getattr(mod, "quant", None)
+        if quant is None:
+            continue
+        names = ("weight",) if hasattr(mod, "in_features") else ("gate_up_proj", "down_proj")
+        for n in names:
+            scale = scale_name(n, quant)
+            w = quant.dequantize(getattr(mod, n), getattr(mod, scale), dtype)
+            delattr(mod, scale)
+            setattr(mod, n, _frozen(w))
+        mod.quant = None
+        if isinstance(mod, Fp8Linear):
+            parent, _, attr = mname.rpartition(".")
+            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
+            lin.weight, lin.bias = mod.weight, mod.bias
+            setattr(model.get_submodule(parent), attr, lin)
+    return model
