@@ -11,13 +11,13 @@ import torch
 from moetune.cli import main
 from moetune.config import load_config
 from moetune.data import DEMO_TOKENIZER_DIR
-from moetune.estimate import (activation_bytes_per_token, count_params, ep_layer_bytes_per_token, estimate_memory,
+from moetune.parallel.estimate import (activation_bytes_per_token, count_params, ep_layer_bytes_per_token, estimate_memory,
                                ranks_per_token, receives_topk)
 from moetune.inspect import build_meta_model, render_pack
-from moetune.layout import make_layout
+from moetune.parallel.layout import make_layout
 from moetune.model.config import ModelConfig, resolve_model_config
 from moetune.model import recompute
-from moetune.parallel import apply_ac, apply_ep
+from moetune.parallel.apply import apply_ac, apply_ep
 from moetune.tensors import local_tensor
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -107,7 +107,7 @@ def estimate_gib(config, over, world=1, ep=1, dp_shard=-1, ac="none"):
 
     cfg = load_config(config, list(over))
     m = model_config_for(cfg)
-    layout = make_layout(world, ep, dp_shard, ac)
+    layout = make_layout(world, ep, dp_shard, ac, n_layers=m.num_hidden_layers)
     return estimate_memory(cfg, m, count_params(build_meta_model(cfg, m)), layout).total_gib
 
 
@@ -151,7 +151,7 @@ def test_memory_estimate_shards_with_world_size():
 
     m = model_config_for(cfg)
     counts = count_params(build_meta_model(cfg, m))
-    one, eight = (estimate_memory(cfg, m, counts, make_layout(w)) for w in (1, 8))
+    one, eight = (estimate_memory(cfg, m, counts, make_layout(w, n_layers=m.num_hidden_layers)) for w in (1, 8))
     weights = {w: dict((r[0], r[1]) for r in e.rows)["weights"] for w, e in ((1, one), (8, eight))}
     assert weights[1] == pytest.approx(8 * weights[8]) and weights[1] == pytest.approx(2 * 106.85e9 / 2**30, rel=1e-3)
     assert 30 < eight.total_gib < 60 < one.total_gib
@@ -326,7 +326,7 @@ def test_dsa_estimate_counts_the_sparse_attention_only_past_index_topk():
         cfg = load_config(CONFIGS / "glm5-lora.yaml", ["--model.config", "glm5", "--data.seq_len", str(seq),
                                                       "--train.compile", "false"])
         m = resolve_model_config(None, "glm5")
-        e = estimate_memory(cfg, m, count_params(build_meta_model(cfg, m)), make_layout(64, 8, 8, "none"))
+        e = estimate_memory(cfg, m, count_params(build_meta_model(cfg, m)), make_layout(64, 8, 8, "none", n_layers=m.num_hidden_layers))
         return {r[0]: r[1] for r in e.rows}
 
     dense, sparse = rows(2048), rows(4096)

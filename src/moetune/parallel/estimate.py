@@ -1,17 +1,18 @@
 """Peak GPU memory of a training step, estimated from the config (for `moetune inspect`; nothing is allocated).
 
-The layout (ep, dp_shard, activation checkpointing, cpu_offload) comes from moetune.layout, which calls this for
-each layout it considers; everything else from the config.
+The layout (ep, dp_shard, each layer's activation checkpointing, cpu_offload, whether FSDP shards) is read from
+layout.Layout, which calls this for each layout it considers; everything else from the config. Which parameters train
+is model/trainable.prepare_trainable's, the function the run's own setup calls.
 
 Notation: P parameters (P_t trainable), S = dp_shard × ep ranks over which FSDP2 shards, b bytes of the compute
 dtype (2 for bf16), T = micro_batch_size × seq_len tokens per micro-batch, H hidden, nH/nKV heads, D head_dim,
 I dense intermediate, Im expert intermediate, k experts per token, Is shared intermediate, E routed experts,
 V vocabulary, c = min(T, 2048) tokens per loss chunk.
 
-Static (per GPU). FSDP2 shards when dp_shard > 1 or with cpu_offload (parallel.Dist.fsdp). Without it (one
-process; replicas with dp_shard 1) a rank holds the whole model, but only its 1/ep of the routed experts: there
+Static (per GPU). FSDP2 shards when dp_shard > 1 or with cpu_offload (Layout.fsdp; one process too). Without it
+(one process; replicas with dp_shard 1) a rank holds the whole model, but only its 1/ep of the routed experts: there
 P below means P - P_experts + P_experts/ep, and S = 1.
-  weights    LoRA: frozen base b·P/S.  Full, sharded: fp32 master 4·P/S.  Full without FSDP: b·P (no master copy).
+  weights    LoRA: frozen base b·P/S (frozen_weight_bytes: every frozen base weight's bytes come from there).  Full, sharded: fp32 master 4·P/S.  Full without FSDP: b·P (no master copy).
   LoRA       fp32 adapter weights and gradients: (4 + 4)·P_lora/S.
   optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full without FSDP: 2b·P_t).
   gradients  full mode: 4·P_t/S sharded (b·P_t without FSDP); they exist at the end of backward.
@@ -121,9 +122,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moetune.ac_modes import describe, layer_modes
 from moetune.model.config import GLM_MOE_DSA
-from moetune.names import ATTENTION_TARGETS, INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS, MLA_PROJECTIONS, NO_GRADIENT_RE
+from moetune.names import ATTENTION_TARGETS, INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS, MLA_PROJECTIONS
+from moetune.parallel.ac_modes import describe
 
 GIB = 2**30
 EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, per doubling of ep (assumed)
@@ -132,8 +133,59 @@ EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, 
 # Measured: full-size Air, ep 2 on 2 × H200 without recompute: 132.1 GiB of 139.8 allocated at peak (94.5%), ran
 # (5,057 tokens/s per GPU, the exchange at 82752e3a; today's estimate of that run is 131.7).
 FIT_FRACTION = 0.95
-# torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB
-GPU_MEMORY_GIB = {"H100 80GB": 79.1, "H200": 139.8}
+# torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB: what `moetune inspect` chooses for when it has
+# no memory to choose for. H100 and H200 as measured in this project; B200 from nvidia-smi's 183,359 MiB (not measured
+# here with torch, which reports a little less than nvidia-smi: 139.8 against 140.4 GiB on the H200).
+COMMON_GPUS = {"H100/A100 80GB": 79.1, "H200 141GB": 139.8, "B200 192GB": 178.4}
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """Frozen parameters of a group: the elements of its matrices (2-D weights, 3-D expert stacks) and their output
+    rows (what a per-row scale would cover: all experts' rows of a stack), and the elements of its vectors (norms,
+    biases), which stay in the compute dtype whatever the matrices are stored in."""
+
+    matrices: float = 0
+    rows: float = 0
+    vectors: float = 0
+
+    @property
+    def numel(self) -> float:
+        return self.matrices + self.vectors
+
+    def __add__(self, other: "Frozen") -> "Frozen":
+        return Frozen(self.matrices + other.matrices, self.rows + other.rows, self.vectors + other.vectors)
+
+    def __sub__(self, other: "Frozen") -> "Frozen":
+        return Frozen(self.matrices - other.matrices, self.rows - other.rows, self.vectors - other.vectors)
+
+    def __truediv__(self, k: float) -> "Frozen":
+        return Frozen(self.matrices / k, self.rows / k, self.vectors / k)
+
+    @staticmethod
+    def of(params) -> "Frozen":
+        out = Frozen()
+        for p in params:
+            if not p.requires_grad:
+                n = p.numel()
+                out += Frozen(n, n // p.shape[-1], 0) if p.dim() >= 2 else Frozen(0, 0, n)
+        return out
+
+
+def frozen_weight_bytes(numel: float, out_rows: float, quantize: str | None = None, dtype_bytes: int = 2) -> float:
+    """Bytes of frozen base weights of `numel` elements in `out_rows` output rows: the compute dtype's `dtype_bytes`
+    each (quantize None), or stored in fp8 e4m3 ("fp8"), one byte each plus an fp32 scale per output row. Every
+    frozen base weight the estimate counts (static, FSDP's gathered units) goes through here."""
+    if quantize is None:
+        return dtype_bytes * numel
+    if quantize == "fp8":
+        return numel + 4 * out_rows
+    raise ValueError(f"frozen_weight_bytes: unknown quantize {quantize!r} (None or 'fp8')")
+
+
+def frozen_bytes(f: Frozen, dtype_bytes: int, quantize: str | None = None) -> float:
+    """A group's frozen parameters: its matrices as frozen_weight_bytes says, its vectors in the compute dtype."""
+    return frozen_weight_bytes(f.matrices, f.rows, quantize, dtype_bytes) + dtype_bytes * f.vectors
 
 
 @dataclass
@@ -148,6 +200,13 @@ class ParamCounts:
     experts: int = 0  # all routed experts (base and their LoRA)
     experts_trainable: int = 0
     experts_lora: int = 0
+    # the frozen part of: the whole model, all routed experts, the root unit, the units max_expert_unit and
+    # max_layer_rest count
+    frozen: Frozen = Frozen()
+    experts_frozen: Frozen = Frozen()
+    root_frozen: Frozen = Frozen()
+    expert_unit_frozen: Frozen = Frozen()
+    layer_rest_frozen: Frozen = Frozen()
 
 
 @dataclass
@@ -161,7 +220,7 @@ class Estimate:
 def count_params(model) -> ParamCounts:
     """Parameter counts of a built model (meta device is fine), LoRA applied or trainability set."""
     total = trainable = lora = root = experts_trainable = experts_lora = 0
-    expert_units, rests = [0], [0]
+    expert_units, rests = [(0, Frozen())], [(0, Frozen())]
     for name, p in model.named_parameters():
         n = p.numel()
         total += n
@@ -174,25 +233,29 @@ def count_params(model) -> ParamCounts:
             experts_lora += n if ".lora" in name else 0
     for layer in model.model.layers:
         ex = getattr(layer.mlp, "experts", None)
-        e = sum(p.numel() for p in ex.parameters()) if ex is not None else 0
-        expert_units.append(e)
-        rests.append(sum(p.numel() for p in layer.parameters()) - e)
-    return ParamCounts(total, trainable, lora, root, max(expert_units), max(rests), model.lm_head.weight.requires_grad,
-                       sum(expert_units), experts_trainable, experts_lora)
+        ex_params = list(ex.parameters()) if ex is not None else []
+        ex_ids = {id(p) for p in ex_params}
+        rest = [p for p in layer.parameters() if id(p) not in ex_ids]
+        expert_units.append((sum(p.numel() for p in ex_params), Frozen.of(ex_params)))
+        rests.append((sum(p.numel() for p in rest), Frozen.of(rest)))
+    unit, rest = max(expert_units, key=lambda t: t[0]), max(rests, key=lambda t: t[0])
+    params = dict(model.named_parameters())
+    return ParamCounts(total, trainable, lora, root, unit[0], rest[0], model.lm_head.weight.requires_grad,
+                       sum(e for e, _ in expert_units), experts_trainable, experts_lora,
+                       frozen=Frozen.of(params.values()),
+                       experts_frozen=Frozen.of(p for n, p in params.items() if ".mlp.experts." in n),
+                       root_frozen=Frozen.of(p for n, p in params.items() if not n.startswith("model.layers.")),
+                       expert_unit_frozen=unit[1], layer_rest_frozen=rest[1])
 
 
 def build_meta_model(cfg, m):
-    """The model as `train` builds it (meta device, no memory): LoRA applied, or full-mode trainability set."""
+    """The model as `train` builds it (meta device, no memory), its trainable parameters marked by the same
+    prepare_trainable."""
     from moetune.model.hf_io import build_model
-    from moetune.model.lora import apply_lora
+    from moetune.model.trainable import prepare_trainable
 
     model = build_model(m, "meta")
-    if cfg.finetune.mode == "full":
-        for name, p in model.named_parameters():
-            p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
-                             and not NO_GRADIENT_RE.search(name))
-    else:
-        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
+    prepare_trainable(model, cfg)
     return model
 
 
@@ -378,18 +441,14 @@ def ranks_per_token(m, ep: int) -> float:
     return ep * (1 - math.comb(E - E // ep, k) / math.comb(E, k))
 
 
-def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
-    """Peak memory per GPU of `cfg` (Config) laid out as `layout` (moetune.layout.Layout: world size, ep, dp_shard,
-    activation checkpointing, cpu_offload) for the model config `m`."""
+def estimate_memory(cfg, m, counts: ParamCounts, layout, quantize: str | None = None) -> Estimate:
+    """Peak memory per GPU of `cfg` (Config) laid out as `layout` (layout.Layout: world size, ep, dp_shard, whether
+    FSDP shards, each layer's activation checkpointing, cpu_offload) for the model config `m`; `quantize`: how the
+    frozen base weights are stored (frozen_weight_bytes; None: the compute dtype)."""
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     full = cfg.finetune.mode == "full"
     world_size, ep, dp_shard = layout.world_size, layout.ep, layout.dp_shard
-    launched = world_size > 1
-    # FSDP2 shards when dp_shard > 1 (and carries the CPU offload); with dp_shard 1 every rank holds the whole model
-    # but its 1/ep of the routed experts (parallel.Dist.fsdp)
-    fsdp = launched and (dp_shard > 1 or layout.cpu_offload)
-    S = dp_shard * ep if fsdp else 1
-    offload = layout.cpu_offload and launched
+    fsdp, S, offload = layout.fsdp, layout.shard_size, layout.cpu_offload
     skew = ep_skew(ep)
     T = cfg.train.micro_batch_size * cfg.data.seq_len
     c = min(T, LOSS_CHUNK_TOKENS)
@@ -410,7 +469,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
                                                       (counts.lora, counts.experts_lora)))
         per = f" (experts /{ep})" if ep > 1 else ""
     if full and not fsdp:
-        where = "one process" if not launched else "replicas without FSDP"
+        where = "one process" if world_size == 1 else "replicas without FSDP"
         w = add("weights", b * P, f"{b}·P{per}, {where}: the {cfg.model.dtype} weights are the master copy")
         grads = b * P_t
         opt = add("optimizer", 2 * b * P_t, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable{per}")
@@ -419,7 +478,9 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         grads = 4 * P_t
         opt = add("optimizer", 8 * P_t, f"AdamW moments fp32: 8·P_trainable{per}")
     else:
-        w = add("weights", b * (P - P_lora), f"frozen base: {b}·P{per}")
+        frozen = counts.frozen / S if fsdp else counts.frozen - counts.experts_frozen + counts.experts_frozen / ep
+        stored = f"{b}·P" if quantize is None else f"{quantize}: 1 byte per element + fp32 row scales"
+        w = add("weights", frozen_bytes(frozen, b, quantize), f"frozen base: {stored}{per}")
         add("LoRA", 8 * P_lora, f"fp32 adapter weights + gradients: 8·P_lora{per}")
         grads = 0
         opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
@@ -434,12 +495,18 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     if fsdp:
         # Experts shard over dp_shard only under EP (ep already split them), else with the rest over S. On a group of
         # one FSDP2 copies a unit into its unsharded buffer when the unit runs, so nothing prefetched is in flight;
-        # the EP experts on a dp_shard of 1 are measured not to be copied at all.
+        # the EP experts on a dp_shard of 1 are measured not to be copied at all. Gathered in the compute dtype (the
+        # frozen base as stored); full mode adds each unit's unsharded fp32 gradient and its compute-dtype copy.
+        def unit_bytes(numel, frozen_part):
+            return frozen_bytes(frozen_part, b, quantize) + b * (numel - frozen_part.numel) + (
+                (b + 4) * numel if full else 0)
+
         in_flight = 2 if S > 1 else 1
-        expert_units = 0 if ep > 1 and dp_shard == 1 else (2 if dp_shard > 1 else 1) * counts.max_expert_unit / ep
-        units = max(expert_units, in_flight * counts.max_layer_rest)
-        per_param = b + ((b + 4) if full else 0)
-        gathered = add("FSDP gathered", b * counts.root + units * per_param,
+        expert_copies = 0 if ep > 1 and dp_shard == 1 else (2 if dp_shard > 1 else 1) / ep
+        units = max(expert_copies * unit_bytes(counts.max_expert_unit, counts.expert_unit_frozen),
+                    in_flight * unit_bytes(counts.max_layer_rest, counts.layer_rest_frozen))
+        root = frozen_bytes(counts.root_frozen, b, quantize) + b * (counts.root - counts.root_frozen.numel)
+        gathered = add("FSDP gathered", root + units,
                        "root unit (embeddings, lm_head) + the layer units in flight, unsharded")
     if full:
         add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
@@ -447,7 +514,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     # ---- activations of one micro-batch
     mode = "compiled" if cfg.train.compile else "eager"
     seq, L, rank = cfg.data.seq_len, m.num_hidden_layers, cfg.lora.rank
-    modes = layer_modes(layout.activation_checkpointing, L)  # each layer's activation checkpointing
+    modes = layout.recompute  # each layer's activation checkpointing
     split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
 
@@ -533,7 +600,7 @@ def format_estimate(e: Estimate) -> str:
     if abs(sum(r[1] for r in e.rows) - e.total_gib) > 0.01:
         lines.append("  (not the sum of the components: gradients and activations are not held at the same time)")
     fits = ", ".join(f"{name} ({cap} GiB): {'fits' if e.total_gib <= FIT_FRACTION * cap else 'does NOT fit'}"
-                     for name, cap in GPU_MEMORY_GIB.items())
+                     for name, cap in COMMON_GPUS.items())
     lines.append(f"  {fits} (under {FIT_FRACTION:.0%} of the memory)")
     lines += [f"  note: {n}" for n in e.notes]
     return "\n".join(lines)
