@@ -75,6 +75,29 @@ def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
     assert "error: parallel.layout auto: nothing fits 2 GPU(s) of 139.8 GiB" in capsys.readouterr().out
 
 
+def test_inspect_without_a_gpu_memory_shows_the_choice_for_the_common_gpus(monkeypatch, capsys):
+    """No GPU here and no --gpu-mem-gib: a layout is chosen to fit a memory, and there is none. It used to "choose"
+    the first preference with no limit (Air replicated on 8 GPUs, 223 GiB per GPU); now each common GPU's choice."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["inspect", str(CONFIGS / "glm45-air-lora.yaml"), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    layout = out.split("=== parallel layout, world size 8")[1].split("=== memory estimate")[0]
+    assert "the choice for each common GPU" in layout
+    for gpu in ("H100/A100 80GB (79.1 GiB): layout (auto): expert parallel (ep 8",
+                "H200 141GB (139.8 GiB): layout (auto)", "B200 192GB (178.4 GiB): layout (auto)"):
+        assert gpu in layout
+    assert "layout (auto): replicated on 8 GPUs" not in layout  # the unbounded "choice"
+    # the estimate shown is the layout chosen for the first GPU listed, and it says so
+    assert "the H100/A100 80GB's, in detail" in layout and "ep 8, dp_shard 1" in out.split("=== memory estimate")[1]
+    # full fine-tuning on 8 x 80 GB: nothing fits there, the larger GPUs still get a layout
+    assert main(["inspect", str(CONFIGS / "glm45-air-lora.yaml"), "--world-size", "8", "--finetune.mode", "full"]) == 0
+    layout = capsys.readouterr().out.split("=== parallel layout")[1].split("=== memory estimate")[0]
+    assert "H100/A100 80GB (79.1 GiB): nothing fits: parallel.layout auto: nothing fits 8 GPU(s) of 79.1 GiB" in layout
+    assert "the H200 141GB's, in detail" in layout
+
+
 def test_inspect_reports_bad_data_with_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n{"messages": 3}\n')
@@ -155,6 +178,29 @@ def test_memory_estimate_shards_with_world_size():
     weights = {w: dict((r[0], r[1]) for r in e.rows)["weights"] for w, e in ((1, one), (8, eight))}
     assert weights[1] == pytest.approx(8 * weights[8]) and weights[1] == pytest.approx(2 * 106.85e9 / 2**30, rel=1e-3)
     assert 30 < eight.total_gib < 60 < one.total_gib
+
+
+def test_frozen_base_bytes_come_from_one_function():
+    """frozen_weight_bytes prices every frozen base weight the estimate counts (static weights, FSDP's gathered root
+    and units): None is the compute dtype (today's numbers), fp8 one byte per element plus an fp32 scale per row."""
+    from moetune.parallel.estimate import frozen_weight_bytes
+
+    assert frozen_weight_bytes(1000, 10, None, 2) == 2000 and frozen_weight_bytes(1000, 10, "fp8", 2) == 1040
+    cfg = load_config(CONFIGS / "glm45-air-lora.yaml", ["--model.config", "glm45-air"])
+    from moetune.train.setup import model_config_for
+
+    m = model_config_for(cfg)
+    counts = count_params(build_meta_model(cfg, m))
+    f = counts.frozen
+    assert f.numel == counts.total - counts.lora and f.vectors < 1e-3 * f.matrices  # the base is its matrices
+    for layout in (make_layout(1, n_layers=46), make_layout(8, dp_shard=8, n_layers=46)):
+        bf16, fp8 = ({r[0]: r[1] for r in estimate_memory(cfg, m, counts, layout, quantize=q).rows}
+                     for q in (None, "fp8"))
+        S = layout.shard_size
+        assert bf16["weights"] * 2**30 == pytest.approx(2 * f.numel / S)
+        assert fp8["weights"] * 2**30 == pytest.approx((f.matrices + 4 * f.rows + 2 * f.vectors) / S)
+        if layout.fsdp:  # the gathered units are the frozen base too
+            assert fp8["FSDP gathered"] < 0.6 * bf16["FSDP gathered"]
 
 
 def _census_model(m, mode, targets):
