@@ -34,7 +34,7 @@ Expert parallelism (ep > 1): a rank's experts process the rows it receives, as m
       element-wise recompute: recompute.Rebuilt) instead of their memory, so the local "expert inputs" b·k·H +
       b·k·Im become the rows received; gate_up's output 2b·k·Im and LoRA's r-wide intermediates stay;
     trainable, full: the rows received (the checkpointed expert work keeps them, b·H·ranks_per_token);
-    trainable, selective: the GEMM outputs, as locally.
+    trainable, selective: the rows received (the checkpoint's input) and the GEMM outputs, as locally.
   A MoE layer under EP recomputes its attention and its expert work apart (recompute.split_modes). With full
   checkpointing the MoE half of the layer is not checkpointed: it saves the post-attention norm's input (eager:
   4H + 4, + b·H in full mode; compiled: b·H + 4, the bf16 residual, which is the compiled graph's output at the
@@ -59,8 +59,11 @@ under attention and full checkpointing, GQA, MLA and DSA, and the EP exchange on
   torch.compile (per layer) recomputes the element-wise chains instead of saving them: per layer it keeps
              2b·H (layer input, residual after attention) + b·D·(2nH + 2nKV) + 4nH + [2b·I dense |
              2b·k·Im + 2b·Is + 8E + 32k MoE] (+ the same full-mode/LoRA expert inputs).
-  selective activation checkpointing keeps the GEMM and attention outputs: b·H + b·D(2nH + 2nKV) + 4nH + b·H
-             (o_proj) + [3b·I dense | k·(2b·Im + b·H) + 3b·Is + 4E MoE].
+  selective activation checkpointing keeps the checkpoint's input and every GEMM and attention output, by module
+             (selective_terms): checkpoint input b·H; self_attn b·D(2nH + 2nKV) + 4nH + b·H (q, k, v, SDPA's output
+             and LSE, o_proj); mlp 2b·I + b·H (gate, up, down) | mlp.gate 4E, mlp.experts k·(2b·Im + b·H),
+             mlp.shared_experts b·(2Is + H); and each LoRA linear's x·Aᵀ (b·r) and full-width output (b·out).
+             Norms, RoPE, SwiGLU and the gathers are recomputed: full fine-tuning keeps no expert inputs here.
   attention  activation checkpointing recomputes the attention block (its norm, q/k/v/o, RoPE, attention) from the
              layer input, which its checkpoint keeps (b·H, in layer 0 too), and keeps the MLP/MoE half as without
              recompute (eager: its norm and everything after). Compiled, Inductor recomputes the residual after
@@ -108,7 +111,8 @@ Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full
 issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
 123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
 GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
-(replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 41.4. The EP measurements of the
+(replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 42.4 (41.4 before selective_terms
+counted LoRA's full-width outputs). The EP measurements of the
 same table (full Air ep 2: 108.0 GiB; AIR-8 ep 2: 28.7) are of the exchange before a6764f9, which kept nothing.
 The token exchange (c6b0d86f, BENCHMARKS.md), full Air, ep 2, compiled, LoRA q,k,v,o + shared + routed experts, full
 checkpointing, 1 × 4096: measured 122.4 GiB, estimated 125.9 (+2.8 %; 127.5 before the compiled MoE half's bf16 norm
@@ -277,7 +281,9 @@ def attention_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, first
     qk, nope, v, R = m.qk_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_rope_head_dim
     core = b * rank * len(lora & set(MLA_PROJECTIONS))
     frozen_input = first and not full  # layer 0 of a LoRA run: no gradient flows into its input
-    if frozen_input and not lora & {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}:
+    # (selective keeps every GEMM output whether a gradient needs it or not: layer 0 like the others)
+    if frozen_input and mode != "selective" and not lora & {"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                            "kv_b_proj"}:
         return core + (b * nH * v if "o_proj" in lora else 0), False  # o_proj's LoRA keeps its input
     latents = [(m.kv_lora_rank, "kv_a_proj_with_mqa", "kv_b_proj")]
     latents += [(m.q_lora_rank, "q_a_proj", "q_b_proj")] if m.q_lora_rank else []
@@ -361,17 +367,57 @@ def receives_topk(m, layer: int, seq: int) -> bool:
     return sparse_attention(m, seq) and layer > 0 and m.indexer_type(layer - 1) == "full"
 
 
-def selective_bytes_per_token(m, moe: bool, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
-                              seq: int = 0) -> float:
-    """Selective activation checkpointing: the GEMM and attention outputs (the module docstring)."""
+def lora_output_widths(m, moe: bool, lora: set) -> dict[str, float]:
+    """Per token, the width of each adapted linear's LoRA output (x·Aᵀ)·Bᵀ, by module: a GEMM output, which selective
+    checkpointing keeps (per routed pair for the experts: gate_up's B and down's B, k pairs a token)."""
+    H, k, Im, Is, I = (m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size,
+                       m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size)
+    nH = m.num_attention_heads
+    if m.is_mla:
+        qk, nope, v, R = m.qk_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_rope_head_dim
+        widths = {"q_proj": nH * qk, "q_a_proj": m.q_lora_rank or 0, "q_b_proj": nH * qk,
+                  "kv_a_proj_with_mqa": m.kv_lora_rank + R, "kv_b_proj": nH * (nope + v), "o_proj": H}
+    else:
+        D, nKV = m.head_dim, m.num_key_value_heads
+        widths = {"q_proj": nH * D, "k_proj": nKV * D, "v_proj": nKV * D, "o_proj": H}
+    out = {f"self_attn.{name}": w for name, w in widths.items() if name in lora}
+    if moe and "shared_experts" in lora:
+        out["mlp.shared_experts"] = 2 * Is + H
+    if moe and "experts" in lora:
+        out["mlp.experts"] = k * (2 * Im + H)
+    if not moe and "dense_mlp" in lora:
+        out["mlp"] = 2 * I + H
+    return out
+
+
+def selective_terms(m, moe: bool, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
+                    seq: int = 0) -> dict[str, float]:
+    """Selective activation checkpointing, per token, by the module that keeps it: the checkpoint's input and every
+    GEMM and attention output (model/recompute._saved_ops); norms, RoPE, SwiGLU and the permutation gathers are
+    recomputed, so full fine-tuning keeps no more than LoRA but its adapters' outputs."""
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
-    lora_small = lora_small_bytes_per_token(m, moe, b, lora, rank)
     attention, _ = attention_bytes_per_token(m, "selective", b, lora, full, first, seq, rank)
-    expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
-    ffn = (k * (2 * b * Im + b * H) + 3 * b * Is + 4 * E + expert_inputs) if moe else 3 * b * I
-    return b * H + attention + lora_small + b * H + b * H + ffn
+    terms = {"checkpoint input": b * H, "self_attn": attention + b * H}  # q/k/v (or MLA's), SDPA, o_proj's output
+    if moe:
+        terms["mlp.gate"] = 4 * E  # the fp32 router logits
+        terms["mlp.experts"] = k * (2 * b * Im + b * H)  # gate_up's and down's grouped GEMM outputs
+        terms["mlp.shared_experts"] = b * (2 * Is + H)  # gate, up, down
+    else:
+        terms["mlp"] = b * (2 * I + H)  # gate, up, down
+    for name, width in lora_output_widths(m, moe, lora).items():
+        terms[name] = terms.get(name, 0) + b * width
+    small = lora_small_bytes_per_token(m, moe, b, lora, rank)
+    if small:
+        terms["mlp LoRA x·Aᵀ"] = small
+    return terms
+
+
+def selective_bytes_per_token(m, moe: bool, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
+                              seq: int = 0) -> float:
+    """Selective activation checkpointing: the GEMM and attention outputs (selective_terms)."""
+    return sum(selective_terms(m, moe, b, lora, full, first, rank, seq).values())
 
 
 def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank: int = 16) -> float:
@@ -379,11 +425,10 @@ def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank
     expert parallelism, on the rank that holds the expert."""
     k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
     experts_lora = "experts" in lora
-    rows = ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + (
-        2 * b * k * _padded_rank(rank, b) if experts_lora else 0)
-    if mode == "selective":
-        return rows + k * (2 * b * Im + b * H)
-    return rows + 2 * b * k * Im
+    lora_a = 2 * b * k * _padded_rank(rank, b) if experts_lora else 0
+    if mode == "selective":  # selective_terms' "mlp.experts": the grouped GEMMs' outputs, LoRA's B outputs too
+        return k * (2 * b * Im + b * H) + b * lora_output_widths(m, True, lora).get("mlp.experts", 0) + lora_a
+    return ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + lora_a + 2 * b * k * Im
 
 
 def ep_expert_bytes_per_token(m, ac: str, b: int, lora: set, full: bool, ep: int, rank: int = 16) -> float:
@@ -394,8 +439,8 @@ def ep_expert_bytes_per_token(m, ac: str, b: int, lora: set, full: bool, ep: int
     token and rank it reaches; without recompute (none, attention) the exchange keeps the same rows and saves the
     expanded (token, expert) pair rows and the SwiGLU output as recipes (a gather, an element-wise op) instead of
     their memory, so of the local formula's rows only gate_up's output 2b·k·Im and LoRA's small intermediates stay;
-    selective keeps the GEMM outputs as locally. Frozen experts are never recomputed and free the rows received:
-    gate_up's output. Plus the routing weights of the pairs, 4k."""
+    selective keeps them (its checkpoint's input) and the GEMM outputs. Frozen experts are never recomputed and free
+    the rows received: gate_up's output. Plus the routing weights of the pairs, 4k."""
     k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
     trainable = full or "experts" in lora
     mode = "none" if not trainable or ac == "attention" else ac  # recompute.split_modes: attention keeps the MoE half
@@ -404,7 +449,9 @@ def ep_expert_bytes_per_token(m, ac: str, b: int, lora: set, full: bool, ep: int
         return received + 4 * k
     if mode == "none" and trainable:
         return received + 2 * b * k * Im + (2 * b * k * _padded_rank(rank, b) if "experts" in lora else 0) + 4 * k
-    return expert_row_bytes_per_token(m, "selective" if mode == "selective" else "eager", b, lora, full, rank) + 4 * k
+    if mode == "selective" and trainable:  # the checkpoint keeps its input, the rows received, and the GEMM outputs
+        return received + expert_row_bytes_per_token(m, "selective", b, lora, full, rank) + 4 * k
+    return expert_row_bytes_per_token(m, "eager", b, lora, full, rank) + 4 * k
 
 
 def ep_layer_bytes_per_token(m, mode: str, ac: str, b: int, lora: set, full: bool, ep: int, first: bool = False,
@@ -421,11 +468,21 @@ def ep_layer_bytes_per_token(m, mode: str, ac: str, b: int, lora: set, full: boo
         norm = b * H + 4 if mode == "compiled" else 4 * H + 4 + (b * H if full else 0)
         inputs = activation_bytes_per_token(m, True, mode, b, lora, full, first, rank, seq, "full", topk_in)
         return inputs + norm + b * H + 8 * E + 32 * k + experts
-    local_mode = "selective" if ac == "selective" else mode
+    if ac == "selective":
+        # The attention block is one selective checkpoint; the MoE half is not checkpointed as a piece: the
+        # post-attention norm and the router keep what they keep eagerly, the shared expert is its own selective
+        # checkpoint (its input, its GEMM outputs), the local expert work the expert rows above.
+        terms = selective_terms(m, True, b, lora, full, first, rank, seq)
+        attention = sum(v for name, v in terms.items() if name == "checkpoint input" or name.startswith("self_attn"))
+        shared = b * H + terms["mlp.shared_experts"] + (b * rank * 3 if "shared_experts" in lora else 0)
+        norm = 4 * H + 4 + (b * H if full else 0)
+        topk = 8 * min(m.index_topk, seq) if topk_in else 0
+        return attention + topk + norm + shared + 8 * E + 32 * k + experts
+    local_mode = mode
     local = activation_bytes_per_token(m, True, local_mode, b, lora, full, first, rank, seq, ac, topk_in)
     # Compiled, the dispatcher is a graph break: the shared expert runs inside it, eagerly (3b·Is, not 2b·Is), and
     # under attention recompute the residual after attention is the compiled graph's output, kept (b·H).
-    graph_break = b * Is + (b * H if ac == "attention" else 0) if mode == "compiled" and ac != "selective" else 0
+    graph_break = b * Is + (b * H if ac == "attention" else 0) if mode == "compiled" else 0
     return local - expert_row_bytes_per_token(m, local_mode, b, lora, full, rank) + experts + graph_break
 
 
