@@ -14,7 +14,7 @@ from moetune.cli import main
 from moetune.config import load_config
 from moetune.data import DEMO_TOKENIZER_DIR
 from moetune.parallel.estimate import (activation_bytes_per_token, count_params, ep_layer_bytes_per_token, estimate_memory,
-                               ranks_per_token, receives_topk)
+                                       layer_terms, ranks_per_token, receives_topk)
 from moetune.inspect import build_meta_model, render_pack
 from moetune.parallel.layout import make_layout
 from moetune.model.config import ModelConfig, resolve_model_config
@@ -223,16 +223,23 @@ def _census_model(m, mode, targets):
     return model, full
 
 
-def saved_bytes_by_layer(model, T):
+MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp", "mlp.gate", "mlp.experts",
+           "mlp.shared_experts")  # a decoder layer's modules the estimate's terms are named after (layer_terms)
+
+
+def saved_bytes_by_layer(model, T, by_module=False):
     """Bytes of the tensors autograd saves for backward, by decoder layer (parameters excluded). Inside the
     expert-parallel exchange its own saved-tensor hooks (recompute.Rebuilt) replace ours: the census sees what they
     save as itself, not the tensors they save as a recipe. Inside a selective checkpoint torch keeps the outputs its
     policy says to save in its own cache, not through saved-tensor hooks: the census takes them from the policy."""
     params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
-    seen, where = {}, ["embed"]
-    hooks = [layer.register_forward_pre_hook(lambda mod, a, i=i: where.__setitem__(0, i))
-             for i, layer in enumerate(model.model.layers)]
-    hooks.append(model.model.norm.register_forward_pre_hook(lambda mod, a: where.__setitem__(0, "final")))
+    seen, where = {}, [("embed", "")]  # a stack: (layer, the innermost of MODULES running), pushed and popped
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for name, module in [("", layer)] + [(n, mod) for n, mod in layer.named_modules() if n in MODULES]:
+            hooks.append(module.register_forward_pre_hook(lambda mod, a, i=i, name=name: where.append((i, name))))
+            hooks.append(module.register_forward_hook(lambda mod, a, out: where.pop() and None))
+    hooks.append(model.model.norm.register_forward_pre_hook(lambda mod, a: where.append(("final", ""))))
 
     kept = []  # the storages seen, alive to the end: a storage freed early (the exchange releases some) could
     # otherwise hand its address to a later one, which a key by address would then skip
@@ -241,7 +248,7 @@ def saved_bytes_by_layer(model, T):
         storage = t.untyped_storage()
         key = storage._cdata  # the storage itself: tensors that share one are counted once
         if storage.data_ptr() not in params and key not in seen:
-            seen[key] = (storage.nbytes(), where[0])
+            seen[key] = (storage.nbytes(), where[-1] if by_module else where[-1][0])
             kept.append(storage)
         return t
 
@@ -281,6 +288,15 @@ def saved_bytes_by_layer(model, T):
     return out
 
 
+TINY_GQA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1)
+MLA_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
+                v_head_dim=20)  # v = nope + rope as in GLM-4.7-Flash and GLM-5: SDPA's fused CPU kernel, as on GPU
+MLA_ATTN = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
 # Every recompute mode, and splits of two (ac_modes: the modes go to the layers in the order written). The census and
 # the estimate must agree within CENSUS_MARGIN per layer, or the test names the layer and both figures.
 EVERY_MODE = ["none", "attention", "selective", "full", {"full": 1, "attention": 1}, {"selective": 1, "none": 1}]
@@ -318,9 +334,7 @@ def census_formula(m, i, targets, full, ac, seq=0):
     ("full", []),
 ])
 def test_eager_activation_formula_matches_what_autograd_saves(mode, targets, ac):
-    m = ModelConfig.from_hf_dict(dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                      n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1))
+    m = ModelConfig.from_hf_dict(TINY_GQA)
     model, full = _census_model(m, mode, targets)
     apply_ac(model, ac)
     # two lengths: the difference is what grows with the tokens (weight-sized casts drop out)
@@ -329,6 +343,33 @@ def test_eager_activation_formula_matches_what_autograd_saves(mode, targets, ac)
         measured = (big[i] - small[i]) / 64
         formula = census_formula(m, i, targets, full, layer_mode(m, ac, i))
         assert formula == pytest.approx(measured, rel=CENSUS_MARGIN), (i, formula, measured)
+
+
+@pytest.mark.parametrize("ac", ["none", "attention"])
+@pytest.mark.parametrize("config, mode, targets", [
+    (TINY_GQA, "lora", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    (TINY_GQA, "lora", ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]),
+    (TINY_GQA, "full", []),
+    (dict(TINY_GQA, n_routed_experts=16, num_experts_per_tok=4), "lora", ["q_proj"]),  # the routing terms scale
+    (dict(MLA_TINY, model_type="glm4_moe_lite"), "lora", MLA_ATTN),
+    (dict(MLA_TINY, model_type="glm4_moe_lite", q_lora_rank=None), "full", []),
+], ids=["gqa-lora-attn", "gqa-lora-all", "gqa-full", "gqa-16-experts-top-4", "mla-lora-attn", "mla-full"])
+def test_each_activation_term_names_the_module_that_saves_it(config, mode, targets, ac):
+    """The eager terms (layer_terms), module by module, against the saved tensors counted while that module runs:
+    without recompute both halves, under attention checkpointing the MLP/MoE half the layer keeps. A term that
+    drifts names its module, not only its layer."""
+    m = ModelConfig.from_hf_dict(config)
+    model, full = _census_model(m, mode, targets)
+    apply_ac(model, ac)
+    small, big = saved_bytes_by_layer(model, 64, by_module=True), saved_bytes_by_layer(model, 128, by_module=True)
+    for i in range(m.num_hidden_layers):
+        attn, ffn = layer_terms(m, m.is_moe_layer(i), "eager", 2, set(targets), full, i == 0, 4)
+        terms = {**(attn if ac == "none" else {}), **ffn}
+        if i == 0 and ac == "none":
+            terms["self_attn"] += 2 * 2 * m.rotary_dim  # RoPE's cos/sin, made for layer 0's attention, kept for all
+        for name, formula in terms.items():
+            measured = (big[(i, name)] - small[(i, name)]) / 64
+            assert formula == pytest.approx(measured, rel=CENSUS_MARGIN, abs=1), (i, name, formula, measured)
 
 
 @pytest.fixture
@@ -371,11 +412,6 @@ def test_eager_expert_parallel_formula_matches_what_autograd_saves(ep_mesh_of_on
     assert formula == pytest.approx(measured, rel=CENSUS_MARGIN), (formula, measured)
 
 
-MLA_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
-                n_shared_experts=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8,
-                v_head_dim=20)  # v = nope + rope as in GLM-4.7-Flash and GLM-5: SDPA's fused CPU kernel, as on GPU
-MLA_ATTN = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
 MLA_CASES = {

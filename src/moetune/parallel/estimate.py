@@ -44,17 +44,22 @@ Expert parallelism (ep > 1): a rank's experts process the rows it receives, as m
   after attention is likewise kept as the graph's output (b·H). The compiled terms come from a census of what
   Inductor's partition saves on the CPU (torch 2.13, one-rank EP mesh), done by hand, not by a test.
 
-Activations: bytes saved for backward per token and layer, counted from what autograd keeps in our model (checked
-against a census of saved tensors on CPU in tests/unit/test_observability_inspect.py: eager, without recompute and
-under attention and full checkpointing, GQA, MLA and DSA, and the EP exchange on a one-rank mesh):
-  attention  4H (fp32 RMSNorm input) + b·H (normed input, when q/k/v have LoRA or in full mode)
-             + b·D·(2nH + 2nKV) (q, k, v after RoPE, attention output) + 4·nH (log-sum-exp)
-  dense MLP  4H (norm) + 3b·I (gate, up, silu(gate)) [+ b·H + b·I in full mode or with LoRA on it]
-  MoE        4H (norm) + 2b·k·Im (the gate_up output: the weighted SwiGLU's own backward recomputes the rest,
-             since 82752e3a) + 3b·Is (shared expert) + 8E + 32k (router scores, indices)
-             [+ b·k·H + b·k·Im (expert inputs) in full mode or with LoRA on the experts]
+Activations: bytes saved for backward per token and layer, each term named after the module that saves it
+(layer_terms, selective_terms) and checked against a census of saved tensors on CPU in
+tests/unit/test_observability_inspect.py: eager, module by module without recompute and under attention
+checkpointing, and layer by layer in every recompute mode and in splits of two, GQA, MLA and DSA, and the EP exchange
+on a one-rank mesh, within 3 % (CENSUS_MARGIN):
+  input_layernorm           4H + 4 (fp32 input, rstd) [+ b·H in full mode, the input its weight's gradient needs]
+  self_attn                 b·H (normed input, when q/k/v have LoRA or in full mode) + b·D·(2nH + 2nKV) (q, k, v
+                            after RoPE, attention output) + 4·nH (log-sum-exp) + b·r per LoRA linear (x·Aᵀ)
+  post_attention_layernorm  as input_layernorm
+  mlp (dense)               3b·I (gate, up, silu(gate)) [+ b·H + b·I in full mode or with LoRA on it] + 3b·r (LoRA)
+  mlp.gate                  4E + 12k + 4 (fp32 scores, the top-k weights and indices, their normaliser)
+  mlp.experts               2b·k·Im (gate_up's output: the weighted SwiGLU's own backward recomputes the rest, since
+                            82752e3a) + 28k (the permutation's bookkeeping) [+ b·k·H + b·k·Im (expert inputs) in full
+                            mode or with LoRA on the experts, + 2b·k·r' (their x·Aᵀ, r' the rank padded to 16 bytes)]
+  mlp.shared_experts        3b·Is [+ b·H + b·Is in full mode or with LoRA on it] + 3b·r (LoRA)
   final      4H (norm) + b·H (the loss's saved input gradient) + 2b·rotary_dim (RoPE cos/sin, once)
-  full mode  also b·H per RMSNorm (the input its weight's gradient needs)
   Layer 0 of a LoRA run saves nothing for its input norm (no gradient flows into the embeddings).
   torch.compile (per layer) recomputes the element-wise chains instead of saving them: per layer it keeps
              2b·H (layer input, residual after attention) + b·D·(2nH + 2nKV) + 4nH + [2b·I dense |
@@ -311,31 +316,53 @@ def _padded_rank(rank: int, b: int) -> int:
     return -(-rank * b // 16) * 16 // b
 
 
-def layer_halves(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
-                 seq: int = 0) -> tuple[float, float]:
-    """(attention half, MLP/MoE half) of what one layer saves for backward per token without recompute (mode eager |
-    compiled; the module docstring's terms): the attention half from the layer input through o_proj, the other from
-    the residual after attention through the MLP or MoE, LoRA's small intermediates there included."""
+def layer_terms(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
+                seq: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+    """What one layer saves for backward per token without recompute (mode eager | compiled), by the module that
+    saves it, as (attention half, MLP/MoE half): the attention half from the layer input through o_proj, the other
+    from the residual after attention through the MLP or MoE. Eager, the census of saved tensors checks each
+    module's term (tests/unit/test_observability_inspect.py); compiled, a layer is one graph, whose terms are named
+    after what Inductor's partition keeps (a census by hand)."""
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
-    lora_small = lora_small_bytes_per_token(m, moe, b, lora, rank)
     attention, qkv_input = attention_bytes_per_token(m, mode, b, lora, full, first, seq, rank)
     expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
     mlp_inputs = (b * H + b * I) if (full or "dense_mlp" in lora) else 0
     shared_inputs = (b * H + b * Is) if (full or "shared_experts" in lora) else 0
-    router = 8 * E + 32 * k
+    lora_a = b * rank * 3  # the three adapted linears' x·Aᵀ of a dense MLP or shared expert
+    experts_lora_a = 2 * b * k * _padded_rank(rank, b) if "experts" in lora else 0
+    shared_lora_a = lora_a if "shared_experts" in lora else 0
+    dense_lora_a = lora_a if "dense_mlp" in lora else 0
     if mode == "compiled":  # each half keeps its bf16 input (the layer input is not needed in layer 0 of LoRA)
-        attn = (0 if first and not full else b * H) + attention
-        ffn = (2 * b * k * Im + 2 * b * Is + router + expert_inputs + shared_inputs) if moe else 2 * b * I + mlp_inputs
-        return attn, b * H + ffn + lora_small
+        attn = {"layer input (compiled graph)": 0 if first and not full else b * H, "self_attn": attention}
+        ffn = {"residual after attention (compiled graph)": b * H}
+        if moe:
+            ffn.update({"mlp.gate": 8 * E + 32 * k, "mlp.experts": 2 * b * k * Im + expert_inputs + experts_lora_a,
+                        "mlp.shared_experts": 2 * b * Is + shared_inputs + shared_lora_a})
+        else:
+            ffn["mlp"] = 2 * b * I + mlp_inputs + dense_lora_a
+        return attn, ffn
     norm = 4 * H + 4 + (b * H if full else 0)  # fp32 input and rstd (+ the bf16 cast the norm weight's gradient needs)
-    attn = (0 if first and not full else norm) + (b * H if qkv_input else 0) + attention
+    attn = {"input_layernorm": 0 if first and not full else norm,
+            "self_attn": (b * H if qkv_input else 0) + attention}  # + the normed input q/k/v's LoRA or weight needs
+    ffn = {"post_attention_layernorm": norm}
     if moe:
-        ffn = norm + 2 * b * k * Im + 3 * b * Is + router + expert_inputs + shared_inputs
+        # the router: fp32 scores 4E, the top-k weights and indices, their normaliser; the experts: gate_up's output
+        # (the weighted SwiGLU's backward recomputes the rest) and the permutation's bookkeeping, 28 bytes a pair
+        ffn.update({"mlp.gate": 4 * E + 12 * k + 4,
+                    "mlp.experts": 2 * b * k * Im + 28 * k + expert_inputs + experts_lora_a,
+                    "mlp.shared_experts": 3 * b * Is + shared_inputs + shared_lora_a})  # gate, up, silu(gate)
     else:
-        ffn = norm + 3 * b * I + mlp_inputs
-    return attn, ffn + lora_small
+        ffn["mlp"] = 3 * b * I + mlp_inputs + dense_lora_a  # gate, up, silu(gate)
+    return attn, ffn
+
+
+def layer_halves(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
+                 seq: int = 0) -> tuple[float, float]:
+    """(attention half, MLP/MoE half) of layer_terms, summed."""
+    attn, ffn = layer_terms(m, moe, mode, b, lora, full, first, rank, seq)
+    return sum(attn.values()), sum(ffn.values())
 
 
 def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
