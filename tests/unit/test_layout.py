@@ -354,3 +354,21 @@ def test_cpu_offload_on_one_gpu_is_fsdp_over_a_mesh_of_one():
         assert trained and all(p.grad is not None and p.grad.device.type == "cpu" for p in trained)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_parallel_shape_has_one_owner():
+    """parallel/ stands on the model and the base floor, never on what uses it (train, data, export, sync, the
+    commands); process groups and meshes are made in parallel/ only (mesh.init_distributed, Layout.build_mesh)."""
+    import moetune
+    from test_layering import _graph
+
+    allowed = ("moetune.parallel", "moetune.model", "moetune.errors", "moetune.names", "moetune.tensors")
+    graph = _graph()
+    assert "moetune.parallel.layout" in graph and "moetune.parallel.estimate" in graph["moetune.parallel.layout"]
+    upward = {name: sorted(d for d in deps if not d.startswith(allowed))
+              for name, deps in graph.items() if name.startswith("moetune.parallel")}
+    assert {k: v for k, v in upward.items() if v} == {}
+    src = Path(moetune.__file__).resolve().parent
+    makers = sorted(str(f.relative_to(src)) for f in src.rglob("*.py")
+                    if any(call in f.read_text() for call in ("init_device_mesh(", "init_process_group(")))
+    assert makers == ["parallel/layout.py", "parallel/mesh.py"]
