@@ -372,3 +372,13 @@ def test_the_parallel_shape_has_one_owner():
     makers = sorted(str(f.relative_to(src)) for f in src.rglob("*.py")
                     if any(call in f.read_text() for call in ("init_device_mesh(", "init_process_group(")))
     assert makers == ["parallel/layout.py", "parallel/mesh.py"]
+
+
+def test_one_gpu_offloads_what_it_cannot_hold():
+    """Full fine-tuning of GLM-4.7-Flash (30B) on one H200: 16 bytes a parameter do not fit (228 GiB with full
+    recompute); with the weights, gradients and optimizer state in host memory (FSDP2 over a mesh of one brings each
+    layer in) and the attention of 42 layers recomputed, the rest whole, they do (132.6 GiB). Offload used to be
+    considered on several GPUs only."""
+    layout = layout_for(FLASH, 1, H200, *AS_FLASH, "--finetune.mode", "full")
+    assert shape(layout) == (1, 1, 1, (("full", 5), ("attention", 42)), True), layout.describe()
+    assert layout.fsdp and layout.needs_process_group and layout.estimate_gib <= FIT_FRACTION * H200

@@ -20,8 +20,8 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   kept: the middle ground), then with `full` (the whole layer; under EP the attention and the local expert work
   apart, model/recompute.split_modes) — or rather, where `attention` did not fit on that structure, the per-layer
   split {full: n, attention: L - n} (ac_modes) with the most attention layers that fits: recompute on a preferred
-  structure is not assumed to beat a less preferred structure without it. CPU offload (FSDP) only when nothing
-  else fits, its modes in the same order. A layout fits when its estimate is under FIT_FRACTION (95 %) of the memory
+  structure is not assumed to beat a less preferred structure without it. CPU offload (FSDP; on one GPU FSDP over a
+  mesh of one process) only when nothing else fits, its modes in the same order. A layout fits when its estimate is under FIT_FRACTION (95 %) of the memory
   (`memory_limit`): `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib) when set, else torch.cuda's; a CPU run is
   held to the machine's RAM (or its cgroup's limit) shared by the processes on the node, and considers no CPU offload
   (its weights are already in host memory).
@@ -273,8 +273,9 @@ def _candidates(structures, pinned: dict, compiled: bool):
     heavy = ("attention", "full") if pin is None or isinstance(pin, str) else (pin,)  # a per-layer split as written
     out = [(s, ac, False) for s in structures for ac in light]  # by structure first, none before selective
     out += [(s, ac, False) for ac in heavy for s in structures]
-    offload = [s for s in structures if s[0] == "fsdp"] if "cpu_offload" not in pinned else structures
-    out += [(s, ac, True) for s in offload for ac in light + heavy if s[0] != "one" or pinned.get("cpu_offload")]
+    # offload is FSDP's (over the world; in one process over a mesh of one: how one GPU trains what it cannot hold)
+    offload = [s for s in structures if s[0] in ("fsdp", "one")] if "cpu_offload" not in pinned else structures
+    out += [(s, ac, True) for s in offload for ac in light + heavy]
     return [(s[1], s[2], ac, off) for s, ac, off in out if ok(ac, off)]
 
 
