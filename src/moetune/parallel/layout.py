@@ -93,9 +93,10 @@ class Layout:
         if replicate * dp_shard * ep != world or (replicate > 1 and ep > 1):
             raise ConfigError(f"parallel.dp_shard ({dp_shard}) × parallel.ep ({ep}) must equal the world size "
                               f"({world}), or, without expert parallelism, divide it (the rest replicates)")
+        if not isinstance(self.recompute, tuple) or not self.recompute:
+            raise TypeError(f"Layout.recompute is each decoder layer's mode, got {self.recompute!r} (make_layout "
+                            "spreads a setting over the layers)")
         layer_modes(self.recompute, len(self.recompute))  # known modes (the layers' number came from the model)
-        if not self.recompute:
-            raise ConfigError("layout: no decoder layers to lay out")
 
     # ---- what the shape means
     @property
