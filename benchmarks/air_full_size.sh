@@ -6,6 +6,7 @@
 #   MODEL=tiny NPROC=2 DEVICE=cpu bash benchmarks/air_full_size.sh   (a CPU rehearsal of the same commands)
 #   EP=2 AC=none SPEED_ONLY=1 STEPS=14 NPROC=2 bash benchmarks/air_full_size.sh   (throughput only: no resume/export)
 #   LAYERS=8 NPROC=1 AC=none SPEED_ONLY=1 STEPS=14 bash benchmarks/air_full_size.sh   (AIR-8 through the CLI, 1 GPU)
+#   QUANT=fp8 NPROC=1 AC=attention SPEED_ONLY=1 STEPS=12 bash benchmarks/air_full_size.sh   (full Air, fp8 base, 1 GPU)
 set -euo pipefail
 NPROC=${NPROC:-8}
 MODEL=${MODEL:-glm45-air}
@@ -18,6 +19,7 @@ COMPILE=${COMPILE:-true}
 EP=${EP:-1}
 MICRO=${MICRO:-1}
 LAYERS=${LAYERS:-}  # fewer decoder layers (e.g. 8: the AIR-8 proxy through the CLI on one GPU)
+QUANT=${QUANT:-}  # fp8 | fp8_block: the frozen base stored in fp8 (model.quantize)
 STEPS=${STEPS:-30}
 LAYOUT=()
 # EP and AC as given (layout manual: no memory-estimate veto), unless LAYOUT_AUTO is set
@@ -28,7 +30,8 @@ common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --
         --train.micro_batch_size "$MICRO" --train.grad_accum 1 --train.activation_checkpointing "$AC"
         --train.compile "$COMPILE" --eval.every 0 --eval.max_batches 2 --logging.expert_stats_every 10
         --logging.progress_bar false --checkpoint.every 15 --checkpoint.keep_last 2 --optim.warmup_steps 5
-        --run.output_dir "$RUN" --run.name air "${LAYOUT[@]}" ${LAYERS:+--model.num_hidden_layers "$LAYERS"})
+        --run.output_dir "$RUN" --run.name air "${LAYOUT[@]}" ${LAYERS:+--model.num_hidden_layers "$LAYERS"}
+        ${QUANT:+--model.quantize "$QUANT"})
 launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29611 -m moetune train)
 rm -rf "$RUN"
 t0=$(date +%s.%N)

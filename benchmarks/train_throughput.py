@@ -101,6 +101,23 @@ FLASH_VARIANTS = {
     "ours_flash_mlaexperts_1x4096": ("ours", 1, 4096, FLASH_MLA + ["experts"], {"model": "glm47-flash"}),
 }
 VARIANTS.update(FLASH_VARIANTS)
+# an fp8 frozen base (model.quantize): AIR-8 against the bf16 rows above, full-size Air on ONE GPU, Flash
+FP8_VARIANTS = {
+    "ours_fp8_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8"}),
+    "ours_fp8_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"quantize": "fp8"}),
+    "ours_fp8block_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8_block"}),
+    "ours_fp8_qkvo_4x1024_eager": ("ours", 4, 1024, QKVO, {"quantize": "fp8", "compile": False}),
+    "ours_fp8fast_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8", "fast_accum_dgrad": True}),
+    "ours_fp8_qkvo_1x4096_packed": ("ours", 1, 4096, QKVO, {"quantize": "fp8", "docs": 4}),
+    **{f"ours_fp8_air_{name}_1x4096_packed{suffix}": (
+        "ours", 1, 4096, targets, {"layers": 46, "quantize": "fp8", "docs": 4, "ac": ac})
+       for name, targets in (("qkvo", QKVO), ("experts", QKVO + ["shared_experts", "experts"]))
+       for suffix, ac in (("", "none"), ("_ac", "full"), ("_acattn", "attention"))},
+    "ours_fp8_flash_mla_1x4096": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "quantize": "fp8"}),
+    "ours_fp8_flash_mlaexperts_1x4096": ("ours", 1, 4096, FLASH_MLA + ["experts"],
+                                         {"model": "glm47-flash", "quantize": "fp8"}),
+}
+VARIANTS.update(FP8_VARIANTS)
 # the HF row each of them is compared with in the table
 FAMILY_REFERENCE = {k: ("hf_flash_mlaexperts_1x4096" if "mlaexperts" in k else "hf_flash_mla_1x4096")
                     for k in FLASH_VARIANTS if k.startswith("ours_")}
@@ -161,6 +178,15 @@ def build_ours(cfg: dict, targets, extra, device):
     full = targets is None
     # full fine-tuning under FSDP keeps fp32 master weights (bf16 compute), as `moetune train` does
     cast_model(model, torch.float32 if full and extra.get("nproc", 1) > 1 else torch.bfloat16)
+    if extra.get("quantize"):  # an fp8 frozen base (model.quantize): the same random draw, quantised
+        from moetune.model.quant.fp8 import scheme_named
+        from moetune.model.quant.modules import quantize_model
+
+        quantize_model(model, scheme_named(extra["quantize"]))
+        if "fast_accum_dgrad" in extra:  # a candidate setting, measured against the default
+            import moetune.model.quant.matmul as fp8_matmul
+
+            fp8_matmul.FAST_ACCUM_DGRAD = extra["fast_accum_dgrad"]
     if not full:
         apply_lora(model, targets, 16, 32)
     apply_ac(model, extra.get("ac", "none"))

@@ -59,6 +59,9 @@ class ModelSection(_Section):
     config: Union[str, dict[str, Any], None] = None  # config.json path, inline dict or builtin name
     num_hidden_layers: Optional[int] = Field(None, ge=1)  # truncate for proxies (AIR-8)
     dtype: Literal["bfloat16", "float32"] = "float32"  # frozen base / compute dtype
+    # store the frozen base in fp8 e4m3 (LoRA only): "fp8" one scale per output row, "fp8_block" one per 128×128
+    # block. An FP8 checkpoint (compressed-tensors or `quant_method: fp8`) is read as stored without this key.
+    quantize: Optional[Literal["fp8", "fp8_block"]] = None
     attn_implementation: Literal["auto", "sdpa", "flex", "eager"] = "auto"
     # random init when there is no checkpoint. 0.1 is the demo's: at 0.02 the tiny model's frozen random lm_head
     # cannot produce logits large enough for the loss to fall far (proxies for speed set 0.02, as HF's init)

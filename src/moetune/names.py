@@ -43,6 +43,8 @@ LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # transformers v5's (and our) stacked experts: model.layers.N.mlp.experts.{gate_up_proj [E, 2I, H], down_proj [E, H, I]}
 FUSED_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# the same with an fp8 stack's scales (`gate_up_proj_scale[_inv]`): the hub stores them per expert beside each weight
+FUSED_EXPERT_PART_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$")
 
 
 def layer_index(name: str) -> int | None:

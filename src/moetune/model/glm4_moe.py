@@ -22,6 +22,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.moe import experts_forward, permute, unpermute
+from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name
 from moetune.model.recompute import recompute, split_modes
 
 
@@ -139,6 +140,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
         self.lora = None
         self.dispatcher = None
+        self.quant = None  # an Fp8Scheme when the stack is stored in fp8 with its scales (model/quant)
 
     def forward(self, x, topk_idx, topk_weights, side_work=None, recompute: str = "none"):
         """(sum of each token's weighted expert outputs [T, H], rows per expert [E], side_work()'s result).
@@ -149,16 +151,22 @@ class Experts(nn.Module):
                                    side_work, recompute)
         perm = permute(topk_idx, self.num_experts)
         rows, row_weights = x[perm.token_idx], topk_weights.reshape(-1)[perm.order]
-        y = experts_forward(rows, perm.offs, row_weights, self.gate_up_proj, self.down_proj, self.lora)
+        y = experts_forward(rows, perm.offs, row_weights, expert_weight(self, "gate_up_proj"),
+                            expert_weight(self, "down_proj"), self.lora)
         return unpermute(y, perm, x.shape[0]), perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):
-        lora = self.lora
+        """The tensors the dispatcher hands `_compute` (this rank's shards): base stacks, their fp8 scales, LoRA."""
+        lora, q = self.lora, self.quant
+        scales = () if q is None else tuple(getattr(self, scale_name(n, q)) for n in ("gate_up_proj", "down_proj"))
         extra = () if lora is None else (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-        return (self.gate_up_proj, self.down_proj, *extra)
+        return (self.gate_up_proj, self.down_proj, *scales, *extra)
 
-    def _compute(self, rows, offs, row_weights, gate_up, down, *lora_weights, rebuilt=None):
-        return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, lora_weights or None, rebuilt)
+    def _compute(self, rows, offs, row_weights, gate_up, down, *rest, rebuilt=None):
+        if self.quant is not None:
+            (gate_up_scale, down_scale), rest = rest[:2], rest[2:]
+            gate_up, down = FrozenFp8(gate_up, gate_up_scale, self.quant), FrozenFp8(down, down_scale, self.quant)
+        return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, rest or None, rebuilt)
 
 
 class MoE(nn.Module):

@@ -25,7 +25,9 @@ from moetune.model.build import build_model
 from moetune.model.config import ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
-from moetune.names import FUSED_EXPERT_RE, layer_index
+from moetune.model.quant.checkpoint import checkpoint_scheme, prepare_fp8_base
+from moetune.model.quant.modules import fp8_weights, scale_name
+from moetune.names import FUSED_EXPERT_PART_RE, layer_index
 from moetune.tensors import local_index, local_tensor
 
 log = logging.getLogger("moetune")
@@ -33,8 +35,13 @@ log = logging.getLogger("moetune")
 
 # ---------------------------------------------------------------------------------------------- building
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Cast the base weights; the router's correction bias stays fp32 (as transformers keeps it)."""
+    """Cast the base weights; the router's correction bias stays fp32 (as transformers keeps it), an fp8 base's
+    weights and scales stay as they are."""
+    params = dict(model.named_parameters())
+    kept = [(params[n], params[n].data) for w, q in fp8_weights(model) for n in (w, scale_name(w, q))]
     model.to(dtype)
+    for p, data in kept:
+        p.data = data
     for moe in model.moe_layers():
         moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.data.float()
     return model
@@ -47,10 +54,17 @@ def _param_seed(seed: int, name: str) -> int:
 @torch.no_grad()
 def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) -> None:
     """Random init that does not depend on sharding: each parameter is drawn whole from its own seeded
-    generator (on its device) and each rank keeps its slice. Norms 1, biases and the correction bias 0."""
+    generator (on its device) and each rank keeps its slice. Norms 1, biases and the correction bias 0. An fp8
+    weight is the same draw quantised: an fp8 base is the quantised base of the same seed."""
+    params = dict(model.named_parameters())
+    fp8 = {name: (params[scale_name(name, q)], q) for name, q in fp8_weights(model)}
+    scales = {id(s) for s, _ in fp8.values()}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".lora" in name:
-            continue  # LoRA keeps its own init (B = 0)
+        if ".lora" in name or id(p) in scales:
+            continue  # LoRA keeps its own init (B = 0); an fp8 scale is made with its weight
+        if name in fp8:
+            _fill_seeded_fp8(p, *fp8[name], name, seed, std)
+            continue
         local = local_tensor(p)
         if name.endswith("norm.weight"):
             local.fill_(1.0)
@@ -58,6 +72,16 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
             local.zero_()
         else:
             fill_seeded(p, name, seed, lambda t, g: t.normal_(0.0, std, generator=g))
+
+
+@torch.no_grad()
+def _fill_seeded_fp8(p, scale_p, scheme, name: str, seed: int, std: float) -> None:
+    idx, shape = local_index(p)
+    g = torch.Generator(device=local_tensor(p).device).manual_seed(_param_seed(seed, name))
+    full = torch.empty(shape, dtype=torch.float32, device=local_tensor(p).device).normal_(0.0, std, generator=g)
+    q, s = scheme.quantize(full[idx])
+    local_tensor(p).copy_(q)
+    local_tensor(scale_p).copy_(s)
 
 
 @torch.no_grad()
@@ -84,11 +108,17 @@ def shard_files(path: str) -> list[str]:
     return files
 
 
+def checkpoint_reader(path: str) -> "_Reader":
+    """The index of a checkpoint directory's tensors (no data read)."""
+    return _Reader(path)
+
+
 @dataclass
 class _Stored:
     file: str
     key: str
     shape: tuple
+    dtype: str
 
 
 class _Reader:
@@ -106,7 +136,15 @@ class _Reader:
                 raise CheckpointError(f"{index}: names shard file {fname}, which does not exist")
             h = self._handle(fname)
             for key in h.keys():
-                self.tensors[key] = _Stored(fname, key, tuple(h.get_slice(key).get_shape()))
+                sl = h.get_slice(key)
+                self.tensors[key] = _Stored(fname, key, tuple(sl.get_shape()), sl.get_dtype())
+
+    def is_fp8(self) -> bool:
+        return checkpoint_scheme(self.path) is not None
+
+    def dtype(self, key: str) -> str:
+        """safetensors' name of a stored tensor's dtype (BF16, F32, F8_E4M3, ...)."""
+        return self.tensors[key].dtype
 
     def _handle(self, fname):
         if fname not in self._handles:
@@ -140,10 +178,14 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
             raise _expected_shape_error(name, st, shape)
         consumed.add(name)
         return reader.read(name, idx)
-    m = FUSED_EXPERT_RE.match(name)
+    alias = _scale_alias(name)
+    if alias in reader.tensors:  # compressed-tensors names block scales `weight_scale`, DeepSeek `weight_scale_inv`
+        return _read_param(reader, alias, idx, shape, consumed)
+    m = FUSED_EXPERT_PART_RE.match(name)
     if not m:
         raise CheckpointError(f"tensor {name} is missing from the checkpoint at {reader.path}")
-    prefix, which = m.groups()
+    prefix, which, scale = m.groups()
+    suffix = _expert_suffix(reader, prefix, scale)
     E = shape[0]
     e_slice, rest = idx[0], idx[1:]
     # Every expert of the stack must be present with the right shape, whichever this rank reads: checked from
@@ -152,7 +194,7 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     want = tuple(shape[1:]) if which == "down_proj" else (shape[1] // 2, shape[2])
     for e in range(E):
         for proj in projs:
-            key = f"{prefix}.{e}.{proj}.weight"
+            key = f"{prefix}.{e}.{proj}.{suffix}"
             st = reader.tensors.get(key)
             if st is None:
                 raise CheckpointError(f"tensor {key} (part of {name}) is missing from the checkpoint at {reader.path}")
@@ -162,19 +204,49 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     parts = []
     for e in range(e_slice.start, e_slice.stop):
         if which == "down_proj":
-            parts.append(reader.read(f"{prefix}.{e}.down_proj.weight", rest))
+            parts.append(reader.read(f"{prefix}.{e}.down_proj.{suffix}", rest))
             continue
         I = shape[1] // 2
         row, col = rest
         pieces = []
         if row.start < I:  # gate rows
-            pieces.append(reader.read(f"{prefix}.{e}.gate_proj.weight", (slice(row.start, min(row.stop, I)), col)))
+            pieces.append(reader.read(f"{prefix}.{e}.gate_proj.{suffix}", (slice(row.start, min(row.stop, I)), col)))
         if row.stop > I:  # up rows
-            pieces.append(reader.read(f"{prefix}.{e}.up_proj.weight", (slice(max(row.start, I) - I, row.stop - I), col)))
+            pieces.append(reader.read(f"{prefix}.{e}.up_proj.{suffix}", (slice(max(row.start, I) - I, row.stop - I), col)))
         parts.append(torch.cat(pieces, 0))
     if E and not parts:
         return torch.empty(0, *[s.stop - s.start for s in rest])
     return torch.stack(parts, 0)
+
+
+def _dequantize_stored(reader: _Reader, name: str, t: torch.Tensor, idx, consumed: set) -> torch.Tensor:
+    """An fp8 tensor the checkpoint stores for a module this model keeps in the compute dtype (e.g. DSA's indexer),
+    dequantised with its stored scale."""
+    scheme = checkpoint_scheme(reader.path)
+    key = next((k for k in (scale_name(name, scheme), _scale_alias(scale_name(name, scheme))) if k in reader.tensors),
+               None) if scheme is not None else None
+    if key is None:
+        raise CheckpointError(f"tensor {name} is stored in fp8 at {reader.path} without a scale this model can read")
+    consumed.add(key)
+    scale = reader.read(key, ())
+    full = scheme.dequantize(reader.read(name, ()), scale)
+    return full[idx] if idx else full
+
+
+def _scale_alias(name: str) -> str | None:
+    """The other name a block scale may have in a checkpoint (weight_scale_inv <-> weight_scale)."""
+    if name.endswith(".weight_scale_inv"):
+        return name[: -len("_inv")]
+    return None
+
+
+def _expert_suffix(reader: _Reader, prefix: str, scale: str | None) -> str:
+    """The per-expert tensor name a fused stack's part reads: `weight`, or its scale under the checkpoint's name."""
+    if scale is None:
+        return "weight"
+    if scale == "_scale_inv" and f"{prefix}.0.down_proj.weight_scale_inv" not in reader.tensors:
+        return "weight_scale"
+    return "weight" + scale
 
 
 class _Progress:
@@ -207,10 +279,20 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -
     consumed: set[str] = set()
     tensors = [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers()) if ".lora" not in n]
     progress = _Progress(path, sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in tensors))
+    params = dict(tensors)
+    fp8 = {name: (params[scale_name(name, q)], q) for name, q in fp8_weights(model)}
+    scales = {id(s) for s, _ in fp8.values()}
     for name, p in tensors:
+        if id(p) in scales:
+            continue  # read or made with its fp8 weight
         idx, shape = local_index(p)  # LoRALinear keeps its base layer's names: nothing to rename
         t = _read_param(reader, name, idx, shape, consumed)
-        local_tensor(p).copy_(t.to(local_tensor(p).dtype))
+        if name in fp8:
+            _store_fp8(reader, name, p, t, *fp8[name], consumed)
+        elif t.dtype == torch.float8_e4m3fn:  # stored in fp8 where this model keeps the compute dtype
+            local_tensor(p).copy_(_dequantize_stored(reader, name, t, idx, consumed).to(local_tensor(p).dtype))
+        else:
+            local_tensor(p).copy_(t.to(local_tensor(p).dtype))
         progress.add(local_tensor(p).numel() * local_tensor(p).element_size())
     if strict:
         unexpected = [k for k in reader.tensors if k not in consumed and not _ignored(k, model.config)]
@@ -218,6 +300,20 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -
             k = unexpected[0]
             raise CheckpointError(f"unexpected tensor {k} in {reader.tensors[k].file} "
                                   f"({len(unexpected)} unexpected in all) at {path}")
+
+
+def _store_fp8(reader: _Reader, name: str, target, t: torch.Tensor, scale_p, scheme, consumed: set) -> None:
+    """Fill an fp8 weight and its scale: read as stored when the checkpoint is fp8, else quantised here from the
+    slice just read (this rank's rows: row and 128-row-block scales need no other rank's data)."""
+    if t.dtype == torch.float8_e4m3fn:
+        sidx, sshape = local_index(scale_p)
+        s = _read_param(reader, scale_name(name, scheme), sidx, sshape, consumed)
+        local_tensor(target).copy_(t)
+        local_tensor(scale_p).copy_(s.to(torch.float32))
+        return
+    q, s = scheme.quantize(t.to(local_tensor(target).device))
+    local_tensor(target).copy_(q)
+    local_tensor(scale_p).copy_(s)
 
 
 # ---------------------------------------------------------------------------------------------- public
@@ -229,14 +325,17 @@ def as_dtype(dtype) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) or dtype is None else _DTYPES[dtype]
 
 
-def load_model(path: str, device="cpu", dtype=None, adapter: str | None = None) -> Glm4MoeForCausalLM:
+def load_model(path: str, device="cpu", dtype=None, adapter: str | None = None,
+               quantize: str | None = None) -> Glm4MoeForCausalLM:
     """Load an HF-format checkpoint directory (GLM-4.5 family, GLM-4.7-Flash, GLM-5; and optionally a moetune
-    adapter) for inference."""
+    adapter) for inference. An FP8 checkpoint stays fp8 (its frozen weights and scales as stored); `quantize`
+    ("fp8" | "fp8_block") stores an unquantised one in fp8."""
     cfg = ModelConfig.from_json(path)
     model = build_model(cfg, "meta")
-    model.to_empty(device=device)
     dtype = as_dtype(dtype) or torch.float32
     cast_model(model, dtype)
+    prepare_fp8_base(model, _Reader(path), quantize)
+    model.to_empty(device=device)
     load_hf_weights(model, path)
     if adapter is not None:
         from moetune.model.adapter_io import load_adapter

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.model.moe import grouped_linear
+from moetune.model.quant.modules import Fp8Linear, frozen_linear
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
 from moetune.tensors import local_tensor
@@ -35,6 +36,9 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.bias = base.bias
+        self.quant = getattr(base, "quant", None)  # an fp8 base keeps its scale under the checkpoint's name
+        if self.quant is not None:
+            setattr(self, self.quant.scale_suffix, base.scale)
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -51,7 +55,7 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.lora_B)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
         return y + F.linear(h, self.lora_B.to(x.dtype)) * self.scaling
 
@@ -107,7 +111,7 @@ def _targeted_linears(model, targets):
 
     for layer in model.model.layers:
         for name in ATTENTION + MLA_ATTENTION:
-            if name in targets and isinstance(getattr(layer.self_attn, name, None), nn.Linear):
+            if name in targets and isinstance(getattr(layer.self_attn, name, None), (nn.Linear, Fp8Linear)):
                 yield name, layer.self_attn, name
         mlp = layer.mlp
         if isinstance(mlp, MLP) and "dense_mlp" in targets:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
+from moetune.model.quant.matmul import fp8_grouped_linear
+from moetune.model.quant.modules import FrozenFp8
 from moetune.model.recompute import Rebuilt
 from moetune.tensors import local_tensor
 
@@ -42,7 +44,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T, for weight [E, out, in] and int32 offsets [E]
-    (under expert parallelism: this rank's experts, `offs` counting only the rows it received)."""
+    (under expert parallelism: this rank's experts, `offs` counting only the rows it received). A `FrozenFp8`
+    weight runs through the fp8 grouped GEMM (model/quant)."""
+    if isinstance(weight, FrozenFp8):
+        return fp8_grouped_linear(x, local_tensor(weight.q), local_tensor(weight.scale), offs, weight.scheme)
     weight = local_tensor(weight)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)

@@ -10,7 +10,9 @@ import torch
 from moetune.errors import ConfigError
 from moetune.model.config import model_config_for  # noqa: F401  (re-exported: inspect.py imports it from here)
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
-from moetune.model.hf_io import as_dtype, build_model, cast_model, fill_seeded, init_weights, load_hf_weights
+from moetune.model.hf_io import (as_dtype, build_model, cast_model, checkpoint_reader, fill_seeded, init_weights,
+                                 load_hf_weights)
+from moetune.model.quant.checkpoint import prepare_fp8_base
 from moetune.model.trainable import prepare_trainable
 from moetune.parallel.apply import parallelize, place_buffers
 from moetune.parallel.layout import Layout
@@ -31,6 +33,13 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     model = build_model(mcfg, "meta")
     # LoRA mode: the frozen base is stored in the compute dtype, LoRA in fp32. Full mode: fp32 master weights.
     cast_model(model, torch.float32 if full else compute_dtype)
+    reader = checkpoint_reader(cfg.model.path) if cfg.model.path else None
+    if full and (cfg.model.quantize or (reader is not None and reader.is_fp8())):
+        raise ConfigError("finetune.mode full trains the base itself: it cannot be stored in fp8 (model.quantize, or "
+                          f"the FP8 checkpoint at model.path {cfg.model.path}); use LoRA or a bf16 checkpoint")
+    if not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None and layout.fsdp:
+        raise ConfigError("an fp8 base (model.quantize or an FP8 checkpoint) runs on one data-parallel shard in this "
+                          "version: one GPU, or expert parallelism with parallel.dp_shard 1")
     prepare_trainable(model, cfg)  # the estimate's meta model is marked by the same function
     for moe in model.moe_layers():  # what the MoE layers compute beyond their output, for the loss and the metrics
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0

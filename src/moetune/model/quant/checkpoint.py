@@ -1,0 +1,89 @@
+"""Which FP8 layout a checkpoint directory holds, and preparing a (meta) model to receive it.
+
+The hub's FP8 GLM releases declare themselves in config.json's `quantization_config`:
+- compressed-tensors (`quant_method: compressed-tensors`, `format: float-quantized`): `config_groups.*.weights` with
+  `type: float`, `num_bits: 8` and `strategy: channel` (a `weight_scale [out, 1]` per weight) or `strategy: block`
+  with `block_structure` (a `weight_scale` per block); activations `dynamic: true` (per token, computed at run time,
+  as our kernels do); `ignore` lists what stays in bf16.
+- DeepSeek-style (`quant_method: fp8`, `fmt: e4m3`, `weight_block_size: [128, 128]`, `activation_scheme: dynamic`):
+  `weight_scale_inv` per 128×128 block.
+Which modules are fp8 is read from the safetensors headers (a weight stored as F8_E4M3 is one), so an ignore list
+written as names or as regular expressions needs no interpretation here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from moetune.errors import CheckpointError
+from moetune.model.quant.fp8 import Fp8Scheme, ROWWISE, scheme_named
+from moetune.model.quant.modules import quantize_model
+
+FP8_DTYPES = ("F8_E4M3",)
+
+
+def checkpoint_scheme(path: str) -> Fp8Scheme | None:
+    """The FP8 scheme config.json's `quantization_config` declares, None for an unquantised checkpoint."""
+    cfg_file = os.path.join(path, "config.json")
+    try:
+        with open(cfg_file) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None  # ModelConfig.from_json reports an unreadable config.json with its own message
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        fmt, act = qc.get("fmt", "e4m3"), qc.get("activation_scheme", "dynamic")
+        if fmt != "e4m3" or act != "dynamic":
+            raise CheckpointError(f"{cfg_file}: quantization_config fmt {fmt!r} / activation_scheme {act!r} is not "
+                                  "supported (fp8 e4m3 with dynamic activations is)")
+        block = qc.get("weight_block_size")
+        return ROWWISE if block is None else Fp8Scheme(tuple(int(b) for b in block))
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
+            raise CheckpointError(f"{cfg_file}: compressed-tensors quantization other than 8-bit float weights "
+                                  f"(format {qc.get('format')!r}) is not supported")
+        strategies = {w.get("strategy") for w in weights}
+        if strategies == {"channel"}:
+            return ROWWISE
+        if strategies == {"block"}:
+            blocks = {tuple(w.get("block_structure") or ()) for w in weights}
+            if len(blocks) == 1 and len(next(iter(blocks))) == 2:
+                return Fp8Scheme(tuple(int(b) for b in next(iter(blocks))))
+        raise CheckpointError(f"{cfg_file}: compressed-tensors weight strategy {sorted(map(str, strategies))} is not "
+                              "supported (channel, or block with one block_structure)")
+    raise CheckpointError(f"{cfg_file}: quantization_config.quant_method {method!r} is not supported "
+                          "(compressed-tensors fp8 and fp8 are)")
+
+
+def stored_fp8_modules(reader) -> set[str]:
+    """Qualified module names whose weight the checkpoint stores in fp8 (`X` for `X.weight`; `...mlp.experts` when
+    its experts' weights are)."""
+    out = set()
+    for key in reader.tensors:
+        if not key.endswith(".weight") or reader.dtype(key) not in FP8_DTYPES:
+            continue
+        module = key[: -len(".weight")]
+        parts = module.split(".")
+        if len(parts) >= 3 and parts[-3] == "experts" and parts[-2].isdigit():  # ...experts.E.gate_proj
+            module = ".".join(parts[:-2])
+        out.add(module)
+    return out
+
+
+def prepare_fp8_base(model, reader=None, quantize: str | None = None, block=(128, 128)) -> Fp8Scheme | None:
+    """Turn the model's frozen weights into fp8 ones as the checkpoint stores them (an FP8 checkpoint needs no
+    setting), or all of them with `quantize` ("fp8" | "fp8_block") for a bf16 checkpoint or a random base."""
+    scheme = checkpoint_scheme(reader.path) if reader is not None else None
+    if scheme is not None:
+        stored = stored_fp8_modules(reader)
+        quantize_model(model, scheme, keep=lambda name: name in stored)
+        return scheme
+    scheme = scheme_named(quantize, block)
+    if scheme is not None:
+        quantize_model(model, scheme)
+    return scheme

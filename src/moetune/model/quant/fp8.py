@@ -1,0 +1,93 @@
+"""FP8 (e4m3) storage of a frozen weight: the two layouts the hub's FP8 GLM releases use, quantising and dequantising.
+
+- "rowwise": compressed-tensors `float-quantized` with `strategy: channel` (GLM-4.5/4.5-Air/4.6/4.7 FP8): an fp8
+  `weight [out, in]` and `weight_scale [out, 1]`; the real weight is `weight · weight_scale`.
+- "block": DeepSeek-style `quant_method: fp8`, `weight_block_size: [b0, b1]` (GLM-5 FP8, b = 128): an fp8 `weight` and
+  `weight_scale_inv [⌈out/b0⌉, ⌈in/b1⌉]`; the real weight is `weight · weight_scale_inv` per block (the name is the
+  inverse of the quantiser's scale, which is what multiplies back).
+
+Everything here works on leading batch dimensions too (expert stacks `[E, out, in]`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# A row or block of zeros gets this scale rather than 0 (its quantised values are 0 either way; no division by 0).
+_TINY = 1e-12
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a frozen weight is stored: one scale per output row (`block` None) or one per `block` of [rows, cols]."""
+
+    block: tuple[int, int] | None = None
+
+    @property
+    def scale_suffix(self) -> str:
+        """The name of the scale tensor next to `weight` in a checkpoint (and in our modules)."""
+        return "weight_scale" if self.block is None else "weight_scale_inv"
+
+    def scale_shape(self, shape) -> tuple[int, ...]:
+        *lead, out, inp = shape
+        if self.block is None:
+            return (*lead, out, 1)
+        b0, b1 = self.block
+        return (*lead, -(-out // b0), -(-inp // b1))
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows(w) if self.block is None else quantize_blocks(w, self.block)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        if self.block is None:
+            return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+        return (q.to(torch.float32) * expand_block_scale(scale, q.shape, self.block)).to(dtype)
+
+    @property
+    def name(self) -> str:
+        return "fp8" if self.block is None else "fp8_block"
+
+
+ROWWISE = Fp8Scheme()
+
+
+def scheme_named(name: str | None, block: tuple[int, int] = (128, 128)) -> Fp8Scheme | None:
+    """`model.quantize`: None (no quantisation), "fp8" (one scale per output row) or "fp8_block" (`block` scales)."""
+    if name is None:
+        return None
+    return {"fp8": ROWWISE, "fp8_block": Fp8Scheme(tuple(block))}[name]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 values and fp32 scales [..., 1] with x ≈ q · scale, one scale per row (last dim reduced)."""
+    xf = x.to(torch.float32)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 values and fp32 `scale_inv [..., ⌈out/b0⌉, ⌈in/b1⌉]` with w ≈ q · scale_inv per block."""
+    b0, b1 = block
+    *lead, out, inp = w.shape
+    po, pi = -out % b0, -inp % b1
+    wf = torch.nn.functional.pad(w.to(torch.float32), (0, pi, 0, po))
+    blocks = wf.view(*lead, (out + po) // b0, b0, (inp + pi) // b1, b1)
+    scale = (blocks.abs().amax(dim=(-3, -1), keepdim=True) / FP8_MAX).clamp(min=_TINY)
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, out + po, inp + pi)[..., :out, :inp]
+    return q.contiguous(), scale.squeeze(-1).squeeze(-2)
+
+
+def expand_block_scale(scale: torch.Tensor, shape, block) -> torch.Tensor:
+    """The per-element fp32 multiplier of a block-scaled weight of `shape`."""
+    b0, b1 = block
+    *_, out, inp = shape
+    s = scale.to(torch.float32).repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)
+    return s[..., :out, :inp]
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -1,0 +1,162 @@
+"""Matmuls through a frozen FP8 weight: forward, and the input gradient (the only gradient a frozen weight needs).
+
+Two paths, chosen per call:
+- fp8 tensor cores (CUDA, compute capability ≥ 8.9, one scale per weight row, dims multiples of 16): the activation is
+  quantised per row (token) on the fly and `torch._scaled_mm` / `torch._scaled_grouped_mm` run fp8 × fp8 with fp32
+  row/column scales. For the input gradient dx = dy · diag(s) · W8, the weight's row scale s lies inside the sum over
+  output rows, so it is folded into dy before dy is quantised; W8 is transposed for that GEMM into a transient of one
+  weight's fp8 bytes (Hopper's fp8 GEMM wants both operands K-major).
+- just in time dequantisation (the CPU, GPUs without fp8, block-scaled weights): the weight is dequantised to the
+  activation's dtype for this one product and dropped; autograd never keeps it (the backward dequantises again).
+`reference_*` are the fp8 path's numerics written in plain torch (the activation quantised and dequantised the
+same way): the tests hold the kernels to them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
+
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
+def _fp8_kernels(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
+    # the grouped fp8 GEMM writes bf16 only; an fp32 model (reference runs) takes the dequantising path
+    if scheme.block is not None or not x.is_cuda or x.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    return w8.shape[-1] % 16 == 0 and w8.shape[-2] % 16 == 0
+
+
+def _row_scales(scale: torch.Tensor) -> torch.Tensor:
+    """[..., out, 1] weight scales as [..., out] (what the scaled GEMMs take for mat2's columns)."""
+    return scale.reshape(*scale.shape[:-2], scale.shape[-2])
+
+
+# --------------------------------------------------------------------------------------------- dense
+# Hopper's fp8 tensor cores accumulate in reduced precision unless the GEMM promotes partial sums ("fast accum"
+# off): on for the forward as torchao's float8 recipe has it, off for the gradient.
+FAST_ACCUM_FORWARD, FAST_ACCUM_DGRAD = True, True
+# The input gradient through fp8 tensor cores quantises dy per row as well ("fp8"), or runs in bf16 on the weight
+# dequantised just in time ("dequant": only the weight's own rounding, no gradient quantisation).
+DGRAD = "fp8"
+
+
+def _mm_fwd(x2, w8, scale, bias):
+    xq, sx = quantize_rows(x2)
+    # _scaled_mm takes a bias only for a 16-bit output
+    fused_bias = bias is not None and x2.dtype != torch.float32
+    y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
+                         bias=bias.to(x2.dtype) if fused_bias else None, out_dtype=x2.dtype,
+                         use_fast_accum=FAST_ACCUM_FORWARD)
+    return y + bias.to(y.dtype) if bias is not None and not fused_bias else y
+
+
+def _mm_dgrad(g2, w8, scale, fast_accum=None):
+    gq, sg = quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
+    ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
+    return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
+                            use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w8, scale, bias, scheme):
+        ctx.save_for_backward(w8, scale)
+        ctx.scheme = scheme
+        x2 = x.reshape(-1, x.shape[-1])
+        if _fp8_kernels(x2, w8, scheme):
+            y = _mm_fwd(x2, w8, scale, bias)
+        else:
+            y = F.linear(x2, scheme.dequantize(w8, scale, x.dtype), None if bias is None else bias.to(x.dtype))
+        return y.view(*x.shape[:-1], w8.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        w8, scale = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1]).contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
+                dx = _mm_dgrad(g2, w8, scale)
+            else:
+                dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
+            dx = dx.view(*g.shape[:-1], w8.shape[1])
+        dbias = g2.sum(0) if ctx.needs_input_grad[3] else None
+        return dx, None, None, dbias, None
+
+
+def fp8_linear(x, w8, scale, scheme: Fp8Scheme, bias=None):
+    """x · dequant(w8, scale)ᵀ + bias for a frozen fp8 weight [out, in]."""
+    return _Fp8Linear.apply(x, w8, scale, bias, scheme)
+
+
+def reference_fp8_linear(x, w8, scale, bias=None):
+    """What the fp8 kernel computes (row-wise weight scales), in fp32 torch: quantised activation × fp8 weight."""
+    xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = (xq.float() * sx) @ (w8.float() * scale.float()).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.view(*x.shape[:-1], w8.shape[0])
+
+
+def reference_fp8_dgrad(g, w8, scale):
+    """The fp8 kernel's input gradient: dy with the weight's row scales folded in, quantised per row, × fp8 weight."""
+    gq, sg = quantize_rows(g.reshape(-1, g.shape[-1]).float() * _row_scales(scale).view(1, -1))
+    return ((gq.float() * sg) @ w8.float()).view(*g.shape[:-1], w8.shape[1])
+
+
+# --------------------------------------------------------------------------------------------- grouped (experts)
+def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert (group) of each of `rows` rows sorted by expert with group ends `offs`; rows past the last end
+    (padding) get the last expert."""
+    idx = torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+    return idx.clamp_(max=offs.numel() - 1)
+
+
+def _gmm_fwd(x, w8, scale, offs):
+    xq, sx = quantize_rows(x)
+    return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
+                                    offs=offs, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
+
+
+def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
+    s_rows = _row_scales(scale)[expert_of_rows(offs, g.shape[0])]
+    gq, sg = quantize_rows(g.float() * s_rows)
+    ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
+    return torch._scaled_grouped_mm(gq, w8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_a=sg.view(-1),
+                                    scale_b=ones, offs=offs, out_dtype=g.dtype,
+                                    use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w8, scale, offs, scheme):
+        ctx.save_for_backward(w8, scale, offs)
+        ctx.scheme = scheme
+        if _fp8_kernels(x, w8, scheme):
+            return _gmm_fwd(x, w8, scale, offs)
+        return _grouped_mm(x, scheme.dequantize(w8, scale, x.dtype).transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, g):
+        w8, scale, offs = ctx.saved_tensors
+        g = g.contiguous()
+        if DGRAD == "fp8" and _fp8_kernels(g, w8, ctx.scheme):
+            return _gmm_dgrad(g, w8, scale, offs), None, None, None, None
+        return _grouped_mm(g, ctx.scheme.dequantize(w8, scale, g.dtype), offs=offs), None, None, None, None
+
+
+def fp8_grouped_linear(x, w8, scale, offs, scheme: Fp8Scheme):
+    """Rows x [N, in] sorted by expert (group ends `offs`) × each expert's frozen fp8 weight [E, out, in]."""
+    return _Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
+
+
+def reference_fp8_grouped_linear(x, w8, scale, offs):
+    e = expert_of_rows(offs, x.shape[0])
+    xq, sx = quantize_rows(x)
+    w = w8.float() * scale.float()
+    return torch.einsum("nk,nok->no", xq.float() * sx, w[e])

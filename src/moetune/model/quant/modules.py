@@ -1,0 +1,140 @@
+"""A frozen base in FP8: which modules hold fp8 weights, and turning a (meta) model's frozen linears and expert stacks
+into fp8 ones.
+
+Names follow the checkpoints: a quantised linear keeps `weight` (fp8) and adds `weight_scale` (row-wise) or
+`weight_scale_inv` (block); a quantised expert stack keeps `gate_up_proj` / `down_proj` (fp8) and adds
+`gate_up_proj_scale[_inv]` / `down_proj_scale[_inv]`, the hub's per-expert scales stacked as the weights are. The
+fp8 tensors are parameters that never train (requires_grad False), so expert parallelism shards them with their
+scales. The router, norms, embeddings, lm_head and DSA's indexer stay in the compute dtype, as the FP8 releases keep
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetune.model.quant.fp8 import FP8, Fp8Scheme
+from moetune.model.quant.matmul import fp8_linear
+from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
+
+
+class FrozenFp8(NamedTuple):
+    """An fp8 weight with its scales, as the grouped GEMM takes it (tensors may be this rank's local shards)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    scheme: Fp8Scheme
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Fp8Linear(nn.Module):
+    """A frozen linear layer stored in fp8 (no gradient for its weight; its input gets one)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme, device=None,
+                 bias_dtype=None):
+        super().__init__()
+        self.in_features, self.out_features, self.quant = in_features, out_features, scheme
+        self.weight = _frozen(torch.empty(out_features, in_features, dtype=FP8, device=device))
+        setattr(self, scheme.scale_suffix,
+                _frozen(torch.empty(scheme.scale_shape((out_features, in_features)), dtype=torch.float32, device=device)))
+        self.bias = _frozen(torch.empty(out_features, device=device, dtype=bias_dtype)) if bias else None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self, self.quant.scale_suffix)
+
+    def forward(self, x):
+        return frozen_linear(self, x)
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, {self.quant.name}"
+
+
+def frozen_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The base product of a (possibly LoRA-wrapped) linear: fp8 when the module holds an fp8 weight."""
+    quant = getattr(module, "quant", None)
+    if quant is None:
+        return F.linear(x, module.weight, module.bias)
+    return fp8_linear(x, module.weight, getattr(module, quant.scale_suffix), quant, module.bias)
+
+
+def expert_weight(experts: nn.Module, name: str):
+    """`gate_up_proj` or `down_proj` of an Experts module as the grouped GEMM takes it."""
+    w = getattr(experts, name)
+    quant = getattr(experts, "quant", None)
+    if quant is None:
+        return w
+    return FrozenFp8(w, getattr(experts, scale_name(name, quant)), quant)
+
+
+def scale_name(weight_name: str, scheme: Fp8Scheme) -> str:
+    """The scale of `weight_name`: `X.weight` -> `X.weight_scale[_inv]`, a stack `gate_up_proj` -> `gate_up_proj_scale[_inv]`."""
+    suffix = scheme.scale_suffix
+    if weight_name == "weight" or weight_name.endswith(".weight"):
+        return weight_name[: -len("weight")] + suffix
+    return weight_name + suffix[len("weight"):]
+
+
+def quantizable_linears(model) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, qualified name) of every frozen linear an FP8 base stores in fp8: attention projections,
+    the dense MLPs and the shared experts."""
+    from moetune.model.glm4_moe import MLP, MoE
+
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        for name in ATTENTION_TARGETS + MLA_ATTENTION_TARGETS:
+            mod = getattr(layer.self_attn, name, None)
+            if isinstance(mod, nn.Linear):
+                out.append((layer.self_attn, name, f"model.layers.{i}.self_attn.{name}"))
+        mlp = layer.mlp
+        dense = mlp.shared_experts if isinstance(mlp, MoE) else mlp if isinstance(mlp, MLP) else None
+        prefix = f"model.layers.{i}.mlp" + (".shared_experts" if isinstance(mlp, MoE) else "")
+        if dense is not None:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                out.append((dense, name, f"{prefix}.{name}"))
+    return out
+
+
+def quantize_model(model, scheme: Fp8Scheme, keep: Callable[[str], bool] = lambda name: True) -> int:
+    """Replace the frozen linears and expert stacks of a model (on meta, before LoRA) by fp8 ones with empty
+    storage; `keep(qualified module name)` False leaves a module in the compute dtype (a checkpoint's ignore list).
+    Returns the number of modules converted."""
+    n = 0
+    for parent, attr, qname in quantizable_linears(model):
+        lin = getattr(parent, attr)
+        if not keep(qname):
+            continue
+        setattr(parent, attr, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, scheme,
+                                        device=lin.weight.device, bias_dtype=lin.weight.dtype))
+        n += 1
+    for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None or not keep(f"model.layers.{i}.mlp.experts"):
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)
+            setattr(experts, name, _frozen(torch.empty(w.shape, dtype=FP8, device=w.device)))
+            setattr(experts, scale_name(name, scheme),
+                    _frozen(torch.empty(scheme.scale_shape(w.shape), dtype=torch.float32, device=w.device)))
+        experts.quant = scheme
+        n += 1
+    return n
+
+
+def fp8_weights(model) -> list[tuple[str, Fp8Scheme]]:
+    """(qualified name of the fp8 weight, its scheme) for every fp8 tensor of a model."""
+    out = []
+    for mname, mod in model.named_modules():
+        quant = getattr(mod, "quant", None)
+        if quant is None:
+            continue
+        names = ("weight",) if isinstance(mod, nn.Linear) or hasattr(mod, "in_features") else ("gate_up_proj", "down_proj")
+        out += [(f"{mname}.{n}", quant) for n in names]
+    return out

@@ -1,0 +1,295 @@
+"""An FP8 frozen base (model/quant): the storage formats, the matmuls' references, the hub's FP8 checkpoint layouts
+loaded as they are, a bf16 checkpoint quantised at load, and LoRA over an fp8 base.
+
+The reference for everything is the dequantised model: the same weights, stored in fp32 as q·scale."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from family_models import hf_dsa, hf_lite
+from helpers import hf_model, save_hf
+from moetune.model.hf_io import load_model
+from moetune.model.quant.fp8 import FP8, ROWWISE, Fp8Scheme, quantize_blocks, quantize_rows
+from moetune.model.quant.matmul import (_mm_dgrad, _mm_fwd, expert_of_rows, fp8_grouped_linear, fp8_linear,
+                                        reference_fp8_dgrad, reference_fp8_grouped_linear, reference_fp8_linear)
+from moetune.model.quant.modules import fp8_weights, scale_name
+
+
+def _rel(a, b):
+    err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+    assert err == err, "NaN in a comparison"
+    return err
+
+
+# ----------------------------------------------------------------------------------------------- formats and matmuls
+@pytest.mark.parametrize("scheme", [ROWWISE, Fp8Scheme((16, 32))], ids=["rowwise", "block"])
+def test_quantise_round_trip_within_e4m3_error(scheme):
+    torch.manual_seed(0)
+    w = torch.randn(3, 48, 80) * torch.logspace(-2, 1, 48).view(1, 48, 1)  # rows of very different magnitude
+    q, s = scheme.quantize(w)
+    assert q.dtype == FP8 and s.dtype == torch.float32 and s.shape == scheme.scale_shape(w.shape)
+    back = scheme.dequantize(q, s)
+    # e4m3 keeps 3 mantissa bits: each element within 2^-4 of its value, or of the subnormal step of its row/block
+    assert _rel(back, w) < 0.04
+    assert (q.float().abs().amax() <= 448).all()
+    # scales are per row / block: a row of zeros stays exactly zero, no NaN
+    w[0, 0] = 0
+    q, s = scheme.quantize(w)
+    assert torch.equal(scheme.dequantize(q, s)[0, 0], torch.zeros(80))
+
+
+def test_block_scales_follow_the_blocks():
+    w = torch.ones(32, 64)
+    w[16:, 32:] *= 100.0
+    q, s = quantize_blocks(w, (16, 32))
+    assert s.shape == (2, 2)
+    torch.testing.assert_close(s, torch.tensor([[1.0, 1.0], [1.0, 100.0]]) / 448)
+
+
+def test_scaled_mm_kernel_calls_equal_their_references():
+    """torch._scaled_mm runs on the CPU too: the exact operand layouts, scales and transposes of the GPU path (forward
+    and the input gradient with the weight's row scales folded into dy) against the torch references."""
+    torch.manual_seed(0)
+    x, g = torch.randn(24, 64), torch.randn(24, 48)
+    w8, s = quantize_rows(torch.randn(48, 64) * 0.05)
+    bias = torch.randn(48)
+    torch.testing.assert_close(_mm_fwd(x, w8, s, bias).float(), reference_fp8_linear(x, w8, s, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_mm_dgrad(g, w8, s).float(), reference_fp8_dgrad(g, w8, s), rtol=1e-5, atol=1e-5)
+    # and both are within fp8's own error of the dequantised fp32 product
+    w = w8.float() * s
+    assert _rel(reference_fp8_linear(x, w8, s), x @ w.t()) < 0.05
+    assert _rel(reference_fp8_dgrad(g, w8, s), g @ w) < 0.05
+
+
+@pytest.mark.parametrize("scheme", [ROWWISE, Fp8Scheme((16, 16))], ids=["rowwise", "block"])
+def test_dequantise_path_equals_the_dequantised_product_and_saves_no_weight(scheme):
+    torch.manual_seed(0)
+    w8, s = scheme.quantize(torch.randn(48, 64) * 0.05)
+    w = scheme.dequantize(w8, s)
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    bias = torch.randn(48)
+    y = fp8_linear(x, w8, s, scheme, bias)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = torch.nn.functional.linear(x2, w, bias)
+    torch.testing.assert_close(y, y2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+    # autograd keeps the fp8 weight, never a dequantised copy
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8_linear(x, w8, s, scheme)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape == w.shape]
+
+
+def test_grouped_dequantise_path_and_reference():
+    torch.manual_seed(0)
+    E, N, K = 4, 32, 48
+    w8, s = quantize_rows(torch.randn(E, N, K) * 0.05)
+    offs = torch.tensor([5, 5, 17, 30], dtype=torch.int32)
+    x = torch.randn(30, K, requires_grad=True)
+    y = fp8_grouped_linear(x, w8, s, offs, ROWWISE)
+    e = expert_of_rows(offs, 30)
+    assert e.tolist() == [0] * 5 + [2] * 12 + [3] * 13
+    w = w8.float() * s
+    want = torch.einsum("nk,nok->no", x.detach(), w[e])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, torch.einsum("no,nok->nk", g, w[e]), rtol=1e-5, atol=1e-5)
+    assert _rel(reference_fp8_grouped_linear(x.detach(), w8, s, offs), want) < 0.05
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+QUANTISED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_a_proj",
+             "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "_proj")
+
+
+def _is_quantised(key: str) -> bool:
+    """What the hub's FP8 releases store in fp8: every linear of the decoder layers but the router (mlp.gate) and
+    DSA's indexer (kept bf16 in GLM-5-FP8's indexer? here: quantised, to check a bf16 module reading fp8)."""
+    if not key.endswith(".weight") or not key.startswith("model.layers.") or "norm" in key:
+        return False
+    return key.endswith("_proj.weight") or key.endswith(".wq_b.weight") or key.endswith(".wk.weight")
+
+
+def write_fp8_checkpoint(hf, path, layout: str, block=(16, 16)):
+    """Save a transformers model as the hub's FP8 releases are laid out: `compressed-tensors` (fp8 weight +
+    `weight_scale [out, 1]`, dynamic per-token activations) or DeepSeek-style `fp8` (`weight_scale_inv` per block).
+    Returns the directory of the same weights dequantised (fp32), the reference."""
+    plain = save_hf(hf, path / "plain")
+    sd = {}
+    for f in os.listdir(plain):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(plain, f)))
+    cfg = json.load(open(os.path.join(plain, "config.json")))
+    scheme = ROWWISE if layout == "compressed-tensors" else Fp8Scheme(block)
+    out, deq = {}, {}
+    for k, v in sd.items():
+        if _is_quantised(k):
+            q, s = scheme.quantize(v)
+            out[k] = q
+            out[k[: -len("weight")] + ("weight_scale" if layout == "compressed-tensors" else "weight_scale_inv")] = s
+            deq[k] = scheme.dequantize(q, s).contiguous()
+        else:
+            out[k] = deq[k] = v.contiguous()
+    fp8_dir, deq_dir = path / layout, path / "dequantised"
+    for d, tensors in ((fp8_dir, out), (deq_dir, deq)):
+        os.makedirs(d, exist_ok=True)
+        save_file(tensors, str(d / "model.safetensors"))
+    if layout == "compressed-tensors":
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+              "config_groups": {"group_0": {"targets": ["Linear"],
+                                            "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                        "symmetric": True, "dynamic": False},
+                                            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                                  "symmetric": True, "dynamic": True}}}}
+    else:
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    json.dump(dict(cfg, quantization_config=qc), open(fp8_dir / "config.json", "w"))
+    json.dump(cfg, open(deq_dir / "config.json", "w"))
+    return str(fp8_dir), str(deq_dir)
+
+
+ARCHS = {"glm4_moe": lambda: hf_model(seed=1), "glm4_moe_lite": lambda: hf_lite(seed=1), "glm_moe_dsa": lambda: hf_dsa(seed=1)}
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8-block"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_fp8_checkpoint_loads_as_stored_and_equals_the_dequantised_model(tmp_path, arch, layout):
+    hf = ARCHS[arch]()
+    if layout == "fp8-block" and arch != "glm4_moe":
+        block = (2, 4)  # MLA's tiny projections have 10-, 12- and 24-wide dims
+    else:
+        block = (16, 16)
+    fp8_dir, deq_dir = write_fp8_checkpoint(hf, tmp_path, layout, block)
+    model = load_model(fp8_dir, dtype="float32")
+    names = dict(fp8_weights(model))
+    assert names and all(model.get_parameter(n).dtype == FP8 for n in names)
+    assert any(".experts.gate_up_proj" in n for n in names) and any("self_attn" in n for n in names)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    ref = load_model(deq_dir, dtype="float32")
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_unquantised_checkpoint_quantised_at_load_equals_quantising_each_weight(tmp_path):
+    hf = hf_model(seed=2)
+    path = save_hf(hf, tmp_path / "plain")
+    model = load_model(path, dtype="float32", quantize="fp8")
+    ref = load_model(path, dtype="float32")
+    sd = ref.state_dict()
+    for name, scheme in fp8_weights(model):
+        q, s = scheme.quantize(sd[name])
+        assert torch.equal(model.get_parameter(name).view(torch.uint8), q.view(torch.uint8)), name
+    with torch.no_grad():
+        for name, scheme in fp8_weights(model):
+            sd[name] = scheme.dequantize(model.get_parameter(name), model.get_parameter(scale_name(name, scheme)))
+        ref.load_state_dict(sd)
+        ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_damaged_fp8_config_is_named(tmp_path):
+    from moetune.errors import CheckpointError
+
+    fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=3), tmp_path, "compressed-tensors")
+    cfg = json.load(open(os.path.join(fp8_dir, "config.json")))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    json.dump(cfg, open(os.path.join(fp8_dir, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="config.json.*8-bit float"):
+        load_model(fp8_dir)
+
+
+# ----------------------------------------------------------------------------------------------- random base, LoRA
+def _tiny(quantize=None, targets=None):
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.hf_io import cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.model.quant.fp8 import scheme_named
+    from moetune.model.quant.modules import quantize_model
+    from moetune.train.setup import init_lora
+
+    model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=3)), "meta")
+    cast_model(model, torch.float32)
+    if quantize:
+        quantize_model(model, scheme_named(quantize, (32, 32)))
+    if targets:
+        apply_lora(model, targets, 4, 8)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.05, seed=0)
+    init_lora(model, seed=0)
+    return model
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8_block"])
+def test_random_fp8_base_is_the_quantised_draw_of_the_same_seed(quantize):
+    """Proxies and the demo draw an fp8 base as the bf16 one, then quantise: the two bases are the same weights."""
+    plain, fp8 = _tiny(), _tiny(quantize)
+    params = dict(plain.named_parameters())
+    names = fp8_weights(fp8)
+    assert len(names) == 3 * 4 + 3 + 2 * 3 + 2 * 2  # q,k,v,o per layer; dense MLP; shared experts; expert stacks
+    for name, scheme in names:
+        q, s = scheme.quantize(params[name])
+        assert torch.equal(fp8.get_parameter(name).view(torch.uint8), q.view(torch.uint8)), name
+        torch.testing.assert_close(fp8.get_parameter(scale_name(name, scheme)), s)
+    for name, p in fp8.named_parameters():  # everything else: the same values
+        if p.dtype != FP8 and "scale" not in name:
+            assert torch.equal(p, params[name]), name
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]
+
+
+def test_lora_over_an_fp8_base_gets_the_gradients_of_lora_over_the_dequantised_model():
+    """LoRA on every kind of module over an fp8 base (CPU: the dequantise path) equals LoRA over the same weights
+    dequantised into an fp32 model — whose LoRA equals PEFT's (test_lora_peft_parity)."""
+    fp8 = _tiny("fp8", TARGETS)
+    ref = _tiny(None, TARGETS)
+    with torch.no_grad():
+        for name, scheme in fp8_weights(fp8):
+            ref.get_parameter(name).copy_(scheme.dequantize(fp8.get_parameter(name), fp8.get_parameter(scale_name(name, scheme))))
+        for n, p in fp8.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))  # B ≠ 0: every path counts
+                ref.get_parameter(n).copy_(p)
+    ids = torch.randint(0, 160, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, 1)
+    for m in (fp8, ref):
+        m(ids, labels=labels).backward()
+    trainable = [(n, p) for n, p in fp8.named_parameters() if p.requires_grad]
+    assert {n.rsplit(".", 2)[-2] for n, _ in trainable} >= {"q_proj", "gate_proj", "lora"}
+    for n, p in trainable:
+        assert p.grad is not None and p.grad.abs().sum() > 0, n
+        torch.testing.assert_close(p.grad, ref.get_parameter(n).grad, rtol=1e-4, atol=1e-6)
+
+
+def test_train_on_an_fp8_base_resumes_exactly(tmp_path):
+    """`moetune train` with model.quantize fp8: the loss falls, the checkpoint holds only the trainable state (no
+    base weight), and 3 steps + resume + 3 steps give the straight run's losses."""
+    import shutil
+
+    from helpers import run_inprocess, small_run_args, step_losses
+    from moetune.run_dir import load_model_state
+
+    over = {"model.quantize": "fp8", "train.steps": 6, "checkpoint.every": 3, "parallel.layout": "auto"}
+    straight = run_inprocess(small_run_args(tmp_path, "straight", **over))
+    losses = step_losses(straight)
+    assert len(losses) == 6 and all(x == x for x in losses) and losses[-1] < losses[0]
+    state = load_model_state(os.path.join(straight, "checkpoints", "step_000003"))
+    assert state and all(".lora" in k for k in state)
+    resumed = tmp_path / "runs" / "resumed"
+    os.makedirs(resumed / "checkpoints")
+    shutil.copytree(os.path.join(straight, "checkpoints", "step_000003"), resumed / "checkpoints" / "step_000003")
+    for f in ("metrics.jsonl", "config.yaml"):
+        shutil.copy(os.path.join(straight, f), resumed / f)
+    run_inprocess(small_run_args(tmp_path, "resumed", **over, resume="auto"))
+    assert step_losses(resumed) == losses
