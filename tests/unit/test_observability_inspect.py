@@ -189,6 +189,7 @@ def test_frozen_base_bytes_come_from_one_function():
     from moetune.parallel.estimate import frozen_weight_bytes
 
     assert frozen_weight_bytes(1000, 10, None, 2) == 2000 and frozen_weight_bytes(1000, 10, "fp8", 2) == 1040
+    assert frozen_weight_bytes(256 * 512, 256, "fp8_block") == 256 * 512 + 4 * 2 * 4  # 2 × 4 blocks of 128 × 128
     cfg = load_config(CONFIGS / "glm45-air-lora.yaml", ["--model.config", "glm45-air"])
     from moetune.train.setup import model_config_for
 

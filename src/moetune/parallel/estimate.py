@@ -183,13 +183,16 @@ class Frozen:
 
 def frozen_weight_bytes(numel: float, out_rows: float, quantize: str | None = None, dtype_bytes: int = 2) -> float:
     """Bytes of frozen base weights of `numel` elements in `out_rows` output rows: the compute dtype's `dtype_bytes`
-    each (quantize None), or stored in fp8 e4m3 ("fp8"), one byte each plus an fp32 scale per output row. Every
-    frozen base weight the estimate counts (static, FSDP's gathered units) goes through here."""
+    each (quantize None), or stored in fp8 e4m3 (model.quantize), one byte each plus fp32 scales: one per output row
+    ("fp8") or per 128 × 128 block ("fp8_block"; the partial blocks at the edges not counted). Every frozen base weight
+    the estimate counts (static, FSDP's gathered units) goes through here."""
     if quantize is None:
         return dtype_bytes * numel
     if quantize == "fp8":
         return numel + 4 * out_rows
-    raise ValueError(f"frozen_weight_bytes: unknown quantize {quantize!r} (None or 'fp8')")
+    if quantize == "fp8_block":
+        return numel + 4 * numel / (128 * 128)
+    raise ValueError(f"frozen_weight_bytes: unknown quantize {quantize!r} (None, 'fp8' or 'fp8_block')")
 
 
 def frozen_bytes(f: Frozen, dtype_bytes: int, quantize: str | None = None) -> float:
