@@ -13,8 +13,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from moetune.cli import main
 from moetune.config import load_config
 from moetune.data import DEMO_TOKENIZER_DIR
-from moetune.parallel.estimate import (activation_bytes_per_token, count_params, ep_layer_bytes_per_token, estimate_memory,
-                                       layer_terms, ranks_per_token, receives_topk)
+from moetune.parallel.activations import (activation_bytes_per_token, ep_layer_bytes_per_token, layer_terms,
+                                          ranks_per_token, receives_topk)
+from moetune.parallel.estimate import count_params, estimate_memory
 from moetune.inspect import build_meta_model, render_pack
 from moetune.parallel.layout import make_layout
 from moetune.model.config import ModelConfig, resolve_model_config
