@@ -205,7 +205,7 @@ def layout_report(choices) -> tuple[Layout | None, str]:
     lines = ["no GPU memory to choose for (no GPU here, no --gpu-mem-gib, no parallel.gpu_memory_gib): the choice "
              "for each common GPU"]
     for name, choice in choices:
-        what = f"{choice.summary()}" if isinstance(choice, Layout) else f"nothing fits: {choice}"
+        what = choice.summary() if isinstance(choice, Layout) else f"error: {choice}"
         lines.append(f"  {name} ({COMMON_GPUS[name]:.1f} GiB): {what}")
     fitting = [(name, c) for name, c in choices if isinstance(c, Layout)]
     if not fitting:

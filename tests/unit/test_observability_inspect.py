@@ -98,7 +98,7 @@ def test_inspect_without_a_gpu_memory_shows_the_choice_for_the_common_gpus(monke
     # full fine-tuning on 8 x 80 GB: nothing fits there, the larger GPUs still get a layout
     assert main(["inspect", str(CONFIGS / "glm45-air-lora.yaml"), "--world-size", "8", "--finetune.mode", "full"]) == 0
     layout = capsys.readouterr().out.split("=== parallel layout")[1].split("=== memory estimate")[0]
-    assert "H100/A100 80GB (79.1 GiB): nothing fits: parallel.layout auto: nothing fits 8 GPU(s) of 79.1 GiB" in layout
+    assert "H100/A100 80GB (79.1 GiB): error: parallel.layout auto: nothing fits 8 GPU(s) of 79.1 GiB" in layout
     assert "the H200 141GB's, in detail" in layout
 
 
