@@ -181,7 +181,7 @@ def _model(cfg, dtype, quantize=None, compile=False):
     from moetune.model.hf_io import build_model, cast_model, init_weights
     from moetune.model.quant.fp8 import scheme_named
     from moetune.model.quant.modules import quantize_model
-    from moetune.parallel import apply_compile
+    from moetune.parallel.apply import apply_compile
 
     model = build_model(ModelConfig.from_hf_dict(cfg), "meta")
     cast_model(model, dtype)
@@ -242,7 +242,7 @@ def curves():
         from moetune.model.hf_io import build_model, cast_model, init_weights
         from moetune.model.quant.fp8 import scheme_named
         from moetune.model.quant.modules import quantize_model
-        from moetune.parallel import apply_compile
+        from moetune.parallel.apply import apply_compile
         import moetune.model.quant.matmul as fp8_matmul
 
         if dgrad:

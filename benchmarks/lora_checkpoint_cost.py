@@ -20,7 +20,7 @@ from moetune.config import load_config
 from moetune.model.config import resolve_model_config
 from moetune.model.hf_io import build_model, cast_model
 from moetune.model.lora import apply_lora
-from moetune.parallel import Dist
+from moetune.parallel.mesh import Dist
 from moetune.train.checkpoint import Checkpointer
 from moetune.train.loop import TrainState
 from moetune.train.optim import build_optimizer, build_scheduler

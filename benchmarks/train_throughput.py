@@ -170,7 +170,7 @@ def build_ours(cfg: dict, targets, extra, device):
     from moetune.model.config import ModelConfig
     from moetune.model.hf_io import build_model, cast_model, init_weights
     from moetune.model.lora import apply_lora
-    from moetune.parallel import apply_ac, apply_compile
+    from moetune.parallel.apply import apply_ac, apply_compile
     from moetune.train.setup import init_lora
 
     mcfg = ModelConfig.from_hf_dict(cfg)
@@ -193,16 +193,20 @@ def build_ours(cfg: dict, targets, extra, device):
     if extra.get("compile"):
         apply_compile(model)
     if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
-        from moetune.parallel import apply_ep, apply_fsdp, init_distributed
+        from moetune.parallel.apply import apply_ep, apply_fsdp
+        from moetune.parallel.layout import make_layout
+        from moetune.parallel.mesh import init_distributed, launch_world_size
 
-        dist = init_distributed(ep=extra.get("ep", 1), dp_shard=extra.get("dp_shard", -1))
+        layout = make_layout(launch_world_size(), extra.get("ep", 1), extra.get("dp_shard", -1),
+                             extra.get("ac", "none"), extra.get("offload", False), n_layers=mcfg.num_hidden_layers)
+        dist = init_distributed(layout)
         if extra.get("ep", 1) > 1:
             apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 1))
         elif extra.get("dispatch"):
             from torch.distributed.device_mesh import init_device_mesh
 
             apply_ep(model, init_device_mesh(dist.device.type, (1,), mesh_dim_names=("ep",)))
-        if dist.fsdp or extra.get("offload"):
+        if layout.fsdp:
             apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True),
                        cpu_offload=extra.get("offload", False))
         model.dist = dist  # the step all-reduces what FSDP does not manage (replicas, EP-only experts)
@@ -210,7 +214,7 @@ def build_ours(cfg: dict, targets, extra, device):
     init_weights(model, 0.02, seed=0)
     init_lora(model, seed=0)
     if extra.get("offload"):
-        from moetune.parallel import place_buffers
+        from moetune.parallel.apply import place_buffers
 
         place_buffers(model, device)
     if extra.get("skew"):  # Zipf-distributed correction bias: a few experts take most tokens, as trained routers do
@@ -227,7 +231,7 @@ def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
     bad-step guard's checks and its copy of the LoRA state to host memory."""
     from types import SimpleNamespace
 
-    from moetune.parallel import clip_grad_norm
+    from moetune.parallel.grads import clip_grad_norm
     from moetune.train.bad_steps import StepGuard
     from moetune.train.optim import build_optimizer
 
@@ -244,7 +248,7 @@ def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()
         loss.backward()
         if hasattr(model, "dist"):
-            from moetune.parallel import sync_replicated_grads
+            from moetune.parallel.grads import sync_replicated_grads
 
             sync_replicated_grads(params, model.dist)
         if guard:

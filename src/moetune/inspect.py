@@ -16,10 +16,10 @@ import os
 import re
 import tempfile
 
-from moetune.ac_modes import describe
 from moetune.config import ConfigError, config_to_yaml
-from moetune.estimate import build_meta_model
-from moetune.layout import gpu_memory_gib
+from moetune.parallel.ac_modes import describe
+from moetune.parallel.estimate import COMMON_GPUS, build_meta_model
+from moetune.parallel.layout import Layout, MemoryLimit, gpu_memory_gib
 
 TRAINED_ANSI = ("\x1b[1;32m", "\x1b[0m")  # bold green
 CONTEXT_ANSI = ("\x1b[2m", "\x1b[0m")  # dim
@@ -102,8 +102,7 @@ def describe_architecture(m) -> str:
 def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
     """Prints the model, the layout and its memory estimate; None when the model cannot be resolved, False when no
     layout fits."""
-    from moetune.estimate import count_params, estimate_memory, format_estimate
-    from moetune.layout import resolve_layout
+    from moetune.parallel.estimate import count_params, estimate_memory, format_estimate
     from moetune.model.lora import format_trainable_table
     from moetune.train.metrics import active_matmul_params
 
@@ -116,7 +115,7 @@ def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
     print(describe_architecture(m))
     try:
         model = build_meta_model(cfg, m)
-    except ValueError as e:  # LoRA targets this architecture does not have (q_proj/k_proj/v_proj on MLA)
+    except ConfigError as e:  # LoRA targets this architecture does not have (q_proj/k_proj/v_proj on MLA)
         print(f"error: {e}")
         return False
     counts = count_params(model)
@@ -133,15 +132,11 @@ def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
     print(format_trainable_table(model))
 
     _section(f"parallel layout, world size {world_size}")
-    try:
-        layout = resolve_layout(cfg, world_size, gpu_mem, model_config=m, counts=counts)
-    except ConfigError as e:
-        print(f"error: {e}")
+    choices = choose_layouts(cfg, world_size, gpu_mem, m, counts)
+    layout, text = layout_report(choices)
+    print(text)
+    if layout is None:
         return False
-    print(layout.describe())
-    if gpu_mem is None and world_size > 1:
-        print("note: no GPU memory to fit (no GPU here): pass --gpu-mem-gib (an H200: 139.8, an H100 80GB: 79.1) to "
-              "see the layout a GPU run would choose")
 
     _section(f"memory estimate per GPU, world size {world_size}")
     gb = cfg.train.micro_batch_size * cfg.train.grad_accum * world_size
@@ -153,6 +148,44 @@ def inspect_model(cfg, world_size: int, gpu_mem: float | None) -> bool | None:
           f"{cfg.parallel.reshard_after_forward}")
     print(format_estimate(estimate_memory(cfg, m, counts, layout)))
     return True
+
+
+def choose_layouts(cfg, world_size: int, gpu_mem: float | None, m, counts) -> list[tuple[str | None, object]]:
+    """[(GPU name or None, Layout or the ConfigError saying why none fits)]: the layout for GPUs of `gpu_mem` GiB, or,
+    without a memory (no GPU here, none given), the layout each of the common GPUs would get: a layout is chosen to
+    fit a memory, and there is none to fit."""
+    from moetune.parallel.layout import resolve_layout
+
+    gpus = {None: gpu_mem} if gpu_mem is not None else COMMON_GPUS
+    out = []
+    for name, gib in gpus.items():
+        memory = MemoryLimit(gib, "GPU memory" if name is None else name)
+        try:
+            out.append((name, resolve_layout(cfg, world_size, memory, model_config=m, counts=counts)))
+        except ConfigError as e:
+            out.append((name, e))
+    return out
+
+
+def layout_report(choices) -> tuple[Layout | None, str]:
+    """(the layout whose estimate is shown next, the text): the one choice with its reasons; for the common GPUs each
+    GPU's choice on a line, then the reasons of the first (smallest) GPU that something fits."""
+    refusals = {str(c) for _, c in choices if isinstance(c, ConfigError)}
+    if len(choices) == 1 or (len(refusals) == 1 and all(isinstance(c, ConfigError) for _, c in choices)):
+        choice = choices[0][1]  # one memory, or the same refusal for every GPU (a setting no layout can use)
+        return (None, f"error: {choice}") if isinstance(choice, ConfigError) else (choice, choice.describe())
+    lines = ["no GPU memory to choose for (no GPU here, no --gpu-mem-gib, no parallel.gpu_memory_gib): the choice "
+             "for each common GPU"]
+    for name, choice in choices:
+        what = choice.summary() if isinstance(choice, Layout) else f"error: {choice}"
+        lines.append(f"  {name} ({COMMON_GPUS[name]:.1f} GiB): {what}")
+    fitting = [(name, c) for name, c in choices if isinstance(c, Layout)]
+    if not fitting:
+        return None, "\n".join(lines)
+    name, layout = fitting[0]
+    lines.append(f"the {name}'s, in detail (--gpu-mem-gib for another GPU):")
+    lines.append(layout.describe())
+    return layout, "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -58,7 +58,7 @@ def _ep_mesh(rank, port, world):
 
 
 def _dispatch_combine_worker(rank, port, world):
-    from moetune.parallel import shard_experts
+    from moetune.parallel.apply import shard_experts
 
     mesh = _ep_mesh(rank, port, world)
     # skewed: rank 0 routes anywhere, the others only to rank 0's experts; then everything to rank 0 (the others
@@ -123,7 +123,7 @@ def _buffers_worker(rank, port):
 
     import moetune.model.expert_parallel as ep_module
     import moetune.model.moe as moe_module
-    from moetune.parallel import shard_experts
+    from moetune.parallel.apply import shard_experts
 
     mesh = _ep_mesh(rank, port, WORLD)
     ex = _experts()

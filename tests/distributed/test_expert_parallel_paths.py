@@ -65,7 +65,7 @@ def _loss_and_grads(model, ids, labels):
 def _worker(rank, port, full, variants):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moetune.parallel import apply_ac, apply_compile, apply_ep
+    from moetune.parallel.apply import apply_ac, apply_compile, apply_ep
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -19,7 +19,7 @@ def _worker(rank, world, store_path, base, adapter, out, ep):
 
     import moetune
     from moetune.export import export_merged_from_model
-    from moetune.parallel import apply_ep, apply_fsdp
+    from moetune.parallel.apply import apply_ep, apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)

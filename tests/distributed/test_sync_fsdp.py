@@ -42,7 +42,7 @@ def _config(kind="glm4_moe"):
 
 
 def _trainer_model(dist, full: bool, ep: int, kind: str):
-    from moetune import parallel
+    from moetune.parallel import apply as parallel
     from moetune.model.hf_io import _param_seed, build_model, cast_model, init_weights
     from moetune.tensors import local_index, local_tensor
     from moetune.model.lora import apply_lora
@@ -88,10 +88,11 @@ def _guard(fn, out_dir, role, *args):
 def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(train_port))
-    from moetune.parallel import init_distributed
+    from moetune.parallel.layout import make_layout
+    from moetune.parallel.mesh import init_distributed
     from moetune.sync import WeightSender, connect
 
-    dist = init_distributed(ep=ep, device="cpu")
+    dist = init_distributed(make_layout(world, ep, n_layers=3, n_experts=6), device="cpu")
     (lora, lora_step), (full, _) = _trainer_model(dist, False, ep, kind), _trainer_model(dist, True, ep, kind)
     models = {"lora": lora, "full": full}
     group = connect(sync_addr, 0, 2, "cpu", timeout_s=120) if rank == 0 else None

@@ -111,7 +111,7 @@ def test_malformed_line_still_names_file_and_line_with_the_cache(tmp_path, tok):
 def _rank(rank, port, path, cache, out):
     import torch.distributed as dist
 
-    from moetune.parallel import Dist
+    from moetune.parallel.mesh import Dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

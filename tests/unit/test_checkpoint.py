@@ -30,11 +30,11 @@ def test_lora_checkpoint_holds_the_trainable_state_and_no_base_weights(tmp_path)
     attn = {"lora.targets": "[q_proj,k_proj,v_proj,o_proj]", "train.steps": 2}
     run = run_inprocess(small_run_args(tmp_path, "lora", **attn))
     cfg = load_config(None, small_run_args(tmp_path, "lora", **attn))
-    from moetune.layout import make_layout
-    from moetune.parallel import Dist
+    from moetune.parallel.layout import resolve_layout
+    from moetune.parallel.mesh import Dist
     from moetune.train.setup import setup_model
 
-    model = setup_model(cfg, Dist(), make_layout(1))
+    model = setup_model(cfg, Dist(), resolve_layout(cfg, 1))
     lora_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     saved = [r for r in read_metrics(run) if "checkpoint_bytes" in r]

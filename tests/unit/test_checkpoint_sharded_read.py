@@ -32,7 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from moetune.model import hf_io
 from moetune.tensors import local_index, local_tensor
 from moetune.model.config import ModelConfig
-from moetune.parallel import apply_fsdp
+from moetune.parallel.apply import apply_fsdp
 
 def status():  # bytes
     with open("/proc/self/status") as f:

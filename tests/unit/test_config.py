@@ -105,7 +105,7 @@ def test_wrong_literal_and_union_paths(tmp_path):
 def test_activation_checkpointing_modes_are_the_models():
     """Every mode the model implements is accepted (attention: the attention block recomputed); a typo is one error
     that lists them, lightest first."""
-    from moetune.ac_modes import AC_MODES
+    from moetune.parallel.ac_modes import AC_MODES
 
     for mode in AC_MODES:
         assert load_config(None, ["--train.activation_checkpointing", mode]).train.activation_checkpointing == mode

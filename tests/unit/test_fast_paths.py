@@ -97,8 +97,8 @@ def test_expert_lora_any_rank_matches_per_expert_products():
 def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
     import moetune
     from moetune.model.lora import apply_lora
-    from moetune.ac_modes import AC_MODES
-    from moetune.parallel import apply_ac
+    from moetune.parallel.ac_modes import AC_MODES
+    from moetune.parallel.apply import apply_ac
 
     from helpers import hf_model, save_hf
 
@@ -134,7 +134,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path):
 ])
 def test_activation_checkpointing_per_layer_errors_name_the_key(spec, message):
     from moetune.errors import ConfigError
-    from moetune.ac_modes import layer_modes
+    from moetune.parallel.ac_modes import layer_modes
 
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing .*" + message):
         layer_modes(spec, 3)

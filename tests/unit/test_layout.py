@@ -8,8 +8,8 @@ import pytest
 
 from moetune.config import load_config
 from moetune.errors import ConfigError
-from moetune.estimate import FIT_FRACTION, build_meta_model, count_params
-from moetune.layout import Layout, gpu_memory_gib, make_layout, pinned_fields, resolve_layout
+from moetune.parallel.estimate import FIT_FRACTION, build_meta_model, count_params
+from moetune.parallel.layout import Layout, gpu_memory_gib, make_layout, memory_limit, pinned_fields, resolve_layout
 from moetune.model.config import resolve_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -75,16 +75,17 @@ def shape(layout: Layout):
     (FLASH, AS_FLASH, 8, H200, (1, 1, 8, "none", False)),
     (FLASH, AS_FLASH + ["--finetune.mode", "full"], 8, H200, (8, 1, 1, "none", False)),
     # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention recomputed (100.9
-    # GiB: its per-layer DSA mask is recomputed too); 8 nodes need only selective (118.7); 2 nodes fit only with the
+    # GiB: its per-layer DSA mask is recomputed too); 8 nodes too (79.2): selective keeps every GEMM output, the LoRA
+    # B projections' full-width outputs included (a census of what it saves), 159.0 GiB; 2 nodes fit only with the
     # weights offloaded to the host (82.6)
     (GLM5, AS_GLM5, 32, H200, (8, 4, 1, "attention", False)),
-    (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "selective", False)),
+    (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "attention", False)),
     (GLM5, AS_GLM5, 16, H200, (1, 16, 1, "attention", True)),
 ])
 def test_auto_layout_choices(path, over, world, gpu, want):
     layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)
     assert shape(layout) == want, layout.describe()
-    assert layout.auto and layout.world_size == world and layout.gpu_memory_gib == gpu
+    assert layout.auto and layout.world_size == world and (layout.memory and layout.memory.gib) == gpu
     assert gpu is None or layout.estimate_gib <= FIT_FRACTION * gpu
     assert any("chosen" in r for r in layout.reasons)
 
@@ -103,7 +104,7 @@ def test_reasons_give_the_estimate_of_each_layout_considered():
 
 
 def test_candidates_try_light_modes_everywhere_then_attention_then_full_then_offload():
-    from moetune.layout import _candidates
+    from moetune.parallel.layout import _candidates
 
     structures = [("replicated", 1, 1), ("ep", 2, 1), ("fsdp", 1, 2)]
     order = [(ep, dp, ac, off) for ep, dp, ac, off in _candidates(structures, {}, compiled=False)]
@@ -158,8 +159,9 @@ def test_a_split_written_in_the_config_is_kept_and_must_add_up_to_the_layers():
     with pytest.raises(ConfigError, match=r"train\.activation_checkpointing full on 1 layer: the numbers of layers "
                                           r"must be ≥ 0 and add up to the model's 46 layers"):
         layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 1}")  # not "full" everywhere
+    # a one-mode mapping that adds up is that mode on every layer
     assert shape(layout_for(AIR_EXPERTS, 2, H200, "--train.activation_checkpointing", "{full: 46}")) == (
-        2, 1, 1, (("full", 46),), False)
+        2, 1, 1, "full", False)
 
 
 def test_expert_parallelism_stays_within_a_node():
@@ -169,14 +171,14 @@ def test_expert_parallelism_stays_within_a_node():
 
 def test_dense_dominated_models_are_not_given_expert_parallelism():
     """Experts under half of the parameters: FSDP, not EP, when replication does not fit."""
-    from moetune.estimate import estimate_memory
+    from moetune.parallel.estimate import estimate_memory
 
     cfg = load_config(None, ["--data.seq_len", "8", "--train.micro_batch_size", "1"])
     dense = {**_tiny_dict(), "num_hidden_layers": 8, "first_k_dense_replace": 6, "intermediate_size": 2048}
     m = resolve_model_config(None, {**dense, "moe_intermediate_size": 4}, None)
     counts = count_params(build_meta_model(cfg, m))
     assert counts.experts < counts.total / 2
-    replicated, fsdp = (estimate_memory(cfg, m, counts, make_layout(2, dp_shard=d)).total_gib for d in (1, 2))
+    replicated, fsdp = (estimate_memory(cfg, m, counts, make_layout(2, dp_shard=d, n_layers=8)).total_gib for d in (1, 2))
     assert fsdp < replicated
     gpu = (fsdp + replicated) / 2 / 0.9  # replication does not fit, sharding does
     layout = resolve_layout(cfg, 2, gpu, model_config=m, counts=counts)
@@ -185,7 +187,7 @@ def test_dense_dominated_models_are_not_given_expert_parallelism():
     # the same sizes with experts that dominate: expert parallelism
     m = resolve_model_config(None, {**dense, "first_k_dense_replace": 1, "moe_intermediate_size": 400}, None)
     counts = count_params(build_meta_model(cfg, m))
-    replicated, ep2 = (estimate_memory(cfg, m, counts, make_layout(2, ep=e)).total_gib for e in (1, 2))
+    replicated, ep2 = (estimate_memory(cfg, m, counts, make_layout(2, ep=e, n_layers=8)).total_gib for e in (1, 2))
     layout = resolve_layout(cfg, 2, (ep2 + replicated) / 2 / 0.9, model_config=m, counts=counts)
     assert shape(layout) == (2, 1, 1, "none", False), layout.describe()
 
@@ -247,14 +249,30 @@ def test_impossible_layouts_are_config_errors(path, over, world, match):
         layout_for(path, world, TIGHT if "--parallel.cpu_offload" in over else H200, *over)
 
 
-def test_make_layout_validates_like_init_distributed():
-    assert shape(make_layout(8, ep=2)) == (2, 4, 1, "none", False)
-    assert shape(make_layout(8, dp_shard=2)) == (1, 2, 4, "none", False)
+def test_the_layout_validates_itself_and_owns_the_mesh_and_fsdp():
+    """One object says the shape: its sizes, its mesh's shape and names, whether FSDP shards, each layer's mode."""
+    assert shape(make_layout(8, ep=2, n_layers=4)) == (2, 4, 1, "none", False)
+    assert shape(make_layout(8, dp_shard=2, n_layers=4)) == (1, 2, 4, "none", False)
     with pytest.raises(ConfigError, match="dp_shard"):
-        make_layout(8, ep=2, dp_shard=2)  # EP does not replicate
-    with pytest.raises(ConfigError, match="activation_checkpointing must be one of none, attention, selective, full"):
-        make_layout(1, activation_checkpointing="some")
-    assert make_layout(2, ep=2, activation_checkpointing="attention").activation_checkpointing == "attention"
+        make_layout(8, ep=2, dp_shard=2, n_layers=4)  # EP does not replicate
+    with pytest.raises(ConfigError, match="dp_shard"):
+        Layout(8, 2, 2, 2, ("none",))  # constructed directly: the same check
+    with pytest.raises(ConfigError, match=r"train\.activation_checkpointing some: unknown mode\(s\) \['some'\]"):
+        make_layout(1, activation_checkpointing="some", n_layers=4)
+    with pytest.raises(ConfigError, match=r"parallel.ep \(3\) must divide the number of routed experts \(8\)"):
+        make_layout(6, ep=3, n_layers=4, n_experts=8)
+    ep = make_layout(8, ep=2, activation_checkpointing={"full": 1, "attention": 3}, n_layers=4)
+    assert ep.recompute == ("full", "attention", "attention", "attention")
+    assert ep.activation_checkpointing == (("full", 1), ("attention", 3))
+    assert (ep.mesh_shape, ep.mesh_dim_names, ep.fsdp, ep.shard_size) == ((4, 2), ("dp_shard", "ep"), True, 8)
+    hsdp = make_layout(8, dp_shard=4, n_layers=4)
+    assert (hsdp.mesh_shape, hsdp.mesh_dim_names, hsdp.fsdp) == ((2, 4), ("dp_replicate", "dp_shard"), True)
+    replicated = make_layout(2, dp_shard=1, n_layers=4)
+    assert (replicated.fsdp, replicated.shard_size, replicated.needs_process_group) == (False, 1, True)
+    one = make_layout(1, n_layers=4)
+    assert (one.fsdp, one.needs_process_group) == (False, False)
+    offload = make_layout(1, cpu_offload=True, n_layers=4)  # one GPU with CPU offload: FSDP over a mesh of one
+    assert (offload.fsdp, offload.needs_process_group, offload.mesh_shape) == (True, True, (1,))
 
 
 def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
@@ -262,7 +280,9 @@ def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
 
     assert gpu_memory_gib(load_config(None, ["--parallel.gpu_memory_gib", "80"])) == 80
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert gpu_memory_gib(load_config(None)) is None  # a CPU run: no limit
+    assert gpu_memory_gib(load_config(None)) is None  # no GPU here
+    host = memory_limit(load_config(None))  # a CPU run is held to the machine's RAM, not to nothing
+    assert host.host and 0 < host.gib < 1e5 and "host RAM" in host.what
 
     class Props:
         total_memory = 150_000_000_000
@@ -273,3 +293,92 @@ def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
     assert gpu_memory_gib(load_config(None)) == pytest.approx(139.7, abs=0.05)
     with pytest.raises(ConfigError, match="gpu_memory_gib"):
         load_config(None, ["--parallel.gpu_memory_gib", "0"])
+
+
+# ------------------------------------------------------------------------------------------ bugs of issue 22
+def test_a_cpu_run_is_held_to_the_machines_ram(monkeypatch, tmp_path):
+    """A CPU run whose estimate is over the machine's RAM is refused before anything is built, naming the estimate
+    and the limit (it used to take "no limit", start, and swell until the kernel killed it)."""
+    import torch
+
+    from moetune.parallel import layout as layout_module
+    from moetune.train.loop import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(layout_module, "host_memory_gib", lambda: 0.01, raising=False)  # 10 MiB of RAM
+    cfg = load_config(None, ["--run.output_dir", str(tmp_path / "runs"), "--run.name", "cpu", "--train.steps", "1"])
+    with pytest.raises(ConfigError, match=r"nothing fits 1 process\(es\) in host RAM 0\.0 GiB \(a CPU run: no GPU\): "
+                                          r"the smallest estimate is .* GiB per process .* over the limit 0\.0 GiB"):
+        train(cfg)
+    assert not (tmp_path / "runs" / "cpu").exists()  # refused before the run directory was made
+
+
+def test_a_cpu_run_does_not_offload_to_the_host_it_runs_on():
+    """On a GPU, full fine-tuning of Air on 8 x H200 fits only offloaded; on a CPU run the weights are in host memory
+    already: offloading saves nothing, so nothing fits, and cpu_offload set true is refused."""
+    from moetune.parallel.layout import MemoryLimit
+
+    assert shape(layout_for(AIR, 8, H200, "--finetune.mode", "full"))[-1] is True
+    host = MemoryLimit(H200, "host RAM", host=True)
+    with pytest.raises(ConfigError, match="nothing fits 8 process"):
+        layout_for(AIR, 8, host, "--finetune.mode", "full")
+    with pytest.raises(ConfigError, match="parallel.cpu_offload true needs a GPU"):
+        layout_for(AIR, 8, host, "--parallel.cpu_offload", "true")
+
+
+def test_cpu_offload_on_one_gpu_is_fsdp_over_a_mesh_of_one():
+    """`parallel.cpu_offload: true` in one process: FSDP2 over a mesh of one carries the offload, bringing each unit's
+    parameters to the compute device for its forward and backward. It used to be skipped without a process group, the
+    parameters left in host memory, and on a GPU the first forward died (embedding weight on the CPU, ids on the
+    GPU). Here on the CPU (no pinned memory): the parameters are FSDP's, and a step trains."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from moetune.parallel.layout import MemoryLimit
+    from moetune.parallel.mesh import init_distributed
+    from moetune.train.setup import setup_model
+
+    cfg = load_config(None, ["--parallel.cpu_offload", "true", "--model.dtype", "float32"])
+    layout = resolve_layout(cfg, 1, MemoryLimit(80.0, "GPU memory"))  # as on one 80 GB GPU
+    assert (layout.world_size, layout.cpu_offload, layout.fsdp) == (1, True, True)
+    run = init_distributed(layout, device="cpu")
+    try:
+        assert run.mesh is not None and run.mesh.size() == 1
+        model = setup_model(cfg, run, layout)
+        assert isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        model(ids, None, labels=ids).backward()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert trained and all(p.grad is not None and p.grad.device.type == "cpu" for p in trained)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_parallel_shape_has_one_owner():
+    """parallel/ stands on the model and the base floor, never on what uses it (train, data, export, sync, the
+    commands); process groups and meshes are made in parallel/ only (mesh.init_distributed, Layout.build_mesh)."""
+    import moetune
+    from test_layering import _graph
+
+    allowed = ("moetune.parallel", "moetune.model", "moetune.errors", "moetune.names", "moetune.tensors")
+    graph = _graph()
+    assert "moetune.parallel.layout" in graph and "moetune.parallel.estimate" in graph["moetune.parallel.layout"]
+    upward = {name: sorted(d for d in deps if not d.startswith(allowed))
+              for name, deps in graph.items() if name.startswith("moetune.parallel")}
+    assert {k: v for k, v in upward.items() if v} == {}
+    src = Path(moetune.__file__).resolve().parent
+    makers = sorted(str(f.relative_to(src)) for f in src.rglob("*.py")
+                    if any(call in f.read_text() for call in ("init_device_mesh(", "init_process_group(")))
+    assert makers == ["parallel/layout.py", "parallel/mesh.py"]
+
+
+def test_one_gpu_offloads_what_it_cannot_hold():
+    """Full fine-tuning of GLM-4.7-Flash (30B) on one H200: 16 bytes a parameter do not fit (228 GiB with full
+    recompute); with the weights, gradients and optimizer state in host memory (FSDP2 over a mesh of one brings each
+    layer in) and the attention of 42 layers recomputed, the rest whole, they do (132.6 GiB). Offload used to be
+    considered on several GPUs only."""
+    layout = layout_for(FLASH, 1, H200, *AS_FLASH, "--finetune.mode", "full")
+    assert shape(layout) == (1, 1, 1, (("full", 5), ("attention", 42)), True), layout.describe()
+    assert layout.fsdp and layout.needs_process_group and layout.estimate_gib <= FIT_FRACTION * H200

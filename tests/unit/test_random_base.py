@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from moetune.cli import main
 from moetune.config import load_config
-from moetune.layout import resolve_layout
+from moetune.parallel.layout import resolve_layout
 from moetune.model.random_base import base_recipe, build_base
-from moetune.parallel import Dist
+from moetune.parallel.mesh import Dist
 from moetune.train.setup import setup_model
 from helpers import run_inprocess, small_run_args
 

@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from moetune.ac_modes import check_setting
-from moetune.errors import ConfigError
+from moetune.parallel.ac_modes import check_setting
+from moetune.errors import ConfigError  # noqa: F401  (re-exported)
+from moetune.model.config import read_json_object
 from moetune.names import LORA_ALIASES, LORA_TARGETS
 
 BUILTIN_MODELS = ("tiny", "glm45-air", "glm45-air-8layers", "glm45", "glm47-flash", "glm5")
@@ -256,7 +257,7 @@ class CheckpointConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    # auto: moetune.layout picks ep, dp_shard, train.activation_checkpointing and cpu_offload from the memory
+    # auto: moetune.parallel.layout picks ep, dp_shard, train.activation_checkpointing and cpu_offload from the memory
     # estimate, keeping each of them the user set (in the file or on the command line); manual: take them as written
     layout: Literal["auto", "manual"] = "auto"
     gpu_memory_gib: Optional[float] = Field(None, gt=0)  # per GPU, for `layout: auto`; null: what torch.cuda reports

@@ -11,7 +11,7 @@ from moetune.config import train_steps_for_epochs
 from moetune.data import PackedLoader, build_packs, data_options, eval_batches, load_tokenizer
 from moetune.errors import ConfigError, DataError
 from moetune.model.config import model_config_for
-from moetune.parallel import Dist
+from moetune.parallel.mesh import Dist
 
 log = logging.getLogger("moetune")
 

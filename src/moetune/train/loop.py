@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moetune import parallel
 from moetune.version import __version__
 from moetune.config import Config, config_hash, config_to_yaml
 from moetune.errors import NumericalFault, RunDirInUse
@@ -19,8 +18,9 @@ from moetune.model.adapter_io import gather_lora_state, save_adapter
 from moetune.model.lora import format_trainable_table
 from moetune.model.random_base import base_recipe
 from moetune.names import IGNORE_INDEX
-from moetune.layout import Layout, gpu_memory_gib, resolve_layout
-from moetune.parallel import Dist, init_distributed, launch_world_size
+from moetune.parallel.grads import clip_grad_norm as clip_global_grad_norm, fsdp_micro_batch, sync_replicated_grads
+from moetune.parallel.layout import Layout, memory_limit, resolve_layout
+from moetune.parallel.mesh import Dist, init_distributed, launch_world_size
 from moetune.run_dir import CONFIG, RunDir, RunLock, move_earlier_run_aside
 from moetune.train.bad_steps import StepGuard
 from moetune.train.checkpoint import Checkpointer, load_checkpoint
@@ -64,8 +64,8 @@ def train(cfg: Config) -> TrainState:
     # reserved but unusable at the OOM of a full-size Air run on 2 GPUs). Before CUDA starts; the user's setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # the layout is resolved once, from the config, the world size and the GPU's memory; all that follows takes it
-    layout = resolve_layout(cfg, launch_world_size(), gpu_memory_gib(cfg, int(os.environ.get("LOCAL_RANK", 0))))
-    dist = init_distributed(layout.ep, layout.dp_shard)
+    layout = resolve_layout(cfg, launch_world_size(), memory_limit(cfg, int(os.environ.get("LOCAL_RANK", 0))))
+    dist = init_distributed(layout)
     setup_logging(dist)
     if dist.is_main:
         log.info(layout.describe())
@@ -183,8 +183,8 @@ def train_step(model, optimizer, guard: StepGuard, batches: list[dict], step: in
     loss_sum = torch.zeros((), device=dist.device)
     aux_total = torch.zeros((), device=dist.device)
     for i, b in enumerate(batches):
-        parallel.fsdp_micro_batch(model, last=i == len(batches) - 1, defer_reduce=cfg.finetune.mode != "full",
-                                  keep_gathered=not cfg.parallel.reshard_after_forward)
+        fsdp_micro_batch(model, last=i == len(batches) - 1, defer_reduce=cfg.finetune.mode != "full",
+                         keep_gathered=not cfg.parallel.reshard_after_forward)
         ce = model(b["input_ids"], b["position_ids"], labels=b["labels"])
         loss = ce * dist.dp_size / n_targets.clamp(min=1)  # FSDP averages gradients over dp ranks
         if cfg.train.aux_loss_coef > 0:
@@ -194,7 +194,7 @@ def train_step(model, optimizer, guard: StepGuard, batches: list[dict], step: in
         loss.backward()
         loss_sum += ce.detach()
         meter.add()
-    parallel.sync_replicated_grads(guard.params, dist)
+    sync_replicated_grads(guard.params, dist)
     grad_norm = clip_grad_norm(guard.params, cfg.train.max_grad_norm)
     loss_val = (dist.all_reduce_sum(loss_sum) / n_targets.clamp(min=1)).item()
     good, applied, reason = math.isfinite(loss_val) and math.isfinite(grad_norm), False, ""
@@ -215,7 +215,7 @@ def train_step(model, optimizer, guard: StepGuard, batches: list[dict], step: in
 
 def clip_grad_norm(params, max_norm: float) -> float:
     """Global gradient norm (DTensor-aware, expert parallelism included), clipped when max_norm > 0."""
-    return parallel.clip_grad_norm(params, max_norm)
+    return clip_global_grad_norm(params, max_norm)
 
 
 # ---------------------------------------------------------------------------------------------- the run directory

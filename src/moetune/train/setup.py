@@ -10,18 +10,20 @@ import torch
 from moetune.errors import ConfigError
 from moetune.model.config import model_config_for  # noqa: F401  (re-exported: inspect.py imports it from here)
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
-from moetune.model.hf_io import as_dtype, build_model, cast_model, checkpoint_reader, fill_seeded, init_weights, load_hf_weights
+from moetune.model.hf_io import (as_dtype, build_model, cast_model, checkpoint_reader, fill_seeded, init_weights,
+                                 load_hf_weights)
 from moetune.model.quant.checkpoint import prepare_fp8_base
-from moetune.model.lora import apply_lora
-from moetune.names import NO_GRADIENT_RE
-from moetune.layout import Layout
-from moetune.parallel import Dist, apply_ac, apply_compile, apply_ep, apply_fsdp, place_buffers
+from moetune.model.trainable import prepare_trainable
+from moetune.parallel.apply import parallelize, place_buffers
+from moetune.parallel.layout import Layout
+from moetune.parallel.mesh import Dist
 from moetune.tensors import local_tensor
 
 log = logging.getLogger("moetune")
 
 
 def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
+    """The model `cfg` trains, laid out as `layout` on `dist`'s mesh (init_distributed(layout))."""
     try:
         mcfg = model_config_for(cfg)
     except ValueError as e:  # an architecture we cannot build (ModelConfig.validate names the field)
@@ -39,29 +41,15 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     if fp8 and layout.cpu_offload:
         raise ConfigError("an fp8 base (model.quantize or an FP8 checkpoint) with parallel.cpu_offload is not supported "
                           "in this version: the fp8 base already halves the weights' memory")
-    if full:
-        for name, p in model.named_parameters():
-            p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
-                             and not NO_GRADIENT_RE.search(name))
-    else:
-        try:
-            apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.rslora)
-        except ValueError as e:  # a target that matches no module of this model
-            raise ConfigError(str(e)) from None
+    prepare_trainable(model, cfg)  # the estimate's meta model is marked by the same function
     for moe in model.moe_layers():  # what the MoE layers compute beyond their output, for the loss and the metrics
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
         moe.track_router_entropy = cfg.logging.expert_stats_every > 0
     model.attn_implementation = cfg.model.attn_implementation
-    if dist.ep > 1:
-        apply_ep(model, dist.mesh["ep"])
-    apply_ac(model, layout.activation_checkpointing)
-    if cfg.train.compile:
-        apply_compile(model)
-    if dist.initialized and (dist.fsdp or layout.cpu_offload):
-        # an fp8 base is gathered as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16
-        apply_fsdp(model, dist.mesh, param_dtype=None if fp8 else compute_dtype, reshard_after_forward=cfg.parallel.reshard_after_forward,
-                   cpu_offload=layout.cpu_offload)
-    elif full and compute_dtype != torch.float32:
+    # an fp8 base is gathered by FSDP as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16
+    parallelize(model, layout, dist.mesh, compile=cfg.train.compile, param_dtype=None if fp8 else compute_dtype,
+                reshard_after_forward=cfg.parallel.reshard_after_forward)
+    if full and not layout.fsdp and compute_dtype != torch.float32:
         cast_model(model, compute_dtype)  # no FSDP (one process, replicas): no separate master copy
     # with CPU offload FSDP2 keeps the sharded parameters in host memory and moves each unit in for its compute
     model.to_empty(device="cpu" if layout.cpu_offload else dist.device)

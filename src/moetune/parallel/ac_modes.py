@@ -34,20 +34,41 @@ def normalize(spec):
     return tuple((str(mode), int(n)) for mode, n in dict(spec).items())
 
 
-def layer_modes(spec, n_layers: int) -> list[str]:
-    """Each of `n_layers` decoder layers' mode; a ConfigError naming the key when the setting does not fit."""
-    pairs = {spec: n_layers} if isinstance(spec, str) else dict(spec)
-    modes = [mode for mode, n in pairs.items() for _ in range(max(n, 0))]
-    unknown = sorted(set(pairs) - set(AC_MODES))
+def layer_modes(spec, n_layers: int) -> tuple[str, ...]:
+    """Each of `n_layers` decoder layers' mode, from a setting (a mode, {mode: layers} or its normalized pairs) or an
+    already per-layer sequence of modes; a ConfigError naming the key when it does not fit the model. The one reader
+    of a setting: the layout keeps its result (Layout.recompute), and everything after reads that."""
+    if isinstance(spec, (list, tuple)) and all(isinstance(x, str) for x in spec):
+        pairs = {}
+        modes = list(spec)
+    else:
+        pairs = {spec: n_layers} if isinstance(spec, str) else dict(spec)
+        modes = [mode for mode, n in pairs.items() for _ in range(max(n, 0))]
+    unknown = sorted((set(pairs) | set(modes)) - set(AC_MODES))
     if unknown or len(modes) != n_layers or any(n < 0 for n in pairs.values()):
         raise ConfigError(f"train.activation_checkpointing {describe(spec)}: "
                           + (f"unknown mode(s) {unknown}, choose from {list(AC_MODES)}" if unknown else
                              f"the numbers of layers must be ≥ 0 and add up to the model's {n_layers} layers"))
-    return modes
+    return tuple(modes)
+
+
+def runs(modes) -> str | tuple[tuple[str, int], ...]:
+    """Per-layer modes written back as a setting: one mode, or its runs ((mode, layers), ...) in layer order."""
+    out: list[list] = []
+    for mode in modes:
+        if out and out[-1][0] == mode:
+            out[-1][1] += 1
+        else:
+            out.append([mode, 1])
+    return out[0][0] if len(out) == 1 else tuple((m, n) for m, n in out)
 
 
 def describe(spec) -> str:
     """'full', or 'full on 16 layers, attention on 30'."""
     if isinstance(spec, str):
         return spec
+    if isinstance(spec, (list, tuple)) and all(isinstance(x, str) for x in spec):
+        spec = runs(spec) if spec else ()
+        if isinstance(spec, str):
+            return spec
     return ", ".join(f"{mode} on {n} layer{'s' if n != 1 else ''}" for mode, n in dict(spec).items())
