@@ -327,7 +327,7 @@ def test_generate_honours_adapter_over_the_runs_own(trained, tmp_path, monkeypat
     other = tmp_path / "other"
     shutil.copytree(trained[0] / "adapter", other)
     loaded = []
-    monkeypatch.setattr(hf_io, "load_model", lambda base, device, dtype, adapter: loaded.append((base, adapter)))
+    monkeypatch.setattr(hf_io, "load_model", lambda base, device, dtype, adapter, **kw: loaded.append((base, adapter)))
     load_for_generation(str(trained[0]), adapter=str(other))
     load_for_generation(str(trained[0]))
     assert loaded == [(str(trained[0] / "base"), str(other)), (str(trained[0] / "base"), str(trained[0] / "adapter"))]
