@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from moetune.interruptible import interruptible
 from moetune.names import IGNORE_INDEX
 
 from .cache import cached_documents, default_cache_dir, iter_source_records
@@ -34,6 +35,14 @@ def build_packs(
     """Read, tokenize and pack the data: one source (JSONL, Parquet, Arrow, hub name) or a list of sources, each a
     path or {"path", "weight"} (see `mix_documents`). Stats: those of pack_documents plus "skipped_malformed",
     "cache" ("hit", "miss" or "off") and "unk_tokens". ``cache_dir`` None tokenises in memory, every time."""
+    with interruptible("data preparation"):  # hours on a large set; what it caches is renamed into place complete
+        return _build_packs(path, tokenizer, seq_len, train_on=train_on, pack=pack, skip_malformed=skip_malformed,
+                            train_reasoning=train_reasoning, train_empty_think=train_empty_think, cache_dir=cache_dir,
+                            dist=dist, columns=columns, seed=seed)
+
+
+def _build_packs(path, tokenizer, seq_len, *, train_on, pack, skip_malformed, train_reasoning, train_empty_think,
+                 cache_dir, dist, columns, seed):
     sources = _sources(path)
     docs, skipped, caches = [], 0, []
     for src, weight in sources:

@@ -28,6 +28,8 @@ message) renders an empty block for them: such a turn is still a reasoning turn,
 
 from __future__ import annotations
 
+from moetune.errors import MoetuneError
+
 from .formats import DataError
 
 TRAIN_ON = ("assistant", "all")
@@ -314,6 +316,8 @@ def _render_text(tokenizer, turns: list[dict], add_generation_prompt: bool = Fal
         if not turns:
             return _render_no_turns(tokenizer, add_generation_prompt)
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except MoetuneError:  # e.g. a stop signal that ends data preparation: not the template's fault
+        raise
     except Exception as e:  # jinja raises many types, e.g. a template's raise_exception("roles must alternate")
         raise DataError(f"the chat template rejected this conversation: {e}") from e
 
