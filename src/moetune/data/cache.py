@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -128,6 +129,31 @@ def _drop_nulls(row: dict) -> dict:
         out["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
                            for m in out["messages"]]
     return out
+
+
+@contextmanager
+def progress_bars(on: bool):
+    """Hugging Face datasets' bars (tokenising, reading Parquet) on or off for a while; its switch is global."""
+    if on:
+        yield
+        return
+    ds = _datasets_if_installed()
+    was_on = ds is not None and not ds.are_progress_bars_disabled()
+    if was_on:
+        ds.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            ds.enable_progress_bars()
+
+
+def _datasets_if_installed():
+    try:
+        import datasets
+    except ImportError:
+        return None
+    return datasets
 
 
 # ------------------------------------------------------------------------------------------------ keys
