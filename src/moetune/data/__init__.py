@@ -18,7 +18,7 @@ from pathlib import Path
 from moetune.interruptible import interruptible
 from moetune.names import IGNORE_INDEX
 
-from .cache import cached_documents, default_cache_dir, iter_source_records, progress_bars
+from .cache import cached_documents, default_cache_dir, iter_source_records, progress_bars, usable_cache_dir
 from .chat import tokenize_record
 from .formats import DataError, read_records
 from .loader import PackedLoader, eval_batches
@@ -182,7 +182,11 @@ def data_options(data_cfg, progress_bar: bool = True) -> dict:
         logging.getLogger("moetune").info("data.cache: Hugging Face datasets is not installed, so tokenised data is "
                                           "not cached (pip install datasets)")
     elif data_cfg.cache:
-        cache_dir = os.path.expanduser(data_cfg.cache_dir) if data_cfg.cache_dir else default_cache_dir()
+        if data_cfg.cache_dir:
+            cache_dir = usable_cache_dir(os.path.expanduser(data_cfg.cache_dir), "data.cache_dir")
+        else:
+            key = "MOETUNE_CACHE_DIR" if os.environ.get("MOETUNE_CACHE_DIR") else "the default data.cache_dir"
+            cache_dir = usable_cache_dir(default_cache_dir(), key)
     return dict(train_on=data_cfg.train_on, pack=data_cfg.pack, skip_malformed=data_cfg.skip_malformed,
                 train_reasoning=data_cfg.train_reasoning, train_empty_think=data_cfg.train_empty_think,
                 cache_dir=cache_dir, columns=getattr(data_cfg, "columns", None) or None,
