@@ -140,18 +140,71 @@ def _describe(holder: dict) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
 
 
+# what a run writes into its directory (trackers: tensorboard/, wandb/ and its id; export: base/)
+RUN_ENTRIES = frozenset({CONFIG, METRICS, ADAPTER, CHECKPOINTS, LOCK, "tensorboard", "data", "wandb", "wandb_run_id",
+                         "base"})
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` a moetune run did not write: names a run never writes, and a config.yaml that is not a
+    run's resolved config (a project folder's own config.yaml, say)."""
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES)
+    config = run_dir / CONFIG
+    if config.exists() and not _is_run_config(config):
+        foreign.insert(0, f"{CONFIG} (not a moetune run's config)")
+    return foreign
+
+
+def _is_run_config(path: Path) -> bool:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(cfg, dict) and {"run", "model", "data", "train"} <= cfg.keys()
+
+
 def move_earlier_run_aside(run_dir: Path) -> Path | None:
     """A new run (nothing to resume) where an earlier run left its files: move all of them (except the lock) into
-    a sibling RUN.earlier-<time>/, so that nothing of the earlier run is overwritten or mixed into the new one."""
+    a sibling RUN.earlier-<time>/, so that nothing of the earlier run is overwritten or mixed into the new one.
+
+    Only a moetune run is moved: a directory holding anything a run does not write (a project folder that happens
+    to have the run's name) is refused with a ConfigError, and nothing is moved. A run directory that is a symlink
+    (to another file system, say) has its earlier run moved beside the directory it points to, so every move is a
+    rename within one file system; a move that fails halfway is undone."""
     rd = RunDir(run_dir)
     if not rd.holds_a_run():
         return None
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"run directory {run_dir} exists and holds what a moetune run does not write ({shown}): "
+                          "nothing is moved or written there; choose another run.name or run.output_dir")
+    real = Path(os.path.realpath(run_dir))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = next(d for i in range(1000) if not (d := run_dir.with_name(f"{run_dir.name}.earlier-{stamp}-{i}")).exists())
-    dest.mkdir()
-    for p in sorted(run_dir.iterdir()):
-        if p.name != LOCK:
-            os.replace(p, dest / p.name)
+    moved, dest = [], None
+    try:
+        for i in range(1000):  # mkdir, not exists(): two trainers starting at once cannot pick the same name
+            try:
+                dest = real.with_name(f"{real.name}.earlier-{stamp}-{i}")
+                dest.mkdir()
+                break
+            except FileExistsError:
+                dest = None
+        if dest is None:
+            raise FileExistsError(errno.EEXIST, "no free name", str(real.with_name(f"{real.name}.earlier-{stamp}-*")))
+        for p in sorted(real.iterdir()):
+            if p.name != LOCK:
+                os.rename(p, dest / p.name)
+                moved.append(p.name)
+    except OSError as e:
+        for name in reversed(moved):
+            os.rename(dest / name, real / name)
+        if dest is not None:
+            dest.rmdir()
+        raise ConfigError(f"run directory {run_dir}: cannot move the earlier run aside ({e.strerror or e}); nothing "
+                          "is moved; choose another run.name, or resume it") from None
     return dest
 
 
