@@ -13,7 +13,6 @@ freed before the next one. Peak host memory is about one layer, whatever the mod
 from __future__ import annotations
 
 import os
-import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from moetune.model.hf_io import as_dtype
 from moetune.model.config import model_config_for
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, LAYER_RE as _LAYER_RE
 from moetune.output_dir import atomic_output_dir
-from moetune.run_dir import latest_checkpoint, verify_checkpoint
+from moetune.run_dir import METADATA, dcp_load, latest_checkpoint, read_dcp_index, verify_checkpoint
 
 
 
@@ -131,13 +130,8 @@ def full_checkpoint(path: str) -> str | None:
 
 def _dcp_load(ckpt: str, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Just these model tensors of a DCP checkpoint, whole, on CPU, without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     state = {f"model.{n}": torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    dcp_load(state, ckpt)
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
@@ -145,7 +139,6 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
     """Write the weights of a full fine-tuning checkpoint (its dir, or a run dir: the newest complete one) as
     an HF checkpoint, one layer in memory at a time. config.json comes from the run's model config; generation
     config and tokenizer files from the base (model.path) when the run had one."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from moetune.config import load_config
@@ -160,7 +153,7 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
     cfg = load_config(os.path.join(ckpt, "config.yaml"))
     model_cfg = model_config_for(cfg)
     base = cfg.model.path if cfg.model.path and os.path.isdir(cfg.model.path) else None
-    md = FileSystemReader(ckpt).read_metadata()
+    md = read_dcp_index(Path(ckpt) / METADATA)
     shapes = {k.removeprefix("model."): (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     # The router's correction bias is a buffer; checkpoints save it (get_model_state_dict includes persistent
