@@ -12,7 +12,7 @@ import json
 import os
 
 from moetune.export.adapter import output_errors
-from moetune.model.random_base import build_base
+from moetune.model.random_base import build_base, check_recipe
 from moetune.output_dir import ANY, atomic_output_dir
 
 RECIPE_FILE = "moetune_base.json"
@@ -80,6 +80,8 @@ def ensure_base(recipe: dict, adapter_dir: str) -> str:
 def resolve_base(adapter_dir: str, meta: dict, base: str | None = None) -> str | None:
     """The base to use with the moetune adapter at `adapter_dir`: `base` (the --base flag) if given, else the one
     the adapter was trained on: model.path, or the rebuilt random init. None when the adapter records neither."""
+    if meta.get("base_init") is not None:  # checked even with --base: its dtype is the export's default
+        check_recipe(meta["base_init"], os.path.join(adapter_dir, "adapter_config.json"))
     if base:
         return base
     if meta.get("base_model"):
