@@ -291,6 +291,10 @@ def _index_problem(md) -> str | None:
     for key, m in md.state_dict_metadata.items():
         if not isinstance(key, str) or not isinstance(m, (TensorStorageMetadata, BytesStorageMetadata)):
             return f"describes entry {key!r} as a {type(m).__name__}"
+        if isinstance(m, TensorStorageMetadata) and not (
+                isinstance(m.size, torch.Size) and all(isinstance(n, int) and n >= 0 for n in m.size)
+                and isinstance(getattr(m.properties, "dtype", None), torch.dtype)):
+            return f"gives tensor {key} no valid shape and dtype"
     for info in md.storage_data.values():
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or os.path.basename(rel) != rel or rel in ("", ".", ".."):

@@ -102,3 +102,17 @@ def test_the_cli_says_damaged_in_one_line(hostile_copy, tmp_path, capsys, comman
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err and "is damaged" in err and "not part of a DCP index" in err, err
     assert not (tmp_path / "ran").exists()
+
+
+def test_an_index_with_a_shape_that_is_not_one_is_damaged(run, tmp_path):
+    from moetune.run_dir import read_dcp_index
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run / "checkpoints" / "step_000001", ckpt)
+    md = read_dcp_index(ckpt / ".metadata")
+    name = next(k for k in md.state_dict_metadata if k.startswith("model."))
+    md.state_dict_metadata[name].size = [-1, "x"]
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(CheckpointError, match=rf"gives tensor {name} no valid shape and dtype"):
+        load_model_state(ckpt)
