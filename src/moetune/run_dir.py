@@ -78,6 +78,11 @@ class RunLock:
         self.created_dir = False  # this lock created the run directory (a refused start removes it again)
 
     def acquire(self) -> "RunLock":
+        # A folder that is plainly no run (a project folder with the run's name) is refused before the lock file
+        # is written into it and before minutes of data and model work; one that mixes a run's files with others
+        # may still be resumed, and is refused only where a new run would move it aside.
+        if self.run_dir.is_dir() and not any((self.run_dir / name).exists() for name in RUN_SIGNATURE):
+            refuse_foreign(self.run_dir)
         try:
             self.created_dir = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,14 +152,31 @@ RUN_ENTRIES = frozenset({CONFIG, METRICS, ADAPTER, CHECKPOINTS, LOCK, "tensorboa
                          "base"})
 
 
+# the files only a run writes; a folder with none of them holds no run
+RUN_SIGNATURE = (CONFIG, METRICS, CHECKPOINTS, ADAPTER)
+DEMO_DATA_FILES = {"train.jsonl", "eval.jsonl"}  # what the demo writes into RUN/data/
+
+
 def foreign_entries(run_dir: Path) -> list[str]:
-    """What in ``run_dir`` a moetune run did not write: names a run never writes, and a config.yaml that is not a
-    run's resolved config (a project folder's own config.yaml, say)."""
+    """What in ``run_dir`` a moetune run did not write: names a run never writes, a config.yaml that is not a
+    run's resolved config (a project folder's own config.yaml, say), a data/ holding more than the demo's files."""
     foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES)
     config = run_dir / CONFIG
     if config.exists() and not _is_run_config(config):
         foreign.insert(0, f"{CONFIG} (not a moetune run's config)")
+    data = run_dir / "data"
+    if data.exists() and not (data.is_dir() and {p.name for p in data.iterdir()} <= DEMO_DATA_FILES):
+        foreign.insert(0, "data/ (not the demo's data)")
     return foreign
+
+
+def refuse_foreign(run_dir: Path) -> None:
+    """A ConfigError when ``run_dir`` holds what a moetune run does not write (see foreign_entries)."""
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"run directory {run_dir} exists and holds what a moetune run does not write ({shown}): "
+                          "nothing is moved or written there; choose another run.name or run.output_dir")
 
 
 def _is_run_config(path: Path) -> bool:
@@ -178,11 +200,7 @@ def move_earlier_run_aside(run_dir: Path) -> Path | None:
     rd = RunDir(run_dir)
     if not rd.holds_a_run():
         return None
-    foreign = foreign_entries(run_dir)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ConfigError(f"run directory {run_dir} exists and holds what a moetune run does not write ({shown}): "
-                          "nothing is moved or written there; choose another run.name or run.output_dir")
+    refuse_foreign(run_dir)
     real = Path(os.path.realpath(run_dir))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     moved, dest = [], None

@@ -46,15 +46,29 @@ def test_a_run_with_a_file_a_run_never_writes_is_refused(tmp_path):
     assert tree(run) == before and os.listdir(tmp_path) == ["r"]
 
 
-def test_moetune_train_refuses_a_project_folder_in_one_line(tmp_path):
+def test_moetune_train_refuses_a_project_folder_before_any_work(tmp_path, monkeypatch):
+    import moetune.train.loop as loop
+
     args = small_run_args(tmp_path, "proj", **{"train.steps": 1})
     project = tmp_path / "runs" / "proj"
     project.mkdir(parents=True)
     (project / "README.md").write_text("my project")
-    with pytest.raises(ConfigError, match="README.md"):
+    monkeypatch.setattr(loop, "setup_data", lambda *a: pytest.fail("data prepared for a refused run directory"))
+    with pytest.raises(ConfigError, match=r"holds what a moetune run does not write \(README.md\)"):
         run_inprocess(args)
-    assert sorted(os.listdir(project)) in (["README.md"], [".lock", "README.md"])
-    assert sorted(os.listdir(tmp_path / "runs")) == ["proj"]
+    assert os.listdir(project) == ["README.md"]  # not even a .lock
+    assert os.listdir(tmp_path / "runs") == ["proj"]
+
+
+def test_a_data_folder_that_is_not_the_demos_is_not_a_runs(tmp_path):
+    run = fake_run(tmp_path / "r")
+    (run / "data").mkdir()
+    (run / "data" / "train.jsonl").write_text("")
+    (run / "data" / "mine.csv").write_text("")  # the demo writes train.jsonl and eval.jsonl only
+    with pytest.raises(ConfigError, match=r"\(data/ \(not the demo's data\)\)"):
+        move_earlier_run_aside(run)
+    (run / "data" / "mine.csv").unlink()
+    assert move_earlier_run_aside(run) is not None
 
 
 class TwoFileSystems:
