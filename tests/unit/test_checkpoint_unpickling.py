@@ -1,4 +1,4 @@
-"""What may be unpickled from a checkpoint is decided in one place (run_dir.CheckpointReader / dcp_load): DCP's
+"""What may be unpickled from a checkpoint is decided in one place (moetune/checkpoint_reading.py): DCP's
 index may name only DCP's metadata classes, a non-tensor entry only plain data. A hostile or damaged index is a
 CheckpointError naming the file, for training's resume and for export / generate, which read checkpoints too."""
 
@@ -11,10 +11,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from helpers import run_inprocess, small_run_args
+from moetune.checkpoint_reading import dcp_load, read_dcp_index
 from moetune.cli import main
 from moetune.errors import CheckpointError
 from moetune.export import export_adapter
-from moetune.run_dir import dcp_load, load_model_state, verify_checkpoint
+from moetune.run_dir import load_model_state, verify_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,6 @@ def test_an_index_of_another_shape_is_damaged_not_a_traceback(hostile_copy, tmp_
 
 
 def test_an_index_pointing_outside_its_directory_is_refused(run, tmp_path):
-    from moetune.run_dir import read_dcp_index
-
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run / "checkpoints" / "step_000001", ckpt)
     md = read_dcp_index(ckpt / ".metadata")
@@ -105,8 +104,6 @@ def test_the_cli_says_damaged_in_one_line(hostile_copy, tmp_path, capsys, comman
 
 
 def test_an_index_with_a_shape_that_is_not_one_is_damaged(run, tmp_path):
-    from moetune.run_dir import read_dcp_index
-
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run / "checkpoints" / "step_000001", ckpt)
     md = read_dcp_index(ckpt / ".metadata")

@@ -25,7 +25,8 @@ from moetune.model.hf_io import as_dtype
 from moetune.model.config import model_config_for
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, LAYER_RE as _LAYER_RE
 from moetune.output_dir import atomic_output_dir
-from moetune.run_dir import METADATA, dcp_load, latest_checkpoint, read_dcp_index, verify_checkpoint
+from moetune.checkpoint_reading import dcp_load, read_dcp_index
+from moetune.run_dir import METADATA, latest_checkpoint, verify_checkpoint
 
 
 

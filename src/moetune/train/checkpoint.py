@@ -22,9 +22,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
+from moetune.checkpoint_reading import dcp_load, first_failure, read_dcp_index
 from moetune.errors import CheckpointError, CheckpointWriteError, NumericalFault
-from moetune.run_dir import (METADATA, TRAINER_STATE, complete_checkpoints, dcp_load, first_failure, read_dcp_index,
-                             step_dir_name)
+from moetune.run_dir import METADATA, TRAINER_STATE, complete_checkpoints, step_dir_name
 from moetune.tensors import all_finite
 from moetune.train.checkpoint_files import dir_bytes, publish, remove_dir, write_synced
 
