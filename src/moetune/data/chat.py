@@ -94,12 +94,12 @@ class _Rendering:
     Finding a prefix's end by rendering and tokenising that prefix costs as much as the conversation: quadratic in
     its turns (a 1 MB line of many turns took minutes). So a *skeleton* of the conversation (the same roles, each
     content and reasoning replaced by a short unique marker) is rendered once too. When the real text is the
-    skeleton's with the markers replaced by the real strings (the template writes contents verbatim or
-    trimmed), a prefix ends
-    at the same place of the text between two markers in both, and where it ends there depends only on that text and
-    the roles around it: it is measured on the skeleton once per distinct (roles, text between markers) and reused.
-    Whatever does not fit that picture (a template that rewrites contents, a prefix that the full rendering does not
-    start with, a boundary inside a token) is found the exact way, by rendering and tokenising the prefix."""
+    skeleton's with the markers replaced by the real strings (the template writes them verbatim or trimmed), a
+    prefix ends at the same place of the text between two markers in both, and where it ends there depends only on
+    that text and the roles around it: it is measured on the skeleton once per distinct (roles, text between
+    markers) and reused. Whatever does not fit that picture (a template that rewrites contents, a prefix that the
+    full rendering does not start with, a boundary inside a token) is found the exact way, by rendering and
+    tokenising the prefix (GLM-4.5 drops the reasoning of turns before the last user message: those prefixes)."""
 
     def __init__(self, tokenizer, turns: list[dict], text: str):
         self.tokenizer, self.turns, self.text = tokenizer, turns, text
