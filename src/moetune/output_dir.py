@@ -100,8 +100,13 @@ def _publish(tmp: Path, target: Path) -> None:
 def _remove_debris(target: Path) -> None:
     """Temporaries of writers of `target` that died (the caller holds the lock, so no live writer owns them)."""
     for p in target.parent.iterdir():
-        if p.name.startswith((f".{target.name}.tmp-", f".{target.name}.trash-")) and p.is_dir():
+        if is_writer_file(p.name, target.name) and p.is_dir():  # the lock file is ours now
             shutil.rmtree(p, ignore_errors=True)
+
+
+def is_writer_file(name: str, folder: str) -> bool:
+    """Whether `name`, beside the folder `folder`, is this rule's lock or temporary for it (a killed writer's)."""
+    return name == f".{folder}.lock" or name.startswith((f".{folder}.tmp-", f".{folder}.trash-"))
 
 
 @contextmanager

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetune.checkpoint_reading import DCP_INDEX, dcp_load, read_dcp_index
 from moetune.errors import CheckpointError, ConfigError, RunDirInUse
+from moetune.output_dir import is_writer_file
 
 log = logging.getLogger("moetune")
 
@@ -156,7 +157,8 @@ DEMO_DATA_FILES = {"train.jsonl", "eval.jsonl"}  # what the demo writes into RUN
 def foreign_entries(run_dir: Path) -> list[str]:
     """What in ``run_dir`` a moetune run did not write: names a run never writes, a config.yaml that is not a
     run's resolved config (a project folder's own config.yaml, say), a data/ holding more than the demo's files."""
-    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES)
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES
+                     and not any(is_writer_file(p.name, folder) for folder in (ADAPTER, "base")))
     config = run_dir / CONFIG
     if config.exists() and not _is_run_config(config):
         foreign.insert(0, f"{CONFIG} (not a moetune run's config)")

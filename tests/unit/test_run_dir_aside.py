@@ -125,3 +125,11 @@ def test_a_move_that_fails_halfway_is_undone(tmp_path, monkeypatch):
         move_earlier_run_aside(run)
     monkeypatch.undo()
     assert tree(run) == before and os.listdir(tmp_path) == ["r"]  # no empty .earlier-* left behind
+
+
+def test_a_killed_adapter_writers_files_are_a_runs(tmp_path):
+    run = fake_run(tmp_path / "r")
+    (run / ".adapter.lock").write_text("123")  # a trainer killed while writing its adapter (moetune/output_dir.py)
+    (run / ".adapter.tmp-x1y2").mkdir()
+    moved = move_earlier_run_aside(run)
+    assert (moved / ".adapter.tmp-x1y2").is_dir() and os.listdir(run) == [".lock"]
