@@ -51,8 +51,11 @@ def check_replaceable(out: str | os.PathLike, replaceable: tuple[str, ...] = (),
         return
     if not target.is_dir():
         raise ExportError(f"{label}: exists and is not a directory")
-    foreign = sorted(p.name for p in target.iterdir()
-                     if not any(fnmatch.fnmatch(p.name, pat) for pat in replaceable))
+    try:
+        names = [p.name for p in target.iterdir()]
+    except OSError as e:
+        raise OutputError(f"{label}: cannot read it ({e.strerror})") from None
+    foreign = sorted(n for n in names if not any(fnmatch.fnmatch(n, pat) for pat in replaceable))
     if foreign:
         raise ExportError(f"{label}: exists and holds other files ({', '.join(foreign[:3])}"
                           f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
