@@ -15,6 +15,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _release_held_ports():
+    """Ports handed out by helpers.free_port stay bound until the test that asked for them ends."""
+    yield
+    from helpers import release_ports
+
+    release_ports()
+
+
 @pytest.fixture
 def tmp_ckpt(tmp_path):
     return tmp_path / "ckpt"

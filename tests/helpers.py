@@ -110,12 +110,27 @@ def run_torchrun(args, nproc=2, extra=None, timeout=300):
     return p
 
 
+_held_ports = []
+
+
 def free_port():
+    """A TCP port on 127.0.0.1 that no other process can take before the test uses it: the port is bound here (with
+    SO_REUSEADDR, not listening) and held until the test ends (conftest releases it). torch's TCPStore (c10d's and
+    torchrun's rendezvous, moetune.sync.connect) binds with SO_REUSEADDR too, so it can serve on the held port, while
+    the kernel hands the port to no one else. A port merely found free and closed could be taken first (EADDRINUSE,
+    then a client waiting out its timeout: seen in test_sync_fsdp)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _held_ports.append(s)
+    return s.getsockname()[1]
+
+
+def release_ports():
+    while _held_ports:
+        _held_ports.pop().close()
 
 
 def read_metrics(run_dir):

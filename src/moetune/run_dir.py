@@ -22,15 +22,14 @@ import os
 import re
 import socket
 import time
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from moetune.checkpoint_reading import DCP_INDEX, dcp_load, read_dcp_index
 from moetune.errors import CheckpointError, ConfigError, RunDirInUse
+from moetune.output_dir import is_writer_file
 
 log = logging.getLogger("moetune")
 
@@ -40,7 +39,7 @@ ADAPTER = "adapter"
 CHECKPOINTS = "checkpoints"
 LOCK = ".lock"
 TRAINER_STATE = "trainer_state.json"
-METADATA = ".metadata"  # DCP's index; written last by DCP itself
+METADATA = DCP_INDEX  # written last by DCP itself
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -76,6 +75,11 @@ class RunLock:
         self.created_dir = False  # this lock created the run directory (a refused start removes it again)
 
     def acquire(self) -> "RunLock":
+        # A folder that is plainly no run (a project folder with the run's name) is refused before the lock file
+        # is written into it and before minutes of data and model work; one that mixes a run's files with others
+        # may still be resumed, and is refused only where a new run would move it aside.
+        if self.run_dir.is_dir() and not any((self.run_dir / name).exists() for name in RUN_SIGNATURE):
+            refuse_foreign(self.run_dir)
         try:
             self.created_dir = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,18 +144,85 @@ def _describe(holder: dict) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
 
 
+# what a run writes into its directory (trackers: tensorboard/, wandb/ and its id; export: base/)
+RUN_ENTRIES = frozenset({CONFIG, METRICS, ADAPTER, CHECKPOINTS, LOCK, "tensorboard", "data", "wandb", "wandb_run_id",
+                         "base"})
+
+
+# the files only a run writes; a folder with none of them holds no run
+RUN_SIGNATURE = (CONFIG, METRICS, CHECKPOINTS, ADAPTER)
+DEMO_DATA_FILES = {"train.jsonl", "eval.jsonl"}  # what the demo writes into RUN/data/
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` a moetune run did not write: names a run never writes, a config.yaml that is not a
+    run's resolved config (a project folder's own config.yaml, say), a data/ holding more than the demo's files."""
+    foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in RUN_ENTRIES
+                     and not any(is_writer_file(p.name, folder) for folder in (ADAPTER, "base")))
+    config = run_dir / CONFIG
+    if config.exists() and not _is_run_config(config):
+        foreign.insert(0, f"{CONFIG} (not a moetune run's config)")
+    data = run_dir / "data"
+    if data.exists() and not (data.is_dir() and {p.name for p in data.iterdir()} <= DEMO_DATA_FILES):
+        foreign.insert(0, "data/ (not the demo's data)")
+    return foreign
+
+
+def refuse_foreign(run_dir: Path) -> None:
+    """A ConfigError when ``run_dir`` holds what a moetune run does not write (see foreign_entries)."""
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"run directory {run_dir} exists and holds what a moetune run does not write ({shown}): "
+                          "nothing is moved or written there; choose another run.name or run.output_dir")
+
+
+def _is_run_config(path: Path) -> bool:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(cfg, dict) and {"run", "model", "data", "train"} <= cfg.keys()
+
+
 def move_earlier_run_aside(run_dir: Path) -> Path | None:
     """A new run (nothing to resume) where an earlier run left its files: move all of them (except the lock) into
-    a sibling RUN.earlier-<time>/, so that nothing of the earlier run is overwritten or mixed into the new one."""
+    a sibling RUN.earlier-<time>/, so that nothing of the earlier run is overwritten or mixed into the new one.
+
+    Only a moetune run is moved: a directory holding anything a run does not write (a project folder that happens
+    to have the run's name) is refused with a ConfigError, and nothing is moved. A run directory that is a symlink
+    (to another file system, say) has its earlier run moved beside the directory it points to, so every move is a
+    rename within one file system; a move that fails halfway is undone."""
     rd = RunDir(run_dir)
     if not rd.holds_a_run():
         return None
+    refuse_foreign(run_dir)
+    real = Path(os.path.realpath(run_dir))
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    dest = next(d for i in range(1000) if not (d := run_dir.with_name(f"{run_dir.name}.earlier-{stamp}-{i}")).exists())
-    dest.mkdir()
-    for p in sorted(run_dir.iterdir()):
-        if p.name != LOCK:
-            os.replace(p, dest / p.name)
+    moved, dest = [], None
+    try:
+        for i in range(1000):  # mkdir, not exists(): two trainers starting at once cannot pick the same name
+            try:
+                dest = real.with_name(f"{real.name}.earlier-{stamp}-{i}")
+                dest.mkdir()
+                break
+            except FileExistsError:
+                dest = None
+        if dest is None:
+            raise FileExistsError(errno.EEXIST, "no free name", str(real.with_name(f"{real.name}.earlier-{stamp}-*")))
+        for p in sorted(real.iterdir()):
+            if p.name != LOCK:
+                os.rename(p, dest / p.name)
+                moved.append(p.name)
+    except OSError as e:
+        for name in reversed(moved):
+            os.rename(dest / name, real / name)
+        if dest is not None:
+            dest.rmdir()
+        raise ConfigError(f"run directory {run_dir}: cannot move the earlier run aside ({e.strerror or e}); nothing "
+                          "is moved; choose another run.name, or resume it") from None
     return dest
 
 
@@ -197,10 +268,9 @@ def verify_checkpoint(path: Path) -> None:
     for name in missing_files(Path(path)):
         raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing{_earlier(path)}")
     try:
-        md = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a truncated pickle raises anything from EOFError to UnpicklingError
-        raise CheckpointError(f"checkpoint {path} is damaged: cannot read {METADATA} ({type(e).__name__}: {e})"
-                              f"{_earlier(path)}") from None
+        md = read_dcp_index(Path(path) / METADATA)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_earlier(path)}") from None
     needed: dict[str, int] = {}
     for info in md.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -237,10 +307,13 @@ def load_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     trainable LoRA tensors of a LoRA run, every weight of a full fine-tuning run."""
     path = Path(path)
     verify_checkpoint(path)
-    md = FileSystemReader(str(path)).read_metadata()
+    md = read_dcp_index(path / METADATA)
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    try:
+        dcp_load(state, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP wraps what a reader thread raised
+        raise CheckpointError(f"checkpoint {path} is damaged: {type(e).__name__}: {str(e)[:300]}") from None
     return {k.removeprefix("model."): v for k, v in state.items()}

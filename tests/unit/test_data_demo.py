@@ -65,3 +65,17 @@ def test_demo_cli_writes_both_files(tmp_path, capsys):
     demo_main([str(tmp_path), "--n-train", "5", "--n-eval", "2"])
     assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 5
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 2
+    # a new user prompting the demo model with other letters learns nothing from the model: say which it knows
+    assert "letters a-j only" in capsys.readouterr().out
+
+
+def test_the_demo_words_use_the_letters_its_note_names(tmp_path):
+    import json
+
+    from moetune.assets.demo_data import letters_note, write_demo_dataset
+
+    train, _ = write_demo_dataset(tmp_path, n_train=200, n_eval=10)
+    letters = set()
+    for line in open(train):
+        letters |= set(json.loads(line)["messages"][0]["content"].removeprefix("upper: "))
+    assert letters == set("abcdefghij") and "a-j" in letters_note()

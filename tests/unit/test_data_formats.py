@@ -81,3 +81,45 @@ def test_empty_dataset_error_names_the_file(tmp_path):
     path = write_lines(tmp_path, ["", "  "])
     with pytest.raises(DataError, match=r"data.jsonl: the dataset is empty"):
         build_packs(path, load_tokenizer(None), seq_len=32)
+
+
+@pytest.mark.parametrize("line, where", [
+    ('{"text": "a \\ud800 b"}', "'text'"),
+    ('{"messages": [{"role": "user", "content": "\\udfff"}, {"role": "assistant", "content": "y"}]}',
+     "messages[0].content"),
+    ('{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "\\ud83d"}]}',
+     "messages[1].content"),
+])
+def test_a_lone_surrogate_is_a_malformed_line_named_by_file_and_line(tmp_path, line, where):
+    # JSON's \u escapes can spell half a surrogate pair; the tokenizer then raised a TypeError with no location
+    path = write_lines(tmp_path, [json.dumps(GOOD_TEXT), line])
+    tokenizer = load_tokenizer(None)
+    with pytest.raises(DataError, match=rf"^{path}:2: .*surrogate") as err:
+        build_packs(path, tokenizer, 64)
+    assert where in str(err.value)
+    packs, stats = build_packs(path, tokenizer, 64, skip_malformed=True)
+    assert stats["skipped_malformed"] == 1 and packs
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_or_utf32_file_is_named_as_such(tmp_path, encoding):
+    path = tmp_path / "wide.jsonl"
+    path.write_text(json.dumps(GOOD_TEXT) + "\n", encoding=encoding)  # Python writes the BOM first
+    with pytest.raises(DataError, match=rf":1: the file is {encoding.upper()}-encoded; JSONL must be UTF-8"):
+        read_records(str(path))
+
+
+def test_byte_order_marks_of_concatenated_files_are_tolerated(tmp_path):
+    path = tmp_path / "cat.jsonl"
+    line = "\ufeff" + json.dumps(GOOD_TEXT) + "\n"
+    path.write_bytes((line + line).encode("utf-8"))
+    assert read_records(str(path)) == ([GOOD_TEXT, GOOD_TEXT], 0)
+
+
+def test_nul_characters_are_text_and_raw_nul_bytes_a_malformed_line(tmp_path):
+    path = tmp_path / "nul.jsonl"
+    path.write_bytes(b'{"text": "a\\u0000b"}\n{"text": "a\x00b"}\n')
+    with pytest.raises(DataError, match=r":2: invalid JSON"):
+        read_records(str(path))
+    packs, stats = build_packs(str(path), load_tokenizer(None), 64, skip_malformed=True)
+    assert stats["skipped_malformed"] == 1 and packs

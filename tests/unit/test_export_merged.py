@@ -109,7 +109,8 @@ def test_adapter_for_another_model_is_refused_before_writing(tmp_path, base):
     random_adapter(other, tmp_path / "adapter", ["q_proj"])
     with pytest.raises(ExportError, match="match no weight"):
         export_merged(base, tmp_path / "adapter", tmp_path / "merged")
-    assert not [f for f in os.listdir(tmp_path / "merged") if f.endswith(".safetensors")]
+    assert not (tmp_path / "merged").exists()  # nothing at all: not even config.json
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]  # nor a temporary or a lock
     with pytest.raises(ExportError, match="out_dir must differ"):
         export_merged(base, tmp_path / "adapter", base)
 

@@ -3,6 +3,7 @@ its base bit for bit; export adapter (PEFT, vLLM) and merged find it, --verify s
 leaves nothing behind, and `generate` runs on the run directory."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -112,3 +113,61 @@ def test_generate_and_chat_on_the_run_dir(run, capsys, monkeypatch):
     assert chat_main([str(run), "--max-new-tokens", "5"], stdin=io.StringIO("reverse: abc\n/reset\nreverse: abc\n")) == 0
     replies = capsys.readouterr().out.splitlines()
     assert len(replies) == 2 and replies[0] == replies[1] == reply.rstrip("\n")  # greedy, same history after /reset
+
+
+def _adapter_with_recipe(tmp_path, recipe):
+    from moetune.model.adapter_io import save_adapter
+
+    out = tmp_path / "hostile" / "adapter"
+    save_adapter({}, str(out), dict(rank=2, alpha=4, dropout=0.0, rslora=False, targets=["q_proj"], base_init=recipe))
+    return out
+
+
+def _edit(recipe, path, value):
+    import copy
+
+    recipe = copy.deepcopy(recipe)
+    *head, last = path
+    d = recipe
+    for k in head:
+        d = d[k]
+    d[last] = value
+    return recipe
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("config", "vocab_size"), -5, r"base_init.config.vocab_size: Input should be greater than or equal to 1, got -5"),
+    (("config", "num_hidden_layers"), 100_000, r"base_init.config.num_hidden_layers: Input should be less than or "
+                                               r"equal to 512, got 100000"),
+    (("config", "hidden_size"), "64", r"base_init.config.hidden_size: Input should be a valid integer, got '64'"),
+    (("dtype",), "float8", r"base_init.dtype: Input should be 'float32', 'bfloat16' or 'float16', got 'float8'"),
+    (("init_std",), float("nan"), r"base_init.init_std: Input should be a finite number"),
+    (("seed",), None, r"base_init.seed: Input should be a valid integer"),
+    (("config", "model_type"), "llama", r"base_init.config: model_type 'llama' is not supported"),
+    (("config", "num_key_value_heads"), 3, r"base_init.config: invalid glm4_moe model config: num_attention_heads "
+                                           r"must be a multiple of num_key_value_heads"),
+])
+def test_a_hostile_base_init_is_refused_naming_the_file_and_key(tmp_path, capsys, path, value, message):
+    from moetune.errors import CheckpointError
+    from moetune.export.run_base import resolve_base
+    from moetune.model.adapter_io import read_adapter_config
+
+    recipe = _edit(base_recipe(load_config(None, []), "cpu"), path, value)
+    adapter = _adapter_with_recipe(tmp_path, recipe)
+    where = f"{adapter}/adapter_config.json: "
+    with pytest.raises(CheckpointError, match="^" + re.escape(where) + message):
+        resolve_base(str(adapter), read_adapter_config(str(adapter)))
+    with pytest.raises(CheckpointError, match=message):
+        build_base(recipe)
+    rc = main(["export", "adapter", "--checkpoint", str(adapter), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err and where in err, err
+    assert not (tmp_path / "hostile" / "base").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_base_init_that_is_not_a_mapping_is_refused(tmp_path):
+    from moetune.errors import CheckpointError
+    from moetune.export.run_base import resolve_base
+
+    with pytest.raises(CheckpointError, match=r"adapter_config.json: base_init must be a mapping, got list"):
+        resolve_base(str(tmp_path), {"base_init": [1, 2]}, base="/given/base")

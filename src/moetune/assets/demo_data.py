@@ -2,7 +2,8 @@
 
     python -m moetune.assets.demo_data OUT_DIR [--n-train 4000] [--n-eval 200] [--seed 0]
 
-The task is upper-casing: the user writes ``upper: hecjab``, the assistant answers ``HECJAB``. It was chosen because a
+The task is upper-casing words of the letters a-j only: the user writes ``upper: hecjab``, the assistant answers
+``HECJAB``. A word with any other letter (``upper: hello``) is outside what the demo model learns. It was chosen because a
 tiny random-init model trained with LoRA learns it within a couple of hundred steps on two CPU cores (every answer
 token is a fixed function of one earlier token at a constant distance), while an untrained model scores ~0% exact
 match, so both the loss curve and a generation check show learning. Words use ten letters and 3-6 characters: with
@@ -83,7 +84,14 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     train, evaluation = write_demo_dataset(args.out_dir, args.n_train, args.n_eval, args.seed)
-    print(f"wrote {train} ({args.n_train} conversations) and {evaluation} ({args.n_eval})")
+    print(f"wrote {train} ({args.n_train} conversations) and {evaluation} ({args.n_eval}): {letters_note()}")
+
+
+def letters_note() -> str:
+    """What a person trying the demo model must know about its prompts."""
+    example = PREFIX + "hecjab"
+    return (f"the task upper-cases words of the letters {ALPHABET[0]}-{ALPHABET[-1]} only "
+            f"('{example}' -> '{demo_answer(example)}')")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,13 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 
+from moetune.interruptible import interruptible
 from moetune.names import IGNORE_INDEX
 
-from .cache import cached_documents, default_cache_dir, iter_source_records
+from .cache import cached_documents, default_cache_dir, iter_source_records, progress_bars, usable_cache_dir
 from .chat import tokenize_record
 from .formats import DataError, read_records
 from .loader import PackedLoader, eval_batches
@@ -29,11 +31,21 @@ LONGEST_DOCUMENT = 1 << 17  # tokens: GLM-4.5's context; a record that surely ex
 def build_packs(
     path, tokenizer, seq_len: int, *, train_on: str = "assistant", pack: bool = True, skip_malformed: bool = False,
     train_reasoning: bool = True, train_empty_think: bool = False, cache_dir: str | None = None, dist=None,
-    columns: dict | None = None, seed: int = 0,
+    columns: dict | None = None, seed: int = 0, progress: bool = True,
 ) -> tuple[list[dict], dict]:
     """Read, tokenize and pack the data: one source (JSONL, Parquet, Arrow, hub name) or a list of sources, each a
     path or {"path", "weight"} (see `mix_documents`). Stats: those of pack_documents plus "skipped_malformed",
-    "cache" ("hit", "miss" or "off") and "unk_tokens". ``cache_dir`` None tokenises in memory, every time."""
+    "cache" ("hit", "miss" or "off") and "unk_tokens". ``cache_dir`` None tokenises in memory, every time. ``progress``:
+    whether Hugging Face datasets may draw its progress bars (tokenising, reading Parquet)."""
+    # hours on a large set, and a stop signal may end it at once: what it caches is renamed into place complete
+    with interruptible("data preparation"), progress_bars(progress):
+        return _build_packs(path, tokenizer, seq_len, train_on=train_on, pack=pack, skip_malformed=skip_malformed,
+                            train_reasoning=train_reasoning, train_empty_think=train_empty_think, cache_dir=cache_dir,
+                            dist=dist, columns=columns, seed=seed)
+
+
+def _build_packs(path, tokenizer, seq_len, *, train_on, pack, skip_malformed, train_reasoning, train_empty_think,
+                 cache_dir, dist, columns, seed):
     sources = _sources(path)
     docs, skipped, caches = [], 0, []
     for src, weight in sources:
@@ -160,18 +172,25 @@ def _record_chars(record: dict) -> int:
     return total
 
 
-def data_options(data_cfg) -> dict:
-    """build_packs' keyword arguments from the config's `data` section (the cache directory resolved)."""
+def data_options(data_cfg, progress_bar: bool = True) -> dict:
+    """build_packs' keyword arguments from the config's `data` section (the cache directory resolved).
+    ``progress_bar``: logging.progress_bar; bars are drawn only where a person watches (a terminal), as the
+    training bar is."""
     cache_dir = None
     if data_cfg.cache and importlib.util.find_spec("datasets") is None:
         # JSONL needs no datasets: train uncached rather than fail (Parquet/Arrow/hub sources still say what to install)
         logging.getLogger("moetune").info("data.cache: Hugging Face datasets is not installed, so tokenised data is "
                                           "not cached (pip install datasets)")
     elif data_cfg.cache:
-        cache_dir = os.path.expanduser(data_cfg.cache_dir) if data_cfg.cache_dir else default_cache_dir()
+        if data_cfg.cache_dir:
+            cache_dir = usable_cache_dir(os.path.expanduser(data_cfg.cache_dir), "data.cache_dir")
+        else:
+            key = "MOETUNE_CACHE_DIR" if os.environ.get("MOETUNE_CACHE_DIR") else "the default data.cache_dir"
+            cache_dir = usable_cache_dir(default_cache_dir(), key)
     return dict(train_on=data_cfg.train_on, pack=data_cfg.pack, skip_malformed=data_cfg.skip_malformed,
                 train_reasoning=data_cfg.train_reasoning, train_empty_think=data_cfg.train_empty_think,
-                cache_dir=cache_dir, columns=getattr(data_cfg, "columns", None) or None)
+                cache_dir=cache_dir, columns=getattr(data_cfg, "columns", None) or None,
+                progress=progress_bar and sys.stderr.isatty())
 
 
 def load_tokenizer(name_or_path: str | None):

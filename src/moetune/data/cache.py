@@ -23,9 +23,13 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+
+from moetune.errors import ConfigError
 
 from .formats import DataError, iter_records, normalize_record, validate_record
 
@@ -36,6 +40,22 @@ _long_group = None
 
 def default_cache_dir() -> str:
     return os.environ.get("MOETUNE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moetune", "datasets")
+
+
+def usable_cache_dir(path: str, key: str) -> str:
+    """``path``, created if missing, once it is known to be a directory this process can write; else a ConfigError
+    naming ``key`` (the setting it came from) and the path, and how to do without."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".moetune-write-test-")
+        probe.close()
+    except FileExistsError:
+        raise ConfigError(f"{key}: {path} is a file, not a directory (set data.cache_dir to a directory, or "
+                          "data.cache: false)") from None
+    except OSError as e:  # permission denied, a read-only file system, a file where a parent should be
+        raise ConfigError(f"{key}: {path} cannot be used as the data cache ({e.strerror or type(e).__name__}); set "
+                          "data.cache_dir to a writable directory, or data.cache: false") from None
+    return path
 
 
 # ------------------------------------------------------------------------------------------------ sources
@@ -128,6 +148,31 @@ def _drop_nulls(row: dict) -> dict:
         out["messages"] = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
                            for m in out["messages"]]
     return out
+
+
+@contextmanager
+def progress_bars(on: bool):
+    """Hugging Face datasets' bars (tokenising, reading Parquet) on or off for a while; its switch is global."""
+    if on:
+        yield
+        return
+    ds = _datasets_if_installed()
+    was_on = ds is not None and not ds.are_progress_bars_disabled()
+    if was_on:
+        ds.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            ds.enable_progress_bars()
+
+
+def _datasets_if_installed():
+    try:
+        import datasets
+    except ImportError:
+        return None
+    return datasets
 
 
 # ------------------------------------------------------------------------------------------------ keys

@@ -60,9 +60,19 @@ def iter_records(path: str, skip_malformed: bool = False, columns: dict | None =
                 yield lineno, record
 
 
+# byte-order marks of the encodings a JSONL file is sometimes saved in by mistake (Windows editors, PowerShell)
+_OTHER_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+               b"\xfe\xff": "UTF-16"}
+
+
 def _parse_line(raw: bytes, first: bool, columns: dict | None = None) -> dict | None:
+    if first:
+        for bom, name in _OTHER_BOMS.items():
+            if raw.startswith(bom):
+                raise DataError(f"the file is {name}-encoded; JSONL must be UTF-8 (e.g. iconv -f {name} -t UTF-8)")
     try:
-        line = raw.decode("utf-8-sig" if first else "utf-8")  # tolerate a byte-order mark on line 1
+        # a byte-order mark is tolerated at the start of any line: files concatenated with `cat` carry theirs
+        line = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
     if not line.strip():
@@ -157,6 +167,7 @@ def validate_record(obj: dict) -> None:
     if has_text:
         if not isinstance(obj["text"], str):
             raise DataError(f"'text' must be a string, got {type(obj['text']).__name__}")
+        _check_encodable(obj["text"], "'text'")
         return
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
@@ -171,3 +182,16 @@ def validate_record(obj: dict) -> None:
             raise DataError(f"{where}: content must be a string, got {type(m.get('content')).__name__}")
         if "train" in m and not isinstance(m["train"], bool):
             raise DataError(f"{where}: train must be true or false, got {m['train']!r}")
+        for key in ("content", "reasoning_content"):
+            if isinstance(m.get(key), str):
+                _check_encodable(m[key], f"{where}.{key}")
+
+
+def _check_encodable(text: str, where: str) -> None:
+    """JSON's \\u escapes can spell half of a surrogate pair, which is no character: no tokenizer can encode it (the
+    Rust tokenizers raise a TypeError), so the record is malformed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where} holds {text[e.start]!r} at character {e.start}, half of a UTF-16 surrogate pair "
+                        "and not a character: no tokenizer can encode it") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,12 +20,12 @@ from safetensors.torch import save_file
 
 from moetune.errors import ExportError, OutputError  # noqa: F401  (ExportError re-exported)
 from moetune.export.verify import verify_peft_adapter, verify_vllm_adapter
-from moetune.model.adapter_io import ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter
+from moetune.model.adapter_io import ADAPTER_FILES, ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter
 from moetune.model.config import ModelConfig
+from moetune.output_dir import atomic_output_dir, check_replaceable
 from moetune.run_dir import latest_checkpoint, load_model_state
 
 FORMATS = ("peft", "vllm")
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "README.md")
 
 
 def resolve_adapter_dir(path: str) -> str:
@@ -105,16 +104,8 @@ def _base_config(base: str | None):
 
 def check_out_dir(out_dir: str | os.PathLike, allowed: tuple[str, ...] = ()) -> None:
     """An export's --out must be new, empty, or hold only files named in `allowed`: nothing of the user's is ever
-    overwritten or mixed into an export."""
-    out = Path(out_dir)
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ExportError(f"--out {out}: exists and is not a directory")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in allowed)
-    if foreign:
-        raise ExportError(f"--out {out}: exists and holds other files ({', '.join(foreign[:3])}"
-                          f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
+    overwritten or mixed into an export (checked again, under the writer's lock, when it is written)."""
+    check_replaceable(out_dir, allowed, label=f"--out {out_dir}")
 
 
 # what a full disk, a quota, a read-only or foreign folder raise: the user's to fix, not a bug
@@ -130,33 +121,6 @@ def output_errors(out_dir: str | os.PathLike, what: str = "the export"):
         if e.errno not in _WRITE_ERRNOS:
             raise
         raise OutputError(f"{e.filename or out_dir}: cannot write {what} ({e.strerror})") from None
-
-
-@contextmanager
-def staged_output(out_dir: str, allowed: tuple[str, ...]):
-    """Yield a temporary sibling directory of `out_dir` to write into; on success it replaces `out_dir` in one
-    rename, on any failure it is removed and `out_dir` is untouched. An existing `out_dir` is replaced only when
-    it holds nothing but files named in `allowed` (an earlier export of the same kind): never a user's folder."""
-    out = Path(out_dir)
-    check_out_dir(out, allowed)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as e:
-        raise ExportError(f"--out {out}: cannot write there ({e})") from None
-    try:
-        yield str(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; an export is meant to be shared
-        if out.exists():
-            trash = out.with_name(f".{out.name}.trash-{os.getpid()}")
-            os.replace(out, trash)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _write_adapter(out_dir: str, state: dict, config: dict) -> None:
@@ -208,7 +172,7 @@ def export_adapter(adapter_dir_or_checkpoint: str, out_dir: str, format: str = "
     except ValueError as e:
         raise ExportError(f"{src}: cannot export as {format}: {e}") from None
     report = {"out_dir": os.fspath(out_dir), "format": format, "tensors": len(tensors), "verify": None}
-    with staged_output(out_dir, allowed=ADAPTER_FILES) as tmp:
+    with output_errors(out_dir), atomic_output_dir(out_dir, ADAPTER_FILES, label=f"--out {out_dir}") as tmp:
         _write_adapter(tmp, tensors, config)
         if verify:
             fn = verify_peft_adapter if format == "peft" else verify_vllm_adapter

@@ -29,6 +29,7 @@ from moetune.model.lora import lora_scaling
 from moetune.model.quant.checkpoint import checkpoint_scheme, fp8_config
 from moetune.model.quant.fp8 import FP8, scheme_named
 from moetune.names import FP8_WEIGHT_RE, FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
+from moetune.output_dir import atomic_output_dir
 
 COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
                 "merges.txt", "chat_template*", "*.tiktoken", "preprocessor_config.json")
@@ -288,27 +289,26 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         raise ExportError(f"dtype {dtype!r}: choose float32, bfloat16, float16 or fp8")
     if os.path.abspath(out_dir) == os.path.abspath(base_path):
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
-    check_out_dir(out_dir)  # written in place: shards of another export left beside ours would poison it
-    with output_errors(out_dir):
-        os.makedirs(out_dir, exist_ok=True)
-        _write_config(base_path, out_dir, torch_dtype, requantise)
+    check_out_dir(out_dir)  # before the work; checked again under the writer's lock
+    with output_errors(out_dir), atomic_output_dir(out_dir, label=f"--out {out_dir}") as tmp:
+        _write_config(base_path, tmp, torch_dtype, requantise)
         base, lora = Reader(base_path), Reader(adapter_dir)
         merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype,
                          stored, trained, requantise)
         plan = _plan(base, merger)
         _check_lora_fits(base, lora, adapter_dir, base_path)
-        writer = ShardedWriter(out_dir, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
+        writer = ShardedWriter(tmp, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
         for name, _, out_dtype, produce in plan:
             t = produce()
             writer.write(name, t.to(out_dtype))
             del t
         assert not merger.unused_lora, sorted(merger.unused_lora)[:3]  # _check_lora_fits saw to it
         writer.finish()
-        copied = _copy_side_files(base_path, out_dir)
-    report = {"out_dir": out_dir, "shards": len(writer.shards), "tensors": len(plan), "bytes": writer.total,
-              "copied": copied, "verify": None}
-    if verify:
-        from moetune.export.verify import verify_merged
+        copied = _copy_side_files(base_path, tmp)
+        report = {"out_dir": out_dir, "shards": len(writer.shards), "tensors": len(plan), "bytes": writer.total,
+                  "copied": copied, "verify": None}
+        if verify:  # before the export is put in place: one that fails is never seen at out_dir
+            from moetune.export.verify import verify_merged
 
-        report["verify"] = verify_merged(base_path, adapter_dir, out_dir)
+            report["verify"] = verify_merged(base_path, adapter_dir, tmp)
     return report

@@ -13,7 +13,7 @@ freed before the next one. Peak host memory is about one layer, whatever the mod
 from __future__ import annotations
 
 import os
-import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -24,7 +24,9 @@ from moetune.export.safetensors_io import Reader, ShardedWriter
 from moetune.model.hf_io import as_dtype
 from moetune.model.config import model_config_for
 from moetune.names import FUSED_EXPERT_RE as _FUSED_RE, LAYER_RE as _LAYER_RE
-from moetune.run_dir import latest_checkpoint, verify_checkpoint
+from moetune.output_dir import atomic_output_dir
+from moetune.checkpoint_reading import dcp_load, read_dcp_index
+from moetune.run_dir import METADATA, latest_checkpoint, verify_checkpoint
 
 
 
@@ -129,13 +131,8 @@ def full_checkpoint(path: str) -> str | None:
 
 def _dcp_load(ckpt: str, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Just these model tensors of a DCP checkpoint, whole, on CPU, without a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     state = {f"model.{n}": torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    dcp_load(state, ckpt)
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
@@ -143,7 +140,6 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
     """Write the weights of a full fine-tuning checkpoint (its dir, or a run dir: the newest complete one) as
     an HF checkpoint, one layer in memory at a time. config.json comes from the run's model config; generation
     config and tokenizer files from the base (model.path) when the run had one."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from moetune.config import load_config
@@ -158,7 +154,7 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
     cfg = load_config(os.path.join(ckpt, "config.yaml"))
     model_cfg = model_config_for(cfg)
     base = cfg.model.path if cfg.model.path and os.path.isdir(cfg.model.path) else None
-    md = FileSystemReader(ckpt).read_metadata()
+    md = read_dcp_index(Path(ckpt) / METADATA)
     shapes = {k.removeprefix("model."): (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     # The router's correction bias is a buffer; checkpoints save it (get_model_state_dict includes persistent
@@ -176,11 +172,10 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
 
     if os.path.abspath(out_dir) == os.path.abspath(ckpt):
         raise ExportError("out_dir must differ from the checkpoint")
-    check_out_dir(out_dir)
-    with output_errors(out_dir):
-        os.makedirs(out_dir, exist_ok=True)
-        write_config_dict(model_cfg.to_hf_dict(), out_dir, torch_dtype)
-        uw = _UnitWriter(out_dir, shapes, torch_dtype, {}, max_shard_bytes)
+    check_out_dir(out_dir)  # before the work; checked again under the writer's lock
+    with output_errors(out_dir), atomic_output_dir(out_dir, label=f"--out {out_dir}") as tmp:
+        write_config_dict(model_cfg.to_hf_dict(), tmp, torch_dtype)
+        uw = _UnitWriter(tmp, shapes, torch_dtype, {}, max_shard_bytes)
         for unit in uw.units:
             state = _dcp_load(ckpt, {n: shapes[n] for n in unit if n not in missing_bias})
             for n in unit:
@@ -190,7 +185,7 @@ def export_merged_from_checkpoint(checkpoint: str, out_dir: str, dtype="bfloat16
             uw.write_unit(state)
             del state
         uw.writer.finish()
-        copied = _copy_side_files(base, out_dir) if base else []
+        copied = _copy_side_files(base, tmp) if base else []
     return uw.report(out_dir, copied, checkpoint=ckpt, notes=notes)
 
 
@@ -201,27 +196,47 @@ def _lora_scalings(model) -> dict[str, float]:
     return {name: m.scaling for name, m in model.named_modules() if isinstance(m, (LoRALinear, ExpertLoRA))}
 
 
-@torch.no_grad()
 def export_merged_from_model(model, out_dir: str, dtype="bfloat16", max_shard_bytes: float = 5e9,
                              base_path: str | None = None) -> dict | None:
     """Write `model` (LoRA merged when it has any) as an HF checkpoint from a running job. Collective: EVERY
     rank calls it, FSDP2/EP-sharded or not. Unit by unit each tensor is gathered whole (DTensor.full_tensor, in
-    the same order on all ranks) and rank 0 merges and writes it; peak memory is one layer on every rank.
-    base_path: where to copy tokenizer/generation files from. Returns the report on rank 0, None elsewhere."""
+    the same order on all ranks) and rank 0 merges and writes it; peak memory is one layer on every rank. The
+    folder follows moetune/output_dir.py: it appears complete or not at all. base_path: where to copy
+    tokenizer/generation files from. Returns the report on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    out_dir = os.fspath(out_dir)
+    with ExitStack() as stack:
+        tmp, error = None, None
+        if rank0:
+            try:
+                tmp = stack.enter_context(atomic_output_dir(out_dir, label=f"out_dir {out_dir}"))
+            except Exception as e:  # noqa: BLE001 - every rank must still take part in the gathers
+                error = e
+        report = write_model(model, tmp, dtype, max_shard_bytes, base_path, error)
+        if report is not None:
+            report["out_dir"] = out_dir
+    return report
+
+
+@torch.no_grad()
+def write_model(model, out_dir: str | None, dtype="bfloat16", max_shard_bytes: float = 5e9,
+                base_path: str | None = None, error: Exception | None = None) -> dict | None:
+    """export_merged_from_model's writing, into the existing directory `out_dir` (rank 0; None elsewhere) as it is:
+    for a caller that already stages its folder. `error`: rank 0 failed before (it still joins the gathers)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     distributed = dist.is_available() and dist.is_initialized()
     rank0 = not distributed or dist.get_rank() == 0
     torch_dtype = _check_dtype(dtype)
-    out_dir = os.fspath(out_dir)
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     shapes = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-    uw, error = None, None
-    if rank0:
+    uw = None
+    if rank0 and error is None:
         try:
-            os.makedirs(out_dir, exist_ok=True)
             write_config_dict(model.config.to_hf_dict(), out_dir, torch_dtype)
             uw = _UnitWriter(out_dir, shapes, torch_dtype, _lora_scalings(model), max_shard_bytes)
         except Exception as e:  # noqa: BLE001 - reported on every rank below

@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 
 from moetune.export.adapter import output_errors
-from moetune.model.random_base import build_base
+from moetune.model.random_base import build_base, check_recipe
+from moetune.output_dir import ANY, atomic_output_dir
 
 RECIPE_FILE = "moetune_base.json"
 
@@ -33,32 +32,23 @@ def _tokenizer_dir(recipe: dict) -> str | None:
 
 
 def write_base(recipe: dict, out_dir: str) -> str:
-    """Rebuild the base and write it as an HF checkpoint at `out_dir` (atomically: a temporary dir renamed)."""
+    """Rebuild the base and write it as an HF checkpoint at `out_dir` (a folder of ours: moetune/output_dir.py's
+    rule, so it appears complete or not at all, and a stale base of an earlier recipe is replaced)."""
     from moetune.export.merged import _copy_side_files
-    from moetune.export.merged_sources import export_merged_from_model
+    from moetune.export.merged_sources import write_model
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    with output_errors(out_dir, "the run's rebuilt base model"):  # disk full, permissions: one line
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".base-", dir=parent)
-        try:
-            model = build_base(recipe)
-            export_merged_from_model(model, tmp, dtype=recipe["dtype"])
-            del model
-            tok = _tokenizer_dir(recipe)
-            if tok:
-                _copy_side_files(tok, tmp)
-            with open(os.path.join(tmp, RECIPE_FILE), "w") as f:
-                json.dump(recipe, f, indent=2)
-            for name in os.listdir(tmp):
-                os.chmod(os.path.join(tmp, name), 0o644)
-            os.chmod(tmp, 0o755)
-            if os.path.isdir(out_dir):
-                shutil.rmtree(out_dir)  # a stale base of an earlier recipe
-            os.replace(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with output_errors(out_dir, "the run's rebuilt base model"), \
+            atomic_output_dir(out_dir, ANY, label=f"the run's rebuilt base {out_dir}") as tmp:  # disk full: one line
+        model = build_base(recipe)
+        write_model(model, tmp, dtype=recipe["dtype"])
+        del model
+        tok = _tokenizer_dir(recipe)
+        if tok:
+            _copy_side_files(tok, tmp)
+        with open(os.path.join(tmp, RECIPE_FILE), "w") as f:
+            json.dump(recipe, f, indent=2)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
     return out_dir
 
 
@@ -90,6 +80,8 @@ def ensure_base(recipe: dict, adapter_dir: str) -> str:
 def resolve_base(adapter_dir: str, meta: dict, base: str | None = None) -> str | None:
     """The base to use with the moetune adapter at `adapter_dir`: `base` (the --base flag) if given, else the one
     the adapter was trained on: model.path, or the rebuilt random init. None when the adapter records neither."""
+    if meta.get("base_init") is not None:  # checked even with --base: its dtype is the export's default
+        check_recipe(meta["base_init"], os.path.join(adapter_dir, "adapter_config.json"))
     if base:
         return base
     if meta.get("base_model"):

@@ -15,9 +15,13 @@ from moetune.errors import CheckpointError, NumericalFault, OutputError
 from moetune.model.build import build_model
 from moetune.model.lora import apply_lora
 from moetune.names import LORA_TARGETS
+from moetune.output_dir import atomic_output_dir
 from moetune.tensors import full_tensor
 
 ADAPTER_FORMAT = "moetune-lora-v1"
+# what an adapter folder holds (ours, and the PEFT/vLLM exports with PEFT's README): a folder holding only these
+# is an earlier adapter, which a new one may replace
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json", "README.md")
 
 
 def gather_lora_state(model) -> dict[str, torch.Tensor]:
@@ -38,16 +42,13 @@ def save_adapter(state: dict[str, torch.Tensor], out_dir: str, lora_cfg: dict, b
         if not bool(torch.isfinite(t).all()):
             raise NumericalFault(f"not writing the adapter to {out_dir}: tensor {name} holds non-finite values")
     meta = {"format": ADAPTER_FORMAT, "base_model": base_model, **lora_cfg}
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        tmp = os.path.join(out_dir, ".adapter_model.safetensors.tmp")
-        save_file(state, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)  # safetensors creates its file 0600; the adapter is read by other users and servers too
-        os.replace(tmp, os.path.join(out_dir, "adapter_model.safetensors"))
-        tmp = os.path.join(out_dir, ".adapter_config.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=2)
-        os.replace(tmp, os.path.join(out_dir, "adapter_config.json"))
+    try:  # the folder appears complete or not at all, and replaces only an earlier adapter (moetune/output_dir.py)
+        with atomic_output_dir(out_dir, ADAPTER_FILES, label=f"adapter {out_dir}") as tmp:
+            save_file(state, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            # safetensors creates its file 0600; the adapter is read by other users and servers too
+            os.chmod(os.path.join(tmp, "adapter_model.safetensors"), 0o644)
+            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                json.dump(meta, f, indent=2)
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error
         raise OutputError(f"could not write the adapter to {out_dir}: {e}") from None
 

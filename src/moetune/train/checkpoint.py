@@ -20,10 +20,11 @@ from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
+from moetune.checkpoint_reading import dcp_load, first_failure, read_dcp_index
 from moetune.errors import CheckpointError, CheckpointWriteError, NumericalFault
-from moetune.run_dir import TRAINER_STATE, complete_checkpoints, step_dir_name
+from moetune.run_dir import METADATA, TRAINER_STATE, complete_checkpoints, step_dir_name
 from moetune.tensors import all_finite
 from moetune.train.checkpoint_files import dir_bytes, publish, remove_dir, write_synced
 
@@ -47,12 +48,12 @@ class _Save:
 def load_checkpoint(path: Path, states: dict, dist) -> None:
     """Load `states` (Stateful parts) in place from the checkpoint at `path` (already verified). A part whose
     entries the checkpoint lacks for this rank (rng of a rank the saving run did not have) keeps its state."""
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_dcp_index(path / METADATA).state_dict_metadata
     wanted = {name: part for name, part in states.items() if name != "rng" or f"rng.{part.key}" in saved}
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-            dcp.load(wanted, storage_reader=FileSystemReader(str(path)), no_dist=not dist.initialized)
+        dcp_load(wanted, path, no_dist=not dist.initialized)
+    except CheckpointError:
+        raise
     except _ERRORS as e:
         raise CheckpointError(f"cannot load checkpoint {path}: {_root_cause(e)}") from e
 
@@ -189,7 +190,7 @@ class Checkpointer:
                 pass  # debris is harmless: it is never resumed from, and the next save replaces it
         previous = complete_checkpoints(self.root)
         kept = f"the previous checkpoint {previous[-1][1]} is intact" if previous else "there is no earlier checkpoint"
-        if error is not None and isinstance(_first_failure(error), KeyboardInterrupt):
+        if error is not None and isinstance(first_failure(error), KeyboardInterrupt):
             # DCP wraps a Ctrl-C in its own exception: it is the user's stop, not a storage fault (the CLI says
             # what is kept, exit 130)
             raise KeyboardInterrupt from error
@@ -198,15 +199,6 @@ class Checkpointer:
                                    f"stops; {kept} (free space or fix permissions, then resume: auto)")
 
 
-def _first_failure(e: BaseException) -> BaseException:
-    """The first rank's underlying error of a DCP CheckpointException (whose str is every rank's traceback)."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        e = next(iter(failures.values()))
-        e = e[0] if isinstance(e, tuple) else e
-    return e
-
-
 def _root_cause(e: BaseException) -> str:
-    e = _first_failure(e)
+    e = first_failure(e)
     return f"{type(e).__name__}: {e}"

@@ -40,7 +40,7 @@ def setup_data(cfg, dist: Dist) -> RunData:
     tokenizer = run_tokenizer(cfg)
     vocab_size = model_config_for(cfg).vocab_size
     train_path, eval_path = resolve_data_paths(cfg, dist)
-    kw = dict(data_options(cfg.data), dist=dist)
+    kw = dict(data_options(cfg.data, progress_bar=cfg.logging.progress_bar), dist=dist)
     packs, stats = build_packs(train_path, tokenizer, cfg.data.seq_len, **kw)
     check_token_ids(packs, vocab_size, tokenizer, train_path)
     if dist.is_main:

@@ -9,6 +9,8 @@ What a scheduler sees:
   but the agent then exits 1 (torch.distributed.elastic reports it as a failure, SignalException). The
   checkpoint is complete nonetheless: a requeued job resumes from it with `resume: auto`.
 - The second signal restores the default handler and re-raises: the process dies of the signal (exit 128+N).
+- A signal during work that can be abandoned (see moetune/interruptible.py: preparing the data, before any step) stops
+  at once with one line and exit 128+N: there is nothing to checkpoint yet, and that work may outlast the grace period.
 """
 
 from __future__ import annotations
@@ -18,7 +20,19 @@ import signal
 import sys
 import threading
 
+from moetune import interruptible
+from moetune.errors import MoetuneError
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedBySignal(MoetuneError):
+    """A stop signal ended work that can be abandoned (nothing of it is kept)."""
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(f"{signal.Signals(signum).name} during {what}: stopped at once (no training step had run, "
+                         "so there was nothing to checkpoint)")
+        self.exit_code = 128 + signum
 
 
 class StopSignals:
@@ -37,6 +51,9 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.received = signum
+        what = interruptible.current()
+        if what is not None:
+            raise StoppedBySignal(signum, what)
         print(f"moetune: {signal.Signals(signum).name}: saving a checkpoint at the end of this step, then exiting "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
 

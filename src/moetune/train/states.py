@@ -7,8 +7,7 @@ in place, as torchtitan's `states`: the checkpointer knows none of their fields.
     rng        each rank's RNG states (torch CPU/CUDA, python, numpy), under rng.rank{R}
 
 Our small entries are JSON text, never pickles of ours. DCP itself pickles its `.metadata` index and stores
-non-tensor entries with torch.save, so a checkpoint directory is trusted input, like any PyTorch checkpoint:
-resume only from checkpoints you (or someone you trust) wrote.
+non-tensor entries with torch.save; moetune/checkpoint_reading.py decides what of those may be unpickled.
 """
 
 from __future__ import annotations
