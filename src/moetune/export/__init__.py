@@ -10,13 +10,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 from moetune.export.adapter import (ADAPTER_FILES, ExportError, check_out_dir, convert_adapter, export_adapter,
                                     resolve_adapter_dir)
 from moetune.export.merged import check_base_dir, export_merged
 from moetune.export.merged_sources import export_merged_from_checkpoint, export_merged_from_model, full_checkpoint
-from moetune.errors import VerificationError
 
 __all__ = ["ExportError", "convert_adapter", "export_adapter", "export_merged", "export_merged_from_checkpoint",
            "export_merged_from_model", "resolve_adapter_dir", "export_run"]
@@ -27,24 +25,14 @@ def export_run(what: str, checkpoint: str, out: str, format: str = "peft", base:
     """Export what a run trained: `what` "adapter" (in `format` peft or vllm) or "merged" (in `dtype`, default the
     run's), from a run directory, its adapter/ or a training checkpoint. A run on a random-init base (the demo) needs
     no `base`: its base is rebuilt from the adapter's recipe. `out` must be new or empty (an adapter export may
-    replace an earlier one); a failed export leaves nothing in it (adapters are staged and renamed; a merged export's
-    files are removed, or, when `out` existed and verification failed, marked EXPORT_FAILED). Returns the report:
-    out_dir, base, dtype, notes, verify (the measured errors)."""
-    existed = os.path.exists(out)
+    replace an earlier one); a failed export leaves nothing in it (every export is written into a locked temporary
+    sibling and renamed into place when complete and verified: output_dir.py). Returns the report: out_dir, base,
+    dtype, notes, verify (the measured errors)."""
     # before any work (a random base is rebuilt first): a --out of the user's is never written into
     check_out_dir(out, ADAPTER_FILES if what == "adapter" else ())
     if base is not None:
         check_base_dir(base, "--base")
-    try:
-        return _run_export(what, checkpoint, out, format, base, dtype, verify)
-    except VerificationError as e:
-        if what == "merged":
-            _discard(out, mark=existed, why=str(e), existed=existed)
-        raise
-    except BaseException:
-        if what == "merged":
-            _discard(out, mark=False, why="interrupted", existed=existed)
-        raise
+    return _run_export(what, checkpoint, out, format, base, dtype, verify)
 
 
 def _run_export(what, checkpoint, out, format, base_arg, dtype, verify) -> dict:
@@ -96,18 +84,3 @@ def _run_dtype(ckpt: str) -> str:
     from moetune.config import load_config
 
     return load_config(os.path.join(ckpt, "config.yaml")).model.dtype
-
-
-def _discard(out: str, mark: bool, why: str, existed: bool) -> None:
-    """After a failed merged export (its --out was new or empty: check_out_dir): mark a folder that existed before
-    and now holds an export that failed --verify; otherwise remove what the export wrote — the whole folder when it
-    created it, the folder's contents when it was there, empty, before (interrupted half-written shards)."""
-    if not os.path.isdir(out):
-        return
-    if mark:
-        with open(os.path.join(out, "EXPORT_FAILED"), "w") as f:
-            f.write(f"this export failed verification and must not be used: {why}\n")
-        return
-    shutil.rmtree(out, ignore_errors=True)
-    if existed:
-        os.makedirs(out, exist_ok=True)
