@@ -184,28 +184,32 @@ def test_memory_estimate_shards_with_world_size():
     assert 30 < eight.total_gib < 60 < one.total_gib
 
 
-def test_frozen_base_bytes_come_from_one_function():
-    """frozen_weight_bytes prices every frozen base weight the estimate counts (static weights, FSDP's gathered root
-    and units): None is the compute dtype (today's numbers), fp8 one byte per element plus an fp32 scale per row."""
-    from moetune.parallel.estimate import frozen_weight_bytes
-
-    assert frozen_weight_bytes(1000, 10, None, 2) == 2000 and frozen_weight_bytes(1000, 10, "fp8", 2) == 1040
-    assert frozen_weight_bytes(256 * 512, 256, "fp8_block") == 256 * 512 + 4 * 2 * 4  # 2 × 4 blocks of 128 × 128
-    cfg = load_config(CONFIGS / "glm45-air-lora.yaml", ["--model.config", "glm45-air"])
+@pytest.mark.parametrize("quantize", [None, "fp8", "fp8_block"])
+def test_the_frozen_base_is_counted_as_the_run_stores_it(quantize):
+    """The estimate's frozen weights are the bytes of the frozen parameters of the model the run builds (meta): bf16
+    for a bf16 base; for model.quantize, fp8 weights (1 byte), fp32 scales and the rest (embeddings, lm_head, router,
+    norms) in bf16 — static and, under FSDP, the gathered units."""
+    from moetune.parallel.estimate import is_fp8_storage
     from moetune.train.setup import model_config_for
 
+    over = ["--model.config", "glm45-air"] + (["--model.quantize", quantize] if quantize else [])
+    cfg = load_config(CONFIGS / "glm45-air-lora.yaml", over)
     m = model_config_for(cfg)
-    counts = count_params(build_meta_model(cfg, m))
-    f = counts.frozen
-    assert f.numel == counts.total - counts.lora and f.vectors < 1e-3 * f.matrices  # the base is its matrices
-    for layout in (make_layout(1, n_layers=46), make_layout(8, dp_shard=8, n_layers=46)):
-        bf16, fp8 = ({r[0]: r[1] for r in estimate_memory(cfg, m, counts, layout, quantize=q).rows}
-                     for q in (None, "fp8"))
-        S = layout.shard_size
-        assert bf16["weights"] * 2**30 == pytest.approx(2 * f.numel / S)
-        assert fp8["weights"] * 2**30 == pytest.approx((f.matrices + 4 * f.rows + 2 * f.vectors) / S)
-        if layout.fsdp:  # the gathered units are the frozen base too
-            assert fp8["FSDP gathered"] < 0.6 * bf16["FSDP gathered"]
+    model = build_meta_model(cfg, m)
+    counts = count_params(model)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    exact = sum(p.numel() * (p.element_size() if is_fp8_storage(p) else 2) for p in frozen)
+    assert bool(quantize) == any(p.element_size() == 1 for p in frozen)
+    if quantize:  # what stays bf16 in an FP8 release
+        assert model.lm_head.weight.element_size() == 4 and model.model.layers[1].mlp.gate.weight.element_size() == 4
+    one = make_layout(1, n_layers=46)
+    rows = {r[0]: r[1] for r in estimate_memory(cfg, m, counts, one).rows}
+    assert rows["weights"] * 2**30 == pytest.approx(exact)
+    if quantize:  # about half the bf16 base
+        assert 0.5 < exact / (2 * sum(p.numel() for p in frozen)) < 0.53
+    fsdp = make_layout(8, dp_shard=8, n_layers=46)
+    rows8 = {r[0]: r[1] for r in estimate_memory(cfg, m, counts, fsdp).rows}
+    assert rows8["weights"] * 2**30 == pytest.approx(exact / 8)
 
 
 def _census_model(m, mode, targets):

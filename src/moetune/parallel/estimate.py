@@ -12,7 +12,8 @@ V vocabulary, c = min(T, 2048) tokens per loss chunk.
 Static (per GPU). FSDP2 shards when dp_shard > 1 or with cpu_offload (Layout.fsdp; one process too). Without it
 (one process; replicas with dp_shard 1) a rank holds the whole model, but only its 1/ep of the routed experts: there
 P below means P - P_experts + P_experts/ep, and S = 1.
-  weights    LoRA: frozen base b·P/S (frozen_weight_bytes: every frozen base weight's bytes come from there).
+  weights    LoRA: frozen base b·P/S, an fp8 base's weights and scales at their own bytes (frozen_bytes: every frozen
+             base weight's bytes come from there).
              Full, sharded: fp32 master 4·P/S.  Full without FSDP: b·P (no master copy).
   LoRA       fp32 adapter weights and gradients: (4 + 4)·P_lora/S.
   optimizer  AdamW's two moments in the trainable parameters' dtype: 8·P_t/S (full without FSDP: 2b·P_t).
@@ -59,6 +60,7 @@ recompute of trainable experts (recipes since 1bfb026b), attention checkpointing
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from moetune.names import INDEXER_CHUNK_SCORES, LOSS_CHUNK_TOKENS
@@ -81,54 +83,47 @@ COMMON_GPUS = {"H100/A100 80GB": 79.1, "H200 141GB": 139.8, "B200 192GB": 178.4}
 
 @dataclass(frozen=True)
 class Frozen:
-    """Frozen parameters of a group: the elements of its matrices (2-D weights, 3-D expert stacks) and their output
-    rows (what a per-row scale would cover: all experts' rows of a stack), and the elements of its vectors (norms,
-    biases), which stay in the compute dtype whatever the matrices are stored in."""
+    """Frozen parameters of a group: the elements kept in the compute dtype (2-D weights, 3-D expert stacks, norms,
+    biases: `plain`), and those whose storage is fixed whatever the compute dtype — an fp8 base's weights (1 byte)
+    and their fp32 scales (model/quant): `stored` elements taking `stored_bytes`."""
 
-    matrices: float = 0
-    rows: float = 0
-    vectors: float = 0
+    plain: float = 0
+    stored: float = 0
+    stored_bytes: float = 0
 
     @property
     def numel(self) -> float:
-        return self.matrices + self.vectors
+        return self.plain + self.stored
 
     def __add__(self, other: "Frozen") -> "Frozen":
-        return Frozen(self.matrices + other.matrices, self.rows + other.rows, self.vectors + other.vectors)
+        return Frozen(self.plain + other.plain, self.stored + other.stored, self.stored_bytes + other.stored_bytes)
 
     def __sub__(self, other: "Frozen") -> "Frozen":
-        return Frozen(self.matrices - other.matrices, self.rows - other.rows, self.vectors - other.vectors)
+        return Frozen(self.plain - other.plain, self.stored - other.stored, self.stored_bytes - other.stored_bytes)
 
     def __truediv__(self, k: float) -> "Frozen":
-        return Frozen(self.matrices / k, self.rows / k, self.vectors / k)
+        return Frozen(self.plain / k, self.stored / k, self.stored_bytes / k)
 
     @staticmethod
     def of(params) -> "Frozen":
         out = Frozen()
         for p in params:
-            if not p.requires_grad:
-                n = p.numel()
-                out += Frozen(n, n // p.shape[-1], 0) if p.dim() >= 2 else Frozen(0, 0, n)
+            if p.requires_grad:
+                continue
+            n = p.numel()
+            out += Frozen(0, n, n * p.element_size()) if is_fp8_storage(p) else Frozen(n, 0, 0)
         return out
 
 
-def frozen_weight_bytes(numel: float, out_rows: float, quantize: str | None = None, dtype_bytes: int = 2) -> float:
-    """Bytes of frozen base weights of `numel` elements in `out_rows` output rows: the compute dtype's `dtype_bytes`
-    each (quantize None), or stored in fp8 e4m3 (model.quantize), one byte each plus fp32 scales: one per output row
-    ("fp8") or per 128 × 128 block ("fp8_block"; the partial blocks at the edges not counted). Every frozen base weight
-    the estimate counts (static, FSDP's gathered units) goes through here."""
-    if quantize is None:
-        return dtype_bytes * numel
-    if quantize == "fp8":
-        return numel + 4 * out_rows
-    if quantize == "fp8_block":
-        return numel + 4 * numel / (128 * 128)
-    raise ValueError(f"frozen_weight_bytes: unknown quantize {quantize!r} (None, 'fp8' or 'fp8_block')")
+def is_fp8_storage(p) -> bool:
+    """An fp8 base's weight or scale (its bytes do not depend on the compute dtype)."""
+    return p.element_size() == 1 or getattr(p, "fp8_scale", False)
 
 
-def frozen_bytes(f: Frozen, dtype_bytes: int, quantize: str | None = None) -> float:
-    """A group's frozen parameters: its matrices as frozen_weight_bytes says, its vectors in the compute dtype."""
-    return frozen_weight_bytes(f.matrices, f.rows, quantize, dtype_bytes) + dtype_bytes * f.vectors
+def frozen_bytes(f: Frozen, dtype_bytes: int) -> float:
+    """Bytes of a group's frozen parameters: the compute dtype's `dtype_bytes` each, an fp8 base's as stored. Every
+    frozen base weight the estimate counts (static, FSDP's gathered units) goes through here."""
+    return dtype_bytes * f.plain + f.stored_bytes
 
 
 @dataclass
@@ -194,18 +189,23 @@ def count_params(model) -> ParamCounts:
 def build_meta_model(cfg, m):
     """The model as `train` builds it (meta device, no memory), its trainable parameters marked by the same
     prepare_trainable."""
-    from moetune.model.hf_io import build_model
+    from moetune.model.hf_io import build_model, checkpoint_reader
+    from moetune.model.quant.checkpoint import prepare_fp8_base
     from moetune.model.trainable import prepare_trainable
 
     model = build_model(m, "meta")
+    if cfg.finetune.mode != "full":  # the frozen base as the run stores it (fp8 for model.quantize or an FP8 checkpoint)
+        path = cfg.model.path
+        has_weights = path and os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
+        prepare_fp8_base(model, checkpoint_reader(path) if has_weights else None, cfg.model.quantize)
     prepare_trainable(model, cfg)
     return model
 
 
-def estimate_memory(cfg, m, counts: ParamCounts, layout, quantize: str | None = None) -> Estimate:
+def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     """Peak memory per GPU of `cfg` (Config) laid out as `layout` (layout.Layout: world size, ep, dp_shard, whether
-    FSDP shards, each layer's activation checkpointing, cpu_offload) for the model config `m`; `quantize`: how the
-    frozen base weights are stored (frozen_weight_bytes; None: the compute dtype)."""
+    FSDP shards, each layer's activation checkpointing, cpu_offload) for the model config `m` (the frozen base as
+    `counts` found it: an fp8 base's weights and scales at their own bytes)."""
     b = 2 if cfg.model.dtype == "bfloat16" else 4
     full = cfg.finetune.mode == "full"
     world_size, ep, dp_shard = layout.world_size, layout.ep, layout.dp_shard
@@ -240,8 +240,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout, quantize: str | None = 
         opt = add("optimizer", 8 * P_t, f"AdamW moments fp32: 8·P_trainable{per}")
     else:
         frozen = counts.frozen / S if fsdp else counts.frozen - counts.experts_frozen + counts.experts_frozen / ep
-        stored = f"{b}·P" if quantize is None else f"{quantize}: 1 byte per element + fp32 row scales"
-        w = add("weights", frozen_bytes(frozen, b, quantize), f"frozen base: {stored}{per}")
+        stored = f"{b}·P" if not frozen.stored else f"fp8 base: 1 byte per weight + fp32 scales, the rest {b}·P"
+        w = add("weights", frozen_bytes(frozen, b), f"frozen base: {stored}{per}")
         add("LoRA", 8 * P_lora, f"fp32 adapter weights + gradients: 8·P_lora{per}")
         grads = 0
         opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
@@ -259,14 +259,14 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout, quantize: str | None = 
         # the EP experts on a dp_shard of 1 are measured not to be copied at all. Gathered in the compute dtype (the
         # frozen base as stored); full mode adds each unit's unsharded fp32 gradient and its compute-dtype copy.
         def unit_bytes(numel, frozen_part):
-            return frozen_bytes(frozen_part, b, quantize) + b * (numel - frozen_part.numel) + (
+            return frozen_bytes(frozen_part, b) + b * (numel - frozen_part.numel) + (
                 (b + 4) * numel if full else 0)
 
         in_flight = 2 if S > 1 else 1
         expert_copies = 0 if ep > 1 and dp_shard == 1 else (2 if dp_shard > 1 else 1) / ep
         units = max(expert_copies * unit_bytes(counts.max_expert_unit, counts.expert_unit_frozen),
                     in_flight * unit_bytes(counts.max_layer_rest, counts.layer_rest_frozen))
-        root = frozen_bytes(counts.root_frozen, b, quantize) + b * (counts.root - counts.root_frozen.numel)
+        root = frozen_bytes(counts.root_frozen, b) + b * (counts.root - counts.root_frozen.numel)
         gathered = add("FSDP gathered", root + units,
                        "root unit (embeddings, lm_head) + the layer units in flight, unsharded")
     if full:
@@ -327,6 +327,12 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout, quantize: str | None = 
     if ep > 1 and n_moe:
         layer_ws = skew * (layer_ws + T * b * H * ranks_per_token(m, ep))
         ws_how += f", + the rows received (b·H per token and rank it reaches), × {skew:.2f} (skew)"
+    if counts.frozen.stored and m.n_routed_experts:
+        # the input gradient through an fp8 expert stack (model/quant/matmul.py): the stack transposed (fp8) and the
+        # gradient rows with the weight's row scales folded in (fp32), for gate_up, the larger of the two
+        stack = 2 * Im * H * m.n_routed_experts / ep
+        layer_ws += stack + T * k * 2 * Im * 4
+        ws_how += "; fp8 base: + the gate_up stack transposed (1 byte) + the folded gradient rows (4·k·2Im per token)"
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
         logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
         how = f"lm_head trains: max(chunk 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"

@@ -30,8 +30,11 @@ class FrozenFp8(NamedTuple):
     scheme: Fp8Scheme
 
 
-def _frozen(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
+def _frozen(t: torch.Tensor, scale: bool = False) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    if scale:
+        p.fp8_scale = True  # its bytes are its own whatever the compute dtype (the memory estimate counts them so)
+    return p
 
 
 class Fp8Linear(nn.Module):
@@ -42,8 +45,8 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.quant = in_features, out_features, scheme
         self.weight = _frozen(torch.empty(out_features, in_features, dtype=FP8, device=device))
-        setattr(self, scheme.scale_suffix,
-                _frozen(torch.empty(scheme.scale_shape((out_features, in_features)), dtype=torch.float32, device=device)))
+        setattr(self, scheme.scale_suffix, _frozen(torch.empty(scheme.scale_shape((out_features, in_features)),
+                                                               dtype=torch.float32, device=device), scale=True))
         self.bias = _frozen(torch.empty(out_features, device=device, dtype=bias_dtype)) if bias else None
 
     @property
@@ -123,7 +126,7 @@ def quantize_model(model, scheme: Fp8Scheme, keep: Callable[[str], bool] = lambd
             w = getattr(experts, name)
             setattr(experts, name, _frozen(torch.empty(w.shape, dtype=FP8, device=w.device)))
             setattr(experts, scale_name(name, scheme),
-                    _frozen(torch.empty(scheme.scale_shape(w.shape), dtype=torch.float32, device=w.device)))
+                    _frozen(torch.empty(scheme.scale_shape(w.shape), dtype=torch.float32, device=w.device), scale=True))
         experts.quant = scheme
         n += 1
     return n
