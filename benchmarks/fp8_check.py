@@ -73,20 +73,7 @@ def kernels():
     res["grouped_fwd_vs_reference"] = rel(yr, reference_fp8_grouped_linear(xr.detach(), we8, se, offs))
     res["grouped_fwd_vs_dequantised_fp32"] = rel(yr, torch.einsum("nk,nok->no", xr.detach().float(), wr))
     res["grouped_dgrad_vs_dequantised_fp32"] = rel(xr.grad, torch.einsum("no,nok->nk", gr.float(), wr))
-    # the block-scaled linear (fp8_linear with 128x128 blocks: F.scaled_mm on Hopper), forward and input gradient
-    from moetune.model.quant.fp8 import Fp8Scheme
-
-    blk = Fp8Scheme((128, 128))
-    Kb, Nb = 1024, 1536
-    xb = torch.randn(M, Kb, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    wb8, sbi = blk.quantize(torch.randn(Nb, Kb, device=DEV) * 0.02)
-    yb = fp8_linear(xb, wb8, sbi, blk)
-    gb = torch.randn_like(yb)
-    yb.backward(gb)
-    wbd = blk.dequantize(wb8, sbi)
-    res["block_linear_fwd_vs_dequantised_fp32"] = rel(yb, xb.detach().float() @ wbd.t())
-    res["block_linear_dgrad_vs_dequantised_fp32"] = rel(xb.grad, gb.float() @ wbd)
-    res["nan"] = any(v != v for v in res.values() if isinstance(v, float))
+    res["nan"] = any(v != v for v in res.values())
     # block-scaled GEMM through torch's scaled_mm (BlockWise1x128 activations, BlockWise128x128 weights), if it runs
     try:
         import torch.nn.functional as F

@@ -6,9 +6,7 @@ Two paths, chosen per call:
   row/column scales. For the input gradient dx = dy · diag(s) · W8, the weight's row scale s lies inside the sum over
   output rows, so it is folded into dy before dy is quantised; W8 is transposed for that GEMM into a transient of one
   weight's fp8 bytes (Hopper's fp8 GEMM wants both operands K-major).
-- 128×128 block scales (DeepSeek-style checkpoints) on Hopper: torch's block-scaled GEMM for the linears, 1×128
-  activation tiles; the block scales apply inside the input gradient's contraction too.
-- just in time dequantisation (the CPU, GPUs without fp8, block-scaled expert stacks): the weight is dequantised to the
+- just in time dequantisation (the CPU, GPUs without fp8, block-scaled weights): the weight is dequantised to the
   activation's dtype for this one product and dropped; autograd never keeps it (the backward dequantises again).
 `reference_*` are the fp8 path's numerics written in plain torch (the activation quantised and dequantised the
 same way): the tests hold the kernels to them.
@@ -19,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.model.quant.fp8 import Fp8Scheme, quantize_blocks, quantize_rows
+from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -31,16 +29,6 @@ def _fp8_kernels(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
     return w8.shape[-1] % 16 == 0 and w8.shape[-2] % 16 == 0
-
-
-def _block_kernels(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
-    """128×128 weight blocks on Hopper: torch's block-scaled GEMM (1×128 activation tiles × 128×128 weight blocks,
-    as DeepSeek's recipe), measured on H200 at 0.17% of the dequantised product."""
-    if scheme.block != (128, 128) or not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(F, "scaled_mm"):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
-        return False
-    return w8.shape[-1] % 128 == 0 and w8.shape[-2] % 128 == 0
 
 
 def _row_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -74,26 +62,6 @@ def _mm_dgrad(g2, w8, scale, fast_accum=None):
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
-def _outer_major(t: torch.Tensor) -> torch.Tensor:
-    """The same values laid out column-major (what the block-scaled GEMM wants of its scales)."""
-    return t.t().contiguous().t()
-
-
-def _block_fwd(x2, w8, scale_inv, bias):
-    xq, sx = quantize_blocks(x2, (1, 128))
-    y = F.scaled_mm(xq, w8.t(), _outer_major(sx), F.ScalingType.BlockWise1x128, scale_inv.t(),
-                    F.ScalingType.BlockWise128x128, output_dtype=x2.dtype)
-    return y if bias is None else y + bias.to(y.dtype)
-
-
-def _block_dgrad(g2, w8, scale_inv):
-    # the weight's block scales vary along the contraction (its output rows) in blocks of 128: the kernel applies
-    # them itself, nothing to fold into dy
-    gq, sg = quantize_blocks(g2, (1, 128))
-    return F.scaled_mm(gq, w8.t().contiguous().t(), _outer_major(sg), F.ScalingType.BlockWise1x128,
-                       _outer_major(scale_inv), F.ScalingType.BlockWise128x128, output_dtype=g2.dtype)
-
-
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w8, scale, bias, scheme):
@@ -102,8 +70,6 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if _fp8_kernels(x2, w8, scheme):
             y = _mm_fwd(x2, w8, scale, bias)
-        elif _block_kernels(x2, w8, scheme):
-            y = _block_fwd(x2, w8, scale, bias)
         else:
             y = F.linear(x2, scheme.dequantize(w8, scale, x.dtype), None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], w8.shape[0])
@@ -116,8 +82,6 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
                 dx = _mm_dgrad(g2, w8, scale)
-            elif DGRAD == "fp8" and _block_kernels(g2, w8, ctx.scheme):
-                dx = _block_dgrad(g2, w8, scale)
             else:
                 dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
             dx = dx.view(*g.shape[:-1], w8.shape[1])
