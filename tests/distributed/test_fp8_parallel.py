@@ -38,9 +38,18 @@ def test_fp8_base_fsdp2_equals_one_process(tmp_path):
     _assert_same_run(one, tmp_path / "runs" / "fsdp")
 
 
-def test_fp8_base_with_cpu_offload_is_refused_before_anything_is_built(tmp_path):
+def test_fp8_base_with_cpu_offload_is_refused_and_never_chosen():
+    """The layout (before anything is built) refuses cpu_offload written with an fp8 base, and auto never offers it
+    for one: on a GPU too small for the run it says nothing fits rather than offloading."""
+    from moetune.config import load_config
     from moetune.errors import ConfigError
+    from moetune.parallel.layout import MemoryLimit, resolve_layout
 
-    with pytest.raises(ConfigError, match="an fp8 base .*cpu_offload"):
-        run_inprocess(small_run_args(tmp_path, "offload", **{"model.quantize": "fp8", "parallel.cpu_offload": True}))
-    assert not os.path.exists(tmp_path / "runs" / "offload" / "checkpoints")
+    gpu = MemoryLimit(1.0, "GPU memory")  # a GPU (not the host): offload would be a candidate for a bf16 base
+    with pytest.raises(ConfigError, match="cpu_offload true with an fp8 base"):
+        resolve_layout(load_config(None, ["--model.quantize", "fp8", "--parallel.cpu_offload", "true"]), 1, gpu)
+    tiny = MemoryLimit(0.001, "GPU memory")  # nothing fits: the smallest layout tried is named
+    with pytest.raises(ConfigError, match=r"cpu_offload true\)") :
+        resolve_layout(load_config(None, []), 1, tiny)  # a bf16 base: offload is the last resort tried
+    with pytest.raises(ConfigError, match=r"cpu_offload false\)"):
+        resolve_layout(load_config(None, ["--model.quantize", "fp8"]), 1, tiny)

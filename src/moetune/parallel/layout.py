@@ -301,6 +301,10 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
     if host and pinned.get("cpu_offload"):
         raise ConfigError("parallel.cpu_offload true needs a GPU: on a CPU run the weights already live in host "
                           "memory (set it to false)")
+    fp8 = counts.frozen.stored > 0  # an fp8 base (model.quantize or an FP8 checkpoint): the meta model says
+    if fp8 and pinned.get("cpu_offload"):
+        raise ConfigError("parallel.cpu_offload true with an fp8 base (model.quantize or an FP8 checkpoint) is not "
+                          "supported in this version: the fp8 base already halves the weights' memory")
     limit = FIT_FRACTION * memory.gib if memory is not None else None
     common = dict(n_layers=n_layers, n_experts=n_experts, memory=memory)
 
@@ -328,7 +332,8 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
     structures = _structures(world_size, n_experts, experts_share > 0.5,
                              gpus_per_node or launch_gpus_per_node() or min(world_size, 8), pinned)
     # a CPU run's weights are in host memory already: offloading them saves nothing there
-    candidates = [c for c in _candidates(structures, pinned, cfg.train.compile) if not (host and c[3])]
+    # (nor is CPU offload offered for an fp8 base, which this version does not offload)
+    candidates = [c for c in _candidates(structures, pinned, cfg.train.compile) if not ((host or fp8) and c[3])]
     kept = ", ".join(f"{'.'.join(PINNABLE[k])} {describe(v) if k == 'activation_checkpointing' else _show(v)}"
                      for k, v in pinned.items())
     if not candidates:

@@ -37,10 +37,7 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     if full and (cfg.model.quantize or (reader is not None and reader.is_fp8())):
         raise ConfigError("finetune.mode full trains the base itself: it cannot be stored in fp8 (model.quantize, or "
                           f"the FP8 checkpoint at model.path {cfg.model.path}); use LoRA or a bf16 checkpoint")
-    fp8 = not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None
-    if fp8 and layout.cpu_offload:
-        raise ConfigError("an fp8 base (model.quantize or an FP8 checkpoint) with parallel.cpu_offload is not supported "
-                          "in this version: the fp8 base already halves the weights' memory")
+    fp8 = not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None  # (no offload: the layout)
     prepare_trainable(model, cfg)  # the estimate's meta model is marked by the same function
     for moe in model.moe_layers():  # what the MoE layers compute beyond their output, for the loss and the metrics
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
