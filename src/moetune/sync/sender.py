@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from moetune.sync.alloc import Allocations
 from moetune.sync.fp8 import quantize_
-from moetune.sync.group import SyncGroup
+from moetune.sync.group import SyncGroup, SyncRefused
 from moetune.sync.plan import MAX_EXPERTS_PER_UNIT, ExpertUnit, Plan, build_plan, staging_rows
 from moetune.sync.shards import ShardMap, local_tensor
 from moetune.sync.wire import Bucket, dtype_name, encode_header
@@ -62,7 +62,7 @@ class WeightSender:
         self.mem = Allocations()
         self.plan: Plan | None = None
         self.kernels = None
-        if fused_kernels and self.is_root and group.device.type == "cuda":
+        if fused_kernels and self.is_root and group.device.type == "cuda" and format != "fp32":
             try:
                 from moetune.sync import kernels as _kernels
                 self.kernels = _kernels
@@ -91,7 +91,12 @@ class WeightSender:
 
     @torch.no_grad()
     def sync(self) -> dict:
-        """Stream the model once. Returns {"bytes", "buckets", "seconds", "peak_alloc", "bound", ...}."""
+        """Stream the model once. Returns {"bytes", "buckets", "seconds", "peak_alloc", "bound", ...}.
+
+        Before any weight moves, every receiver checks the header (names, shapes, format) against its model and
+        answers; one refusal stops the sync on every rank (SyncRefused, naming the receiver and what differs).
+        Every wait is bounded (group.deadline: a fixed part plus the bytes at the slowest expected rate); a
+        receiver that does not answer in time is named (SyncTimeout) instead of blocking the trainer."""
         t0 = time.perf_counter()
         _reshard(self.model)
         tensors = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
@@ -99,34 +104,64 @@ class WeightSender:
         self.mem.reset()
         self._prepare(tensors, device)
         plan = self.plan
+        refusal = self._header_round(device) if self.is_root else None
+        self._agree(refusal, device)
         if not self.is_root:
             for b in plan.buckets:
                 for u in b.units:
                     self._produce(u, None)
             return {"bytes": 0, "buckets": len(plan.buckets), "seconds": time.perf_counter() - t0}
 
-        self.group.send_header(self.mem.track(self._header.to(device)))
+        group, n = self.group, len(plan.buckets)
         ring = [self.mem.empty(max(b.meta["nbytes"] for b in plan.buckets), torch.uint8, device)
-                for _ in range(min(2, len(plan.buckets)))]
+                for _ in range(min(2, n))]
         in_flight = [None] * len(ring)
         for k, b in enumerate(plan.buckets):
             slot = k % len(ring)
             if in_flight[slot] is not None:
-                in_flight[slot].wait()  # on CUDA: the producing stream waits, the host runs ahead
+                group.wait(*in_flight[slot])  # on CUDA: the producing stream waits, the host runs ahead
             bucket = Bucket(b.meta, ring[slot][: b.meta["nbytes"]], plan.header["format"])
             for u in b.units:
                 self._produce(u, bucket)
-            in_flight[slot] = self.group.broadcast(bucket.buf)
+            in_flight[slot] = (group.broadcast(bucket.buf), b.meta["nbytes"], f"taking bucket {k + 1} of {n}")
         for work in in_flight:
             if work is not None:
-                work.wait()
+                group.wait(*work)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         del ring, bucket
+        # the broadcasts may have completed on the sender's side while a receiver still reads: its word that it has
+        # everything ends the sync
+        group.collect("done", range(1, group.size), plan.wire_bytes, "confirming it received the whole sync")
         return {"format": plan.header["format"], "bytes": plan.wire_bytes, "buckets": len(plan.buckets),
                 "seconds": time.perf_counter() - t0, "peak_alloc": self.mem.peak, "bound": plan.bound,
                 "largest_group": plan.largest_group, "expert_bf16": plan.expert_bf16,
                 "experts_per_unit": plan.experts_per_unit, "bucket": plan.bucket, "fused": self.kernels is not None}
+
+    def _header_round(self, device) -> str | None:
+        """The sending rank: send the header, collect every receiver's answer, tell them all whether the sync goes
+        on. Returns the refusal (None: it goes on)."""
+        group = self.group
+        group.syncs += 1
+        group.send_header(self.mem.track(self._header.to(device)))
+        answers = group.collect("verdict", range(1, group.size), self._header.numel(), "checking the header")
+        refused = {r: v for r, v in sorted(answers.items()) if v != "ok"}
+        group.post("go", "ok" if not refused else "refused")
+        if not refused:
+            return None
+        return "; ".join(f"{group.member(r)} refused it: {v}" for r, v in refused.items())
+
+    def _agree(self, refusal: str | None, device) -> None:
+        """Every training rank learns the sending rank's outcome (the others would otherwise wait in gathers the
+        sender never starts)."""
+        flag = 1 if refusal else 0
+        if self.train_group is not None and dist.get_world_size(self.train_group) > 1:
+            t = torch.tensor([flag], device=device if dist.get_backend(self.train_group) == "nccl" else "cpu")
+            dist.broadcast(t, group_src=self.root, group=self.train_group)
+            flag = int(t.item())
+        if flag:
+            raise SyncRefused("weight sync refused before any weight was sent: " + (
+                refusal or f"a receiver refused it (training rank {self.root}'s error names it)"))
 
     # -------------------------------------------------------------------------------------------- producing
     def _produce(self, u, bucket: Bucket | None) -> None:

@@ -132,6 +132,43 @@ class ExpertSlabs:
         return out
 
 
+def manifest(header: dict) -> dict[str, tuple]:
+    """{HF name: shape} of every tensor a sync carries (experts one by one, as `Bucket.tensors` yields them), read
+    from the header alone: what a receiver checks before any weight moves."""
+    out = {}
+    for meta in header["buckets"]:
+        for name, _, shape, _ in meta["tensors"]:
+            out[name] = tuple(shape)
+        sec = meta["experts"]
+        if sec:
+            I, H, fp8 = sec["I"], sec["H"], sec["dtype"] == "float8_e4m3fn"
+            for e in range(sec["first"], sec["first"] + sec["count"]):
+                p = f"{sec['prefix']}.{e}"
+                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                    out[f"{p}.{proj}.weight"] = shape
+                    if fp8:
+                        out[f"{p}.{proj}.weight_scale_inv"] = scale_shape(*shape)
+    return out
+
+
+def compare_manifests(sent: dict, expected: dict, limit: int = 3) -> str | None:
+    """None when `sent` names exactly the tensors of `expected` with the same shapes, else what differs (the first
+    `limit` of each kind)."""
+    def first(items):
+        items = sorted(items)
+        return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+    problems = []
+    if unknown := [n for n in sent if n not in expected]:
+        problems.append(f"{len(unknown)} tensors it does not have ({first(unknown)})")
+    if shapes := [f"{n} {list(sent[n])} (its own {list(expected[n])})" for n in sent
+                  if n in expected and tuple(sent[n]) != tuple(expected[n])]:
+        problems.append(f"{len(shapes)} of other shapes ({first(shapes)})")
+    if missing := [n for n in expected if n not in sent]:
+        problems.append(f"{len(missing)} of its tensors not in the sync ({first(missing)})")
+    return "the sync's model differs from this one: " + "; ".join(problems) if problems else None
+
+
 class Bucket:
     """One bucket's buffer seen through its metadata: the sender writes into these views, receivers read them."""
 
