@@ -3,8 +3,9 @@ attention, the shared expert and the routed experts (random-init base, so no dow
 
 (a) vLLM serves `moetune export merged` and its prompt logprobs equal moetune's base + adapter (1e-4);
 (b) vLLM's add_lora accepts the `--format vllm` adapter and rejects a tampered one (a key naming no module);
-(c) MoetuneWorkerExtension receives a sync from a trainer process (gloo) and vLLM's logprobs then equal the
-    trainer's merged model's as sent (bf16 on the wire).
+(c) vLLM's own weight-transfer API with moetune's backend (sync/vllm_engine.py): after a sync vLLM's logprobs equal
+    the trainer's merged model's (fp32 wire); a model that differs is refused, a gone engine named at the deadline.
+    (The MoetuneWorkerExtension path is tested on the MLA family, test_vllm_family.py.)
 
 Not covered, because vLLM cannot: a forward *with* a LoRA adapter on the MoE layer fails on the CPU (vLLM forces
 its Triton MoE-LoRA kernel, which has no CPU backend), so served-adapter logprobs are not compared here.
@@ -113,7 +114,17 @@ def sync_into_vllm(run, ids, **check_args):
     return torch.tensor(got["before"]), torch.tensor(got["after"]), want
 
 
-def test_weight_sync_into_vllm_equals_the_trainers_merged_model(run, ids):
-    before, after, want = sync_into_vllm(run, ids)
+def test_vllms_weight_transfer_api_with_moetunes_backend(run, ids):
+    """vLLM's own API (WeightTransferTrainerFactory / weight_transfer_config, the "moetune" backend): after a sync
+    (fp32, LoRA merged) vLLM's logprobs are the trainer's; a trainer whose model differs is refused, naming vLLM's
+    worker and a tensor, before any weight moves; an engine that stops answering is named at the deadline."""
+    r = check("transfer", base=str(run / "base"), adapter=str(run / "adapter"), ids=ids)
+    before, after, want = (torch.tensor(r[k]) for k in ("before", "after", "trainer"))
     assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
-    assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's
+    assert (after - want).abs().max().item() <= 1e-5, (after - want).abs().max().item()  # ...into the trainer's
+    assert r["stats"]["format"] == "fp32" and r["stats"]["peak_alloc"] <= r["stats"]["bound"]
+    assert r["refused"] is not None and r["refused"].startswith("SyncRefused"), r["refused"]
+    assert "vLLM worker 0 (sync rank 1" in r["refused"] and "mlp.experts.0.gate_proj.weight" in r["refused"]
+    assert torch.equal(torch.tensor(r["after_refusal"]), after)
+    assert r["timeout"] is not None and r["timeout"].startswith("SyncTimeout"), r["timeout"]
+    assert "vLLM worker 0 (sync rank 1" in r["timeout"] and "did not answer within" in r["timeout"]

@@ -138,20 +138,31 @@ class SyncGroup:
             shutdown()
 
 
+def host_store(address: str, world_size: int, timeout_s: float = 1800.0):
+    """The rendezvous store, served by rank 0 before the others know where: port 0 in `address` takes a free port
+    from the OS (race-free, unlike probing for one); `.port` is the one to hand to the members. Pass it to
+    connect(store=...)."""
+    host, port = parse_address(address)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 def connect(address: str, rank: int, world_size: int, device=None, timeout_s: float = 1800.0, name: str | None = None,
-            deadline_s: float = DEADLINE_S, min_bytes_per_s: float = MIN_BYTES_PER_S) -> SyncGroup:
+            deadline_s: float = DEADLINE_S, min_bytes_per_s: float = MIN_BYTES_PER_S, store=None) -> SyncGroup:
     """Join the sync group at `address` as `rank` of `world_size` (rank 0: the sender, which hosts the rendezvous).
 
     device: where wire buffers live; a CUDA device selects NCCL, the CPU gloo. Default: the current CUDA device if
     there is one, else the CPU. Blocks until all `world_size` members have joined (timeout_s). name: what the other
     members call this one when it stops answering (default "the trainer" for rank 0, "receiver R" otherwise; host
-    and pid are added). deadline_s, min_bytes_per_s: a sync's waits last at most deadline_s + bytes/min_bytes_per_s."""
+    and pid are added). deadline_s, min_bytes_per_s: a sync's waits last at most deadline_s + bytes/min_bytes_per_s.
+    store: rank 0's store from host_store (else rank 0 serves one at `address`)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     host, port = parse_address(address)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     store = dist.PrefixStore("moetune-weight-sync", store)
     name = name or ("the trainer" if rank == 0 else f"receiver {rank}")
     store.set(f"member/{rank}", f"{name} (sync rank {rank}, host {socket.gethostname()}, pid {os.getpid()})")

@@ -1,4 +1,10 @@
-"""A vLLM worker extension that receives weight syncs into a running engine.
+"""vLLM's side of a weight sync through a worker extension (collective_rpc), and what it shares with the "moetune"
+weight-transfer backend (vllm_engine.py: vLLM's own API, the way to sync from now on).
+
+The extension stays for two uses: the `collective_rpc` recipe below (the README's), and `vllm serve`, whose worker
+processes import this module through `--worker-extension-cls moetune.sync.vllm.MoetuneWorkerExtension`, which
+registers the "moetune" backend there (vLLM's factories are per process); then `--weight-transfer-config
+'{"backend": "moetune"}'` and the HTTP routes drive syncs.
 
     llm = LLM(model=..., worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
     llm.collective_rpc("init_weight_sync", args=("tcp://trainer0:29600", 1, 1 + n_workers))
@@ -46,7 +52,7 @@ def _layerwise_reload():
     return initialize_layerwise_reload, finalize_layerwise_reload
 
 
-def _repack_cpu_experts(model) -> None:
+def repack_cpu_experts(model) -> None:
     """vLLM's CPU MoE backend packs the expert weights into its grouped-GEMM layout once, when the model loads; a
     weight update skips that step (vLLM 0.32, UnquantizedFusedMoEMethod._setup_kernel runs the experts' own
     process_weights_after_loading on the first call only), which leaves plain weights where the kernel reads packed
@@ -83,10 +89,21 @@ class WeightSyncExtension:
             return receive(self._moetune_sync, load_weights_consumer(model, copy=True))
         finally:
             finalize(model, self.model_runner.model_config)
-            _repack_cpu_experts(model)
+            repack_cpu_experts(model)
 
     def close_weight_sync(self) -> None:
         self._moetune_sync.close()
 
 
 MoetuneWorkerExtension = WeightSyncExtension  # the name the README gives
+
+
+def _register_backend() -> None:
+    """Where vLLM is installed, importing this module registers the "moetune" weight-transfer backend."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        import moetune.sync.vllm_engine  # noqa: F401  (registers on import)
+
+
+_register_backend()

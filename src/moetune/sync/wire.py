@@ -133,27 +133,27 @@ class ExpertSlabs:
 
 
 def manifest(header: dict) -> dict[str, tuple]:
-    """{HF name: shape} of every tensor a sync carries (experts one by one, as `Bucket.tensors` yields them), read
-    from the header alone: what a receiver checks before any weight moves."""
+    """{HF name: (shape, wire dtype)} of every tensor a sync carries, in the order `Bucket.tensors` yields them
+    (experts one by one), read from the header alone: what a receiver checks before any weight moves."""
     out = {}
     for meta in header["buckets"]:
-        for name, _, shape, _ in meta["tensors"]:
-            out[name] = tuple(shape)
+        for name, dtype, shape, _ in meta["tensors"]:
+            out[name] = (tuple(shape), dtype)
         sec = meta["experts"]
         if sec:
-            I, H, fp8 = sec["I"], sec["H"], sec["dtype"] == "float8_e4m3fn"
+            I, H, dtype, fp8 = sec["I"], sec["H"], sec["dtype"], sec["dtype"] == "float8_e4m3fn"
             for e in range(sec["first"], sec["first"] + sec["count"]):
                 p = f"{sec['prefix']}.{e}"
                 for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                    out[f"{p}.{proj}.weight"] = shape
-                    if fp8:
-                        out[f"{p}.{proj}.weight_scale_inv"] = scale_shape(*shape)
+                    out[f"{p}.{proj}.weight"] = (shape, dtype)
+                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))) if fp8 else ():
+                    out[f"{p}.{proj}.weight_scale_inv"] = (scale_shape(*shape), "float32")
     return out
 
 
 def compare_manifests(sent: dict, expected: dict, limit: int = 3) -> str | None:
-    """None when `sent` names exactly the tensors of `expected` with the same shapes, else what differs (the first
-    `limit` of each kind)."""
+    """None when `sent` names exactly the tensors of `expected` with the same shapes (manifests: dtypes may differ,
+    the receiver casts), else what differs (the first `limit` of each kind)."""
     def first(items):
         items = sorted(items)
         return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
@@ -161,8 +161,8 @@ def compare_manifests(sent: dict, expected: dict, limit: int = 3) -> str | None:
     problems = []
     if unknown := [n for n in sent if n not in expected]:
         problems.append(f"{len(unknown)} tensors it does not have ({first(unknown)})")
-    if shapes := [f"{n} {list(sent[n])} (its own {list(expected[n])})" for n in sent
-                  if n in expected and tuple(sent[n]) != tuple(expected[n])]:
+    if shapes := [f"{n} {list(sent[n][0])} (its own {list(expected[n][0])})" for n in sent
+                  if n in expected and tuple(sent[n][0]) != tuple(expected[n][0])]:
         problems.append(f"{len(shapes)} of other shapes ({first(shapes)})")
     if missing := [n for n in expected if n not in sent]:
         problems.append(f"{len(missing)} of its tensors not in the sync ({first(missing)})")
