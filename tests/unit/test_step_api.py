@@ -194,3 +194,31 @@ def test_batches_whose_shapes_disagree_are_named(tmp_path):
             trainer.step(good, loss_fn=lambda lp, w, b: lp.sum(-1))
         assert trainer.state.step == 0  # nothing was trained
         assert trainer.step(good).good
+
+
+def test_a_stop_signal_checkpoints_and_a_resume_continues_the_callers_loop(tmp_path):
+    """An RL loop under a scheduler: SIGTERM during a step ends that step with a checkpoint and out.stop; a new
+    Trainer with resume: auto continues at the next step with the same weights."""
+    import signal
+
+    args = small_run_args(tmp_path, "rl", **{"train.steps": 10, "checkpoint.every": 0})
+    cfg = load_config(None, args)
+    with Trainer(cfg, data=False) as trainer:
+        assert not trainer.step(_rl_batches(trainer, seed=0), loss_fn=pg_kl_loss).stop
+
+        sent = []
+
+        def terminated(lp, w, b):
+            if not sent:  # once (a second signal means "exit at once")
+                sent.append(signal.SIGTERM)
+                signal.raise_signal(signal.SIGTERM)  # what a scheduler sends; the trainer's handler records it
+            return pg_kl_loss(lp, w, b)
+
+        out = trainer.step(_rl_batches(trainer, seed=1), loss_fn=terminated)
+        assert out.stop and out.good and trainer.stopped
+        weights = _lora_state(trainer)
+    assert [p.name for p in sorted((cfg.run_dir / "checkpoints").iterdir())] == ["step_000002"]
+    with Trainer(load_config(None, args + ["--resume", "auto"]), data=False) as again:
+        assert again.state.step == 2
+        assert all(torch.equal(v, weights[k]) for k, v in _lora_state(again).items())
+        assert again.step(_rl_batches(again, seed=2), loss_fn=pg_kl_loss).step == 3

@@ -4,7 +4,8 @@ attention, the shared expert and the routed experts (random-init base, so no dow
 (a) vLLM serves `moetune export merged` and its prompt logprobs equal moetune's base + adapter (1e-4);
 (b) vLLM's add_lora accepts the `--format vllm` adapter and rejects a tampered one (a key naming no module);
 (c) vLLM's own weight-transfer API with moetune's backend (sync/vllm_engine.py): after a sync vLLM's logprobs equal
-    the trainer's merged model's (fp32 wire); a model that differs is refused, a gone engine named at the deadline.
+    the trainer's merged model's (fp32 wire); a model that differs is refused, a gone engine named at the deadline;
+(d) the same through a running `vllm serve`'s HTTP routes.
     (The MoetuneWorkerExtension path is tested on the MLA family, test_vllm_family.py.)
 
 Not covered, because vLLM cannot: a forward *with* a LoRA adapter on the MoE layer fails on the CPU (vLLM forces
@@ -128,3 +129,25 @@ def test_vllms_weight_transfer_api_with_moetunes_backend(run, ids):
     assert torch.equal(torch.tensor(r["after_refusal"]), after)
     assert r["timeout"] is not None and r["timeout"].startswith("SyncTimeout"), r["timeout"]
     assert "vLLM worker 0 (sync rank 1" in r["timeout"] and "did not answer within" in r["timeout"]
+
+
+def test_a_running_vllm_server_is_updated_through_its_http_routes(run, ids, tmp_path):
+    """`vllm serve` with moetune's backend (registered in its worker process by the worker extension's import),
+    driven by vLLM's HTTPVLLMWeightSyncClient: after one sync its prompt logprobs are the trainer's."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")  # dev mode: the RL routes
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(run / "base"), "--dtype",
+         "float32", "--max-model-len", "256", "--enforce-eager", "--port", str(port),
+         "--weight-transfer-config", '{"backend": "moetune"}',
+         "--worker-extension-cls", "moetune.sync.vllm.MoetuneWorkerExtension"], stdout=log, stderr=log, env=env)
+    try:
+        r = python("http_trainer.py", url, str(run / "base"), str(run / "adapter"), json.dumps(ids), timeout=300)
+    finally:
+        server.terminate()
+        server.wait(60)
+    before, after, want = (torch.tensor(r[k]) for k in ("before", "after", "trainer"))
+    assert (before - want).abs().max().item() > 1e-3
+    assert (after - want).abs().max().item() <= 1e-5, (after - want).abs().max().item()

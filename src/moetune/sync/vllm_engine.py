@@ -242,26 +242,27 @@ def expected_manifest(hf_config: dict, fmt: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------- an in-process client
 class LLMClient:
-    """vLLM's `VLLMWeightSyncClient` for an `LLM` in this process (the HTTP and Ray clients are vLLM's own)."""
+    """vLLM's `VLLMWeightSyncClient` protocol over an `LLM` in this process (its own weight-transfer methods take
+    request objects; vLLM ships HTTP and Ray clients only)."""
 
     def __init__(self, llm):
         self.llm = llm
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.llm.collective_rpc("start_weight_update")
+        self.llm.start_weight_update()
 
     def update_weights(self, update_info) -> None:
-        self.llm.collective_rpc("update_weights", args=(update_info,))
+        self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.collective_rpc("finish_weight_update")
+        self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+        self.llm.shutdown_weight_transfer_engine()
 
 
 def _background(fn, *args) -> Future:
