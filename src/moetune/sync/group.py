@@ -126,8 +126,9 @@ class SyncGroup:
         self.wait(self.broadcast(data), data.numel(), "taking the header")
 
     def recv_header(self) -> dict:
+        """Wait for the next sync: as long as the group's timeout (the trainer decides when it syncs), then bounded."""
         n = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.wait(self.broadcast(n), 8, "sending the header", peers=[0])
+        self.broadcast(n).wait()
         data = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
         self.wait(self.broadcast(data), data.numel(), "sending the header", peers=[0])
         return decode_header(data)

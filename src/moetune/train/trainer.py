@@ -30,7 +30,7 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -218,6 +218,8 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: dict, adapter: bool = True) -> torch.Tensor:
         """log p(labels) [B, T] (fp32, 0 off target) under the current weights, or (adapter=False) under the base."""
+        if not isinstance(batch, dict):
+            raise DataError("logprobs and reference_logprobs take one batch (a dict of [B, T] tensors)")
         (b,) = [to_device(b, self.dist.device) for b in check_batches(batch, self.model.config.vocab_size)]
         if not adapter and self.cfg.finetune.mode != "lora":
             raise ConfigError("reference logprobs are the base without the adapter: they need finetune.mode: lora "
@@ -225,7 +227,7 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with (lora_disabled(self.model) if not adapter else _nothing()):
+            with lora_disabled(self.model) if not adapter else nullcontext():
                 return token_logprobs(self.model(b["input_ids"], b.get("position_ids")), b["labels"])
         finally:
             self.model.train(was_training)
@@ -377,13 +379,11 @@ def check_batches(batch, vocab_size: int) -> list[dict]:
             if tuple(v.shape[: len(want)]) != want or (key in _BATCH_KEYS and v.dim() != 2):
                 raise DataError(f"{where}[{key!r}] has shape {list(v.shape)} but input_ids has {list(ids.shape)}: "
                                 + ("it must be the same" if key in _BATCH_KEYS else "it must start with the batch size"))
-        top = int(torch.where(b["labels"] == IGNORE_INDEX, 0, b["labels"]).max()) if b["labels"].numel() else 0
-        low = int(torch.where(b["labels"] == IGNORE_INDEX, 0, b["labels"]).min()) if b["labels"].numel() else 0
-        for key, hi, lo in (("input_ids", int(ids.max()) if ids.numel() else 0, int(ids.min()) if ids.numel() else 0),
-                            ("labels", top, low)):
-            if hi >= vocab_size or lo < 0:
-                raise DataError(f"{where}[{key!r}] holds token id {hi if hi >= vocab_size else lo}, outside the "
-                                f"model's vocabulary (0..{vocab_size - 1}; -100 marks a label that is not a target)")
+        for key, t in (("input_ids", ids), ("labels", torch.where(b["labels"] == IGNORE_INDEX, 0, b["labels"]))):
+            bad = t[(t < 0) | (t >= vocab_size)]
+            if bad.numel():
+                raise DataError(f"{where}[{key!r}] holds token id {int(bad[0])}, outside the model's vocabulary "
+                                f"(0..{vocab_size - 1}; -100 marks a label that is not a target)")
         if "weights" in b and not torch.isfinite(b["weights"]).all():
             raise DataError(f"{where}['weights'] holds a non-finite value")
     return batches
@@ -405,11 +405,6 @@ def lora_disabled(model):
     finally:
         for m, s in zip(mods, saved):
             m.scaling = s
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 # ---------------------------------------------------------------------------------------------- the run directory
