@@ -151,3 +151,33 @@ def test_a_running_vllm_server_is_updated_through_its_http_routes(run, ids, tmp_
     before, after, want = (torch.tensor(r[k]) for k in ("before", "after", "trainer"))
     assert (before - want).abs().max().item() > 1e-3
     assert (after - want).abs().max().item() <= 1e-5, (after - want).abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moetune_source_is_a_weight_source_vllms_own_engines_accept(run, fmt):
+    """MoetuneSource as vLLM's WeightSource: vLLM's NCCL engine's own check (_checked_iter) finds iteration equal to
+    metadata() name by name, dtype and shape; the layer groups are vLLM's layerwise_groups; the tensors are the
+    merged weights (bf16: bit-exact against a whole-tensor merge; fp8: experts with their block scales)."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from moetune.sync.vllm_engine import MoetuneSource
+
+    model = moetune.load_model(str(run / "base"), dtype="float32", adapter=str(run / "adapter"))
+    source = MoetuneSource(model, fmt, bucket_bytes=64 << 10)
+    meta = source.metadata()
+    got = {n: t.clone() for n, t in NCCLTrainerWeightTransferEngine._checked_iter(source, meta)}
+    assert list(got) == [m.name for m in meta] and len(source.groups()) == len(layerwise_groups(list(got)))
+    merged = moetune.load_model(str(run.parent.parent / "merged"), dtype="float32")
+    params = dict(merged.named_parameters())
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(got[q], params[q].to(torch.bfloat16))
+    e = "model.layers.1.mlp.experts.3.down_proj.weight"
+    want = params["model.layers.1.mlp.experts.down_proj"][3]
+    if fmt == "bf16":
+        assert torch.equal(got[e], want.to(torch.bfloat16))
+    else:
+        from moetune.sync.fp8 import FP8, dequantize
+
+        assert got[e].dtype == FP8 and got[e + "_scale_inv"].dtype == torch.float32
+        torch.testing.assert_close(dequantize(got[e], got[e + "_scale_inv"]), want, rtol=0.07, atol=1e-3)
