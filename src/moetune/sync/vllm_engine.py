@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from moetune.sync.group import DEADLINE_S, MIN_BYTES_PER_S, SyncGroup, connect, host_store
 from moetune.sync.receiver import receive
 from moetune.sync.sender import WeightSender
-from moetune.sync.vllm import load_weights_consumer, repack_cpu_experts
+from moetune.sync.vllm_load import load_weights_consumer, repack_cpu_experts
 from moetune.sync.wire import DTYPES, compare_manifests, manifest
 
 BACKEND = "moetune"
