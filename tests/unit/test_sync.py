@@ -12,13 +12,13 @@ import torch
 from safetensors import safe_open
 
 import moetune
-from helpers import free_port, hf_model, randomize_lora, save_hf
+from helpers import hf_model, randomize_lora, save_hf
 from moetune.model.config import TINY, ModelConfig
 from moetune.model.hf_io import build_model, cast_model, init_weights
 from moetune.model.lora import apply_lora
 from moetune.sync import WeightSender, connect, receive, receive_into
 from moetune.sync.fp8 import FP8, FP8_MAX, dequantize, error_bound, quantize
-from moetune.sync.group import SyncRefused, SyncTimeout, parse_address
+from moetune.sync.group import SyncRefused, SyncTimeout, host_store, parse_address
 from moetune.sync.vllm import load_weights_consumer
 from moetune.sync.wire import layout_bucket
 
@@ -39,7 +39,8 @@ def tiny_model(lora=True, dtype=torch.bfloat16, seed=0, **cfg):
 def run_sync(sender_model, receivers, **sender_kw):
     """Sync once from sender_model to len(receivers) receiver threads; receivers[i](group) receives and returns
     a result. Returns (sender stats, [results])."""
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    store = host_store("127.0.0.1:0", len(receivers) + 1, 60)  # a port the OS picks: race-free
+    addr = f"tcp://127.0.0.1:{store.port}"
     results, errors = [None] * len(receivers), []
 
     def run(i, fn):
@@ -51,7 +52,8 @@ def run_sync(sender_model, receivers, **sender_kw):
     threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(receivers)]
     for t in threads:
         t.start()
-    stats = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", timeout_s=60), **sender_kw).sync()
+    stats = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", timeout_s=60, store=store),
+                         **sender_kw).sync()
     for t in threads:
         t.join(60)
     if errors:
@@ -295,7 +297,8 @@ def test_fused_kernels_match_the_torch_path():
 def _sync_with(receivers, sender_model, deadline_s=60.0, **sender_kw):
     """Like run_sync, but returns (the sender's exception or stats, [each receiver's exception or result]); a
     receiver is fn(group) and is named "engine-R"."""
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    store = host_store("127.0.0.1:0", len(receivers) + 1, 60)
+    addr = f"tcp://127.0.0.1:{store.port}"
     out = [None] * len(receivers)
     kw = dict(timeout_s=60, deadline_s=deadline_s, min_bytes_per_s=1e9)
 
@@ -309,7 +312,8 @@ def _sync_with(receivers, sender_model, deadline_s=60.0, **sender_kw):
     for t in threads:
         t.start()
     try:
-        sent = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", **kw), **sender_kw).sync()
+        sent = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", store=store, **kw),
+                            **sender_kw).sync()
     except BaseException as e:  # noqa: BLE001 - returned to the test
         sent = e
     for t in threads:
