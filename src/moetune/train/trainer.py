@@ -39,7 +39,7 @@ import torch
 from moetune import parallel
 from moetune.config import Config, config_hash, config_to_yaml
 from moetune.errors import ConfigError, DataError, NumericalFault, RunDirInUse
-from moetune.layout import Layout, gpu_memory_gib, resolve_layout
+from moetune.layout import gpu_memory_gib, resolve_layout
 from moetune.model.adapter_io import gather_lora_state, save_adapter
 from moetune.model.lora import ExpertLoRA, LoRALinear, format_trainable_table
 from moetune.model.random_base import base_recipe
