@@ -13,7 +13,8 @@ term to the base (the model without its adapter, which costs no memory), advanta
 prompt's group) / its standard deviation. Every step prints one JSON line: reward, the trainer-vs-vLLM logprob mismatch on the sampled
 tokens right after the previous sync (mean |Δ| and KL), sync seconds and the sync's transient memory.
 
-A stop signal (SIGTERM, Ctrl-C once) checkpoints and ends the loop; run again with `--set resume auto` to continue.
+A stop signal (SIGTERM or SIGUSR1, as from a scheduler) checkpoints and ends the loop; run again with
+`--set resume auto` to continue (tests/unit/test_step_api.py checks that a resume continues a caller's loop).
 A failed vLLM request is retried once, then that step is skipped (logged); three such steps in a row end the run.
 """
 
