@@ -18,6 +18,9 @@ logprobs [B, T] are log p(labels) in fp32 with their graph (0 off target). The s
 Σ weights·per_token_loss / Σ weights over every token of every micro-batch on every rank, so micro-batches and
 ranks change nothing (a per-sequence mean is weights = 1/len). Without loss_fn the loss is the weighted
 cross-entropy; with neither loss_fn nor weights it is `moetune train`'s fused cross-entropy (no [T, V] logits).
+Memory: logprobs come from each micro-batch's whole logits [B, T, V] (plus an fp32 copy of them when the model
+computes in bf16): size micro-batches for that (151k vocabulary: ~0.6 MB fp32 per token); the fused path never
+forms them.
 
 Per step, as in `moetune train`: the bad-step guard (a non-finite loss, gradient norm or update changes nothing,
 and too many stop with the last good weights saved), metrics.jsonl, evaluation (when built with data), checkpoints
