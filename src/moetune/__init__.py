@@ -27,4 +27,14 @@ def generate(model, prompt, tokenizer=None, max_new_tokens=64, temperature=0.0, 
     return _generate(model, prompt, tokenizer, max_new_tokens, temperature, top_p, seed, chat, stop_ids)
 
 
-__all__ = ["load_model", "load_for_generation", "generate", "__version__"]
+def __getattr__(name):
+    # the step API without importing the trainer (torch.distributed, the data stack) into `import moetune`
+    if name in ("Trainer", "load_config"):
+        from moetune.config import load_config
+        from moetune.train.trainer import Trainer
+
+        return {"Trainer": Trainer, "load_config": load_config}[name]
+    raise AttributeError(f"module 'moetune' has no attribute {name!r}")
+
+
+__all__ = ["load_model", "load_for_generation", "generate", "Trainer", "load_config", "__version__"]

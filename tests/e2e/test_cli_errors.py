@@ -121,9 +121,9 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     # a bug (here: a ValueError from inside the loop) is not a user error: it keeps its traceback
     script = tmp_path / "bug.py"
-    script.write_text("import sys\nfrom moetune.train import loop\n"
+    script.write_text("import sys\nfrom moetune.train import trainer\n"
                       "def broken(*a, **k):\n    raise ValueError('a bug')\n"
-                      "loop.setup_model = broken\nfrom moetune.cli import main\n"
+                      "trainer.setup_model = broken\nfrom moetune.cli import main\n"
                       "if __name__ == '__main__':\n    sys.exit(main(sys.argv[1:]))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, str(script), "train", *small_run_args(tmp_path, "bug")], capture_output=True,

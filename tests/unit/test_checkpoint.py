@@ -15,7 +15,7 @@ from moetune.config import load_config
 from moetune.model.hf_io import CheckpointError
 from moetune.errors import CheckpointWriteError, NumericalFault
 from moetune.run_dir import complete_checkpoints, load_model_state
-from moetune.train import loop
+from moetune.train import loop, trainer
 from moetune.train import signals as signals_mod
 from moetune.train.checkpoint_files import resolve_resume
 
@@ -99,19 +99,19 @@ def test_failed_write_stops_the_run_and_the_previous_checkpoint_resumes(tmp_path
 def test_consecutive_non_finite_steps_stop_with_the_last_good_weights_saved(tmp_path, monkeypatch):
     """A bad step also undoes the update before it (whose weights gave the non-finite values): the saved weights
     are those of step 1, the last ones a finite forward pass confirmed."""
-    real, calls = loop.clip_grad_norm, []
+    real, calls = trainer.clip_grad_norm, []
 
     def nan_from_step_3(params, max_norm):
         calls.append(1)
         norm = real(params, max_norm)
         return float("nan") if len(calls) >= 3 else norm
 
-    monkeypatch.setattr(loop, "clip_grad_norm", nan_from_step_3)
+    monkeypatch.setattr(trainer, "clip_grad_norm", nan_from_step_3)
     kw = {"train.steps": 10, "checkpoint.max_bad_steps": 3, **CONSTANT}
     fault = r"3 bad steps .*up to step 5.*those of step 1, whose forward pass was finite.*step_000005"
     with pytest.raises(NumericalFault, match=fault):
         run_inprocess(small_run_args(tmp_path, "nan", **kw))
-    monkeypatch.setattr(loop, "clip_grad_norm", real)
+    monkeypatch.setattr(trainer, "clip_grad_norm", real)
     good = run_inprocess(small_run_args(tmp_path, "good", **{**kw, "train.steps": 1}))
     a, b = load_model_state(_ckpt(tmp_path / "runs" / "nan", 5)), load_model_state(_ckpt(good, 1))
     for k in a:
@@ -119,7 +119,7 @@ def test_consecutive_non_finite_steps_stop_with_the_last_good_weights_saved(tmp_
 
 
 def test_a_signal_stops_at_the_step_boundary_and_a_second_one_exits_at_once(tmp_path, monkeypatch):
-    real, calls, killed = loop.clip_grad_norm, [], []
+    real, calls, killed = trainer.clip_grad_norm, [], []
 
     def signal_twice_in_step_2(params, max_norm):
         calls.append(1)
@@ -128,7 +128,7 @@ def test_a_signal_stops_at_the_step_boundary_and_a_second_one_exits_at_once(tmp_
             signal.raise_signal(signal.SIGUSR1)  # the second would kill the process: recorded instead
         return real(params, max_norm)
 
-    monkeypatch.setattr(loop, "clip_grad_norm", signal_twice_in_step_2)
+    monkeypatch.setattr(trainer, "clip_grad_norm", signal_twice_in_step_2)
     monkeypatch.setattr(signals_mod.os, "kill", lambda pid, sig: killed.append(sig))
     before = signal.getsignal(signal.SIGUSR1)
     cfg = load_config(None, small_run_args(tmp_path, "s", **{"train.steps": 6}))

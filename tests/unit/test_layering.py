@@ -81,7 +81,7 @@ def test_the_graph_sees_imports():
     assert "moetune.errors" in g["moetune.config"]
     assert "moetune.export.verify" in g["moetune.export.adapter"]
     assert "moetune.data.formats" in g["moetune.data.chat"]
-    assert "moetune.train.checkpoint" in g["moetune.train.loop"]
+    assert "moetune.train.checkpoint" in g["moetune.train.trainer"]
 
 
 def test_no_import_cycle():

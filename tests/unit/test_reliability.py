@@ -19,7 +19,7 @@ from moetune.errors import (CheckpointError, ConfigError, DataError, ExportError
                             OutputError, RunDirInUse)
 from moetune.export import export_adapter
 from moetune.run_dir import RunLock, complete_checkpoints, load_model_state
-from moetune.train import loop
+from moetune.train import loop, trainer
 
 CONSTANT = {"optim.scheduler": "constant"}
 
@@ -125,7 +125,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_run_starts(tmp_
     small_vocab = ("{vocab_size: 64, hidden_size: 64, intermediate_size: 96, moe_intermediate_size: 32, "
                    "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, "
                    "n_routed_experts: 4, num_experts_per_tok: 2, pad_token_id: 0, eos_token_id: 0}")
-    monkeypatch.setattr(loop, "setup_model", lambda *a: pytest.fail("the model must not be built"))
+    monkeypatch.setattr(trainer, "setup_model", lambda *a: pytest.fail("the model must not be built"))
     with pytest.raises(DataError, match=r"token id \d+ is outside the model's vocabulary \(vocab_size 64\); the "
                                         r"tokenizer has \d+ tokens"):
         run_inprocess(small_run_args(tmp_path, "v", **{"model.config": small_vocab}))
@@ -262,8 +262,8 @@ def test_infinite_and_nan_values_are_refused(key):
 def test_a_refused_resume_builds_nothing_and_writes_nothing(tmp_path, monkeypatch):
     run = run_inprocess(small_run_args(tmp_path, "r", **{"train.steps": 2}))
     before = (run / "config.yaml").read_text()
-    monkeypatch.setattr(loop, "setup_model", lambda *a: pytest.fail("the model must not be built"))
-    monkeypatch.setattr(loop, "setup_data", lambda *a: pytest.fail("the data must not be read"))
+    monkeypatch.setattr(trainer, "setup_model", lambda *a: pytest.fail("the model must not be built"))
+    monkeypatch.setattr(trainer, "setup_data", lambda *a: pytest.fail("the data must not be read"))
     with pytest.raises(CheckpointError, match=r"lora\.rank: 16 → 8"):
         run_inprocess(small_run_args(tmp_path, "r", **{"train.steps": 3, "lora.rank": 8, "resume": "auto"}))
     assert (run / "config.yaml").read_text() == before

@@ -12,13 +12,13 @@ import torch
 from safetensors import safe_open
 
 import moetune
-from helpers import free_port, hf_model, randomize_lora, save_hf
+from helpers import hf_model, randomize_lora, save_hf
 from moetune.model.config import TINY, ModelConfig
 from moetune.model.hf_io import build_model, cast_model, init_weights
 from moetune.model.lora import apply_lora
 from moetune.sync import WeightSender, connect, receive, receive_into
 from moetune.sync.fp8 import FP8, FP8_MAX, dequantize, error_bound, quantize
-from moetune.sync.group import parse_address
+from moetune.sync.group import SyncRefused, SyncTimeout, host_store, parse_address
 from moetune.sync.vllm import load_weights_consumer
 from moetune.sync.wire import layout_bucket
 
@@ -27,7 +27,7 @@ TARGETS = ["q_proj", "v_proj", "o_proj", "shared_experts", "experts"]
 
 # ------------------------------------------------------------------------------------------------ helpers
 def tiny_model(lora=True, dtype=torch.bfloat16, seed=0, **cfg):
-    m = build_model(ModelConfig.from_hf_dict(dict(TINY, num_hidden_layers=3, **cfg)), "cpu")
+    m = build_model(ModelConfig.from_hf_dict({**TINY, "num_hidden_layers": 3, **cfg}), "cpu")
     init_weights(m, seed=seed)
     cast_model(m, dtype)
     if lora:
@@ -39,7 +39,8 @@ def tiny_model(lora=True, dtype=torch.bfloat16, seed=0, **cfg):
 def run_sync(sender_model, receivers, **sender_kw):
     """Sync once from sender_model to len(receivers) receiver threads; receivers[i](group) receives and returns
     a result. Returns (sender stats, [results])."""
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    store = host_store("127.0.0.1:0", len(receivers) + 1, 60)  # a port the OS picks: race-free
+    addr = f"tcp://127.0.0.1:{store.port}"
     results, errors = [None] * len(receivers), []
 
     def run(i, fn):
@@ -51,7 +52,8 @@ def run_sync(sender_model, receivers, **sender_kw):
     threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(receivers)]
     for t in threads:
         t.start()
-    stats = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", timeout_s=60), **sender_kw).sync()
+    stats = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", timeout_s=60, store=store),
+                         **sender_kw).sync()
     for t in threads:
         t.join(60)
     if errors:
@@ -289,3 +291,89 @@ def test_fused_kernels_match_the_torch_path():
         assert (out != ref.to(torch.bfloat16)).float().mean() < 1e-3  # an fp32 rounding apart, at most
         assert ((dequantize(q, scale) - ref[:, I:]).abs() <= error_bound(ref[:, I:], scale)).all()
         assert (q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean() < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _sync_with(receivers, sender_model, deadline_s=60.0, **sender_kw):
+    """Like run_sync, but returns (the sender's exception or stats, [each receiver's exception or result]); a
+    receiver is fn(group) and is named "engine-R"."""
+    store = host_store("127.0.0.1:0", len(receivers) + 1, 60)
+    addr = f"tcp://127.0.0.1:{store.port}"
+    out = [None] * len(receivers)
+    kw = dict(timeout_s=60, deadline_s=deadline_s, min_bytes_per_s=1e9)
+
+    def run(i, fn):
+        try:
+            out[i] = fn(connect(addr, i + 1, len(receivers) + 1, "cpu", name=f"engine-{i + 1}", **kw))
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, fn), daemon=True) for i, fn in enumerate(receivers)]
+    for t in threads:
+        t.start()
+    try:
+        sent = WeightSender(sender_model, connect(addr, 0, len(receivers) + 1, "cpu", store=store, **kw),
+                            **sender_kw).sync()
+    except BaseException as e:  # noqa: BLE001 - returned to the test
+        sent = e
+    for t in threads:
+        t.join(5)
+    return sent, out
+
+
+def test_a_receiver_whose_model_differs_refuses_before_any_weight_moves():
+    """Shapes (one more expert row) or names (a layer the sender lacks) that differ: every member learns it from
+    the header, the trainer's error names the receiver and the tensor, and no receiver's weights change."""
+    src = tiny_model()
+    same, other, deeper = (tiny_model(lora=False, seed=9, **kw) for kw in ({}, {"moe_intermediate_size": 48},
+                                                                           {"num_hidden_layers": 2}))
+    before = {id(m): {k: v.clone() for k, v in m.state_dict().items()} for m in (same, other, deeper)}
+    consumed = []
+
+    def counting(model):
+        updater = moetune.sync.ModelUpdater(model)
+
+        class Consumer:
+            check = staticmethod(updater.check)
+
+            def __call__(self, bucket):
+                consumed.append(bucket)
+                updater(bucket)
+        return lambda g: receive(g, Consumer())
+
+    sent, (a, b, c) = _sync_with([counting(same), counting(other), counting(deeper)], src, format="bf16")
+    assert isinstance(sent, SyncRefused), sent
+    assert "engine-2 (sync rank 2" in str(sent) and "model.layers.1.mlp.shared_experts.gate_proj.weight [96, 128]: this model's is [48, 128]" in str(sent)
+    assert "engine-3 (sync rank 3" in str(sent) and "model.layers.2" in str(sent) and "engine-1" not in str(sent)
+    assert isinstance(a, SyncRefused) and "called off by the trainer" in str(a)
+    assert isinstance(b, SyncRefused) and "refused by this receiver (engine-2" in str(b)
+    assert consumed == []
+    for m in (same, other, deeper):
+        assert all(torch.equal(v, before[id(m)][k]) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("when", ["never calls in", "stops mid-sync"])
+def test_a_receiver_that_stops_answering_is_named_not_waited_for(when):
+    """Issue 22: a gone receiver blocked the trainer for the group's 30 minutes. Now every wait ends at the
+    deadline (here 1 s + the bytes at 1 GB/s) with the receiver's name."""
+    src, dst = tiny_model(), tiny_model(lora=False, seed=3)
+    stuck = threading.Event()
+
+    def gone(group):
+        if when == "never calls in":
+            stuck.wait(30)
+            return None
+        updater = moetune.sync.ModelUpdater(dst)
+        return receive(group, lambda bucket: (updater(bucket), stuck.wait(30)))  # hangs in its first bucket
+
+    try:
+        sent, (result,) = _sync_with([gone], src, deadline_s=1.0, format="bf16", bucket_bytes=48 << 10)
+    finally:
+        stuck.set()
+    assert isinstance(sent, SyncTimeout), sent
+    msg = str(sent)
+    assert "engine-1 (sync rank 1, host " in msg and "did not answer within" in msg, msg
+    if when == "never calls in":
+        assert "header" in msg, msg
+    else:
+        assert "bucket" in msg or "confirming it received the whole sync" in msg, msg

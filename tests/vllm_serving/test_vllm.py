@@ -3,8 +3,10 @@ attention, the shared expert and the routed experts (random-init base, so no dow
 
 (a) vLLM serves `moetune export merged` and its prompt logprobs equal moetune's base + adapter (1e-4);
 (b) vLLM's add_lora accepts the `--format vllm` adapter and rejects a tampered one (a key naming no module);
-(c) MoetuneWorkerExtension receives a sync from a trainer process (gloo) and vLLM's logprobs then equal the
-    trainer's merged model's as sent (bf16 on the wire).
+(c) vLLM's own weight-transfer API with moetune's backend (sync/vllm_engine.py): after a sync vLLM's logprobs equal
+    the trainer's merged model's (fp32 wire); a model that differs is refused, a gone engine named at the deadline;
+(d) the same through a running `vllm serve`'s HTTP routes.
+    (The MoetuneWorkerExtension path is tested on the MLA family, test_vllm_family.py.)
 
 Not covered, because vLLM cannot: a forward *with* a LoRA adapter on the MoE layer fails on the CPU (vLLM forces
 its Triton MoE-LoRA kernel, which has no CPU backend), so served-adapter logprobs are not compared here.
@@ -113,7 +115,69 @@ def sync_into_vllm(run, ids, **check_args):
     return torch.tensor(got["before"]), torch.tensor(got["after"]), want
 
 
-def test_weight_sync_into_vllm_equals_the_trainers_merged_model(run, ids):
-    before, after, want = sync_into_vllm(run, ids)
+def test_vllms_weight_transfer_api_with_moetunes_backend(run, ids):
+    """vLLM's own API (WeightTransferTrainerFactory / weight_transfer_config, the "moetune" backend): after a sync
+    (fp32, LoRA merged) vLLM's logprobs are the trainer's; a trainer whose model differs is refused, naming vLLM's
+    worker and a tensor, before any weight moves; an engine that stops answering is named at the deadline."""
+    r = check("transfer", base=str(run / "base"), adapter=str(run / "adapter"), ids=ids)
+    before, after, want = (torch.tensor(r[k]) for k in ("before", "after", "trainer"))
     assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
-    assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's
+    assert (after - want).abs().max().item() <= 1e-5, (after - want).abs().max().item()  # ...into the trainer's
+    assert r["stats"]["format"] == "fp32" and r["stats"]["peak_alloc"] <= r["stats"]["bound"]
+    assert r["refused"] is not None and r["refused"].startswith("SyncRefused"), r["refused"]
+    assert "vLLM worker 0 (sync rank 1" in r["refused"] and "mlp.experts.0.gate_proj.weight" in r["refused"]
+    assert torch.equal(torch.tensor(r["after_refusal"]), after)
+    assert r["timeout"] is not None and r["timeout"].startswith("SyncTimeout"), r["timeout"]
+    assert "vLLM worker 0 (sync rank 1" in r["timeout"] and "did not answer within" in r["timeout"]
+
+
+def test_a_running_vllm_server_is_updated_through_its_http_routes(run, ids, tmp_path):
+    """`vllm serve` with moetune's backend (registered in its worker process by the worker extension's import),
+    driven by vLLM's HTTPVLLMWeightSyncClient: after one sync its prompt logprobs are the trainer's."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")  # dev mode: the RL routes
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(run / "base"), "--dtype",
+         "float32", "--max-model-len", "256", "--enforce-eager", "--port", str(port),
+         "--weight-transfer-config", '{"backend": "moetune"}',
+         "--worker-extension-cls", "moetune.sync.vllm.MoetuneWorkerExtension"], stdout=log, stderr=log, env=env)
+    try:
+        r = python("http_trainer.py", url, str(run / "base"), str(run / "adapter"), json.dumps(ids), timeout=300)
+    finally:
+        server.terminate()
+        server.wait(60)
+    before, after, want = (torch.tensor(r[k]) for k in ("before", "after", "trainer"))
+    assert (before - want).abs().max().item() > 1e-3
+    assert (after - want).abs().max().item() <= 1e-5, (after - want).abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_moetune_source_is_a_weight_source_vllms_own_engines_accept(run, fmt):
+    """MoetuneSource as vLLM's WeightSource: vLLM's NCCL engine's own check (_checked_iter) finds iteration equal to
+    metadata() name by name, dtype and shape; the layer groups are vLLM's layerwise_groups; the tensors are the
+    merged weights (bf16: bit-exact against a whole-tensor merge; fp8: experts with their block scales)."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from moetune.sync.vllm_engine import MoetuneSource
+
+    model = moetune.load_model(str(run / "base"), dtype="float32", adapter=str(run / "adapter"))
+    source = MoetuneSource(model, fmt, bucket_bytes=64 << 10)
+    meta = source.metadata()
+    got = {n: t.clone() for n, t in NCCLTrainerWeightTransferEngine._checked_iter(source, meta)}
+    assert list(got) == [m.name for m in meta] and len(source.groups()) == len(layerwise_groups(list(got)))
+    merged = moetune.load_model(str(run.parent.parent / "merged"), dtype="float32")
+    params = dict(merged.named_parameters())
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert torch.equal(got[q], params[q].to(torch.bfloat16))
+    e = "model.layers.1.mlp.experts.3.down_proj.weight"
+    want = params["model.layers.1.mlp.experts.down_proj"][3]
+    if fmt == "bf16":
+        assert torch.equal(got[e], want.to(torch.bfloat16))
+    else:
+        from moetune.sync.fp8 import FP8, dequantize
+
+        assert got[e].dtype == FP8 and got[e + "_scale_inv"].dtype == torch.float32
+        torch.testing.assert_close(dequantize(got[e], got[e + "_scale_inv"]), want, rtol=0.07, atol=1e-3)

@@ -5,6 +5,9 @@ JSON line `RESULT {...}`. The `__main__` guard is needed: vLLM may start helper 
     lora      start from the base with LoRA enabled; add_lora each adapter dir: accepted or the error
     sync      start from the base, join moetune's weight sync through MoetuneWorkerExtension, receive one sync;
               prompt logprobs of `ids` before and after
+    transfer  vLLM's own weight-transfer API with the "moetune" backend, trainer and engine in this process: the
+              run's base + adapter synced (fp32, LoRA merged); then a trainer whose model differs (refused) and an
+              engine that stops answering (a timeout naming it)
 """
 
 import json
@@ -62,7 +65,59 @@ def sync(a):
     return {"before": before, "after": prompt_logprobs(llm, a["ids"]), "stats": stats}
 
 
+def transfer(a):
+    import torch
+
+    import moetune
+    from moetune.model.build import build_model
+    from moetune.model.config import ModelConfig
+    from moetune.sync.vllm_engine import LLMClient, MoetuneSource, MoetuneTrainerInitInfo
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    llm = _llm(a["base"], weight_transfer_config={"backend": "moetune"})
+    client = LLMClient(llm)
+    out = {"before": prompt_logprobs(llm, a["ids"])}
+
+    def engine(model, client=client, **kw):
+        info = MoetuneTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=0, world_size=2, **kw)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=MoetuneSource(model, "fp32"))
+
+    trainer = moetune.load_model(a["base"], dtype="float32", adapter=a["adapter"])
+    with torch.no_grad():
+        lp = torch.log_softmax(trainer(torch.tensor([a["ids"]]))[0], -1)
+    out["trainer"] = [lp[t - 1, a["ids"][t]].item() for t in range(1, len(a["ids"]))]
+    first = engine(trainer)
+    out["stats"] = {k: v for k, v in first.send_weights().items() if isinstance(v, (int, float, str))}
+    out["after"] = prompt_logprobs(llm, a["ids"])
+    client.shutdown_weight_transfer_engine()
+
+    # a trainer whose model differs: refused before any weight moves, the engine's weights untouched
+    cfg = json.load(open(os.path.join(a["base"], "config.json")))
+    other = build_model(ModelConfig.from_hf_dict(dict(cfg, moe_intermediate_size=2 * cfg["moe_intermediate_size"])),
+                        "cpu").float()
+    try:
+        engine(other).send_weights()
+        out["refused"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["refused"] = f"{type(e).__name__}: {e}"
+    out["after_refusal"] = prompt_logprobs(llm, a["ids"])
+    client.shutdown_weight_transfer_engine()
+
+    # an engine that stops answering: its update_weights never runs
+    class Gone(LLMClient):
+        def update_weights(self, update_info):
+            pass  # the RPC never reaches the engine
+
+    gone = engine(trainer, client=Gone(llm), deadline_s=2.0)
+    try:
+        gone.send_weights()
+        out["timeout"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["timeout"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 if __name__ == "__main__":
     check, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"serve": serve, "lora": lora, "sync": sync}[check](args)
+    result = {"serve": serve, "lora": lora, "sync": sync, "transfer": transfer}[check](args)
     print("RESULT " + json.dumps(result), flush=True)

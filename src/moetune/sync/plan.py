@@ -29,6 +29,7 @@ from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket,
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # full link speed, fine pipelining (raised to the largest tensor, see above)
 MAX_EXPERTS_PER_UNIT = 32
+FORMATS = ("bf16", "fp8", "fp32")
 _KEEP_FP32 = ("e_score_correction_bias",)  # as the hub checkpoints store it
 
 
@@ -113,15 +114,17 @@ def _group_key(name: str):
 
 def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, bucket_bytes: int | None = None,
                max_experts_per_unit: int = MAX_EXPERTS_PER_UNIT) -> Plan:
-    """fmt: "bf16" | "fp8" (routed experts in fp8, the rest bf16); lora: "merge" | "adapter" | "base"."""
-    if fmt not in ("bf16", "fp8"):
-        raise ValueError(f"weight sync format {fmt!r}: choose bf16 or fp8")
+    """fmt: "bf16" | "fp8" (routed experts in fp8, the rest bf16) | "fp32" (everything fp32: an fp32 engine, tests);
+    lora: "merge" | "adapter" | "base"."""
+    if fmt not in FORMATS:
+        raise ValueError(f"weight sync format {fmt!r}: choose {', '.join(FORMATS)}")
     if lora not in ("merge", "adapter", "base"):
         raise ValueError(f"lora {lora!r}: choose merge (send W + s·B·A), adapter (only the LoRA tensors) or base")
     linear_lora, expert_lora = lora_sources(model)
     if lora == "adapter" and not (linear_lora or expert_lora):
         raise ValueError("lora='adapter' but the model carries no LoRA")
     merge = lora == "merge"
+    float_dtype = "float32" if fmt == "fp32" else "bfloat16"
 
     # pass 1: tensors by group, experts as (prefix, E, I, H) until the unit size is known
     groups: dict = {}
@@ -137,9 +140,9 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
                 items.append((m.group(1), E, twoI // 2, H))
             continue
         keep = name.endswith(_KEEP_FP32) or not t.is_floating_point() or is_lora
-        dtype = dtype_name(t.dtype) if keep else "bfloat16"
+        dtype = dtype_name(t.dtype) if keep else float_dtype
         items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None))
-    expert_dtype = "float8_e4m3fn" if fmt == "fp8" else "bfloat16"
+    expert_dtype = "float8_e4m3fn" if fmt == "fp8" else float_dtype
 
     def size(item):
         if isinstance(item, TensorUnit):

@@ -17,15 +17,27 @@ from typing import Callable
 import torch
 
 from moetune.sync.fp8 import dequantize
-from moetune.sync.group import SyncGroup
+from moetune.sync.group import SyncGroup, SyncRefused
 from moetune.sync.wire import Bucket
 
 
 def receive(group: SyncGroup, consume: Callable[[Bucket], None]) -> dict:
     """Receive one sync and call consume(bucket) for each bucket, in order. Returns {"format", "bytes", "buckets",
-    "seconds"}."""
+    "seconds"}. A consumer with a `check(header) -> str | None` method answers the header first: a reason (its
+    model differs) refuses the sync before any weight is sent, on every member (SyncRefused)."""
     t0 = time.perf_counter()
+    group.syncs += 1
     header = group.recv_header()
+    check = getattr(consume, "check", None)
+    reason = check(header) if check is not None else None
+    group.post("verdict", reason or "ok")
+    go = group.collect("go", [0], 0, "deciding whether the sync goes on")[0]
+    if reason:
+        raise SyncRefused(f"weight sync refused by this receiver ({group.member(group.rank)}) before any weight "
+                          f"was sent: {reason}")
+    if go != "ok":
+        raise SyncRefused("weight sync called off by the trainer before any weight was sent: another receiver "
+                          "refused it (the trainer's error names it)")
     metas = header["buckets"]
     ring = [torch.empty(max(m["nbytes"] for m in metas), dtype=torch.uint8, device=group.device)
             for _ in range(min(2, len(metas)))]
@@ -37,12 +49,13 @@ def receive(group: SyncGroup, consume: Callable[[Bucket], None]) -> dict:
     for k in range(len(ring)):
         post(k)
     for k, meta in enumerate(metas):
-        pending.pop(k).wait()
+        group.wait(pending.pop(k), meta["nbytes"], f"sending bucket {k + 1} of {len(metas)}", peers=[0])
         consume(Bucket(meta, ring[k % len(ring)][: meta["nbytes"]], header["format"]))
         if k + len(ring) < len(metas):
             post(k + len(ring))  # on CUDA it waits, on its stream, for the copies consume() just queued
     if group.device.type == "cuda":
         torch.cuda.current_stream(group.device).synchronize()
+    group.post("done", "ok")
     return {"format": header["format"], "bytes": sum(m["nbytes"] for m in metas), "buckets": len(metas),
             "seconds": time.perf_counter() - t0}
 
@@ -60,6 +73,29 @@ class ModelUpdater:
     def __init__(self, model):
         self.targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self.updated: set[str] = set()
+
+    def check(self, header: dict) -> str | None:
+        """Why this model cannot take the sync described by `header` (None: it can)."""
+        problems = []
+        for meta in header["buckets"]:
+            for name, _, shape, _ in meta["tensors"]:
+                t = self.targets.get(name)
+                if t is None or tuple(t.shape) != tuple(shape):
+                    problems.append(f"{name} {list(shape)}: " + ("not in this model" if t is None else
+                                                                f"this model's is {list(t.shape)}"))
+            sec = meta["experts"]
+            if sec:
+                want = {"gate_up_proj": (2 * sec["I"], sec["H"]), "down_proj": (sec["H"], sec["I"])}
+                for proj, shape in want.items():
+                    t = self.targets.get(f"{sec['prefix']}.{proj}")
+                    if t is None or tuple(t.shape[1:]) != shape or t.shape[0] < sec["first"] + sec["count"]:
+                        problems.append(f"{sec['prefix']}.{proj} experts {sec['first']}..{sec['first'] + sec['count'] - 1}"
+                                        f" of {list(shape)}: " + ("not in this model" if t is None else
+                                                                  f"this model's is {list(t.shape)}"))
+        if not problems:
+            return None
+        return (f"the sync's model differs from this one in {len(problems)} tensors: " + "; ".join(problems[:3])
+                + (" ..." if len(problems) > 3 else ""))
 
     def _target(self, name: str, shape) -> torch.Tensor:
         t = self.targets.get(name)

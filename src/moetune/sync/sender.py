@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from moetune.sync.alloc import Allocations
 from moetune.sync.fp8 import quantize_
-from moetune.sync.group import SyncGroup
+from moetune.sync.group import SyncGroup, SyncRefused
 from moetune.sync.plan import MAX_EXPERTS_PER_UNIT, ExpertUnit, Plan, build_plan, staging_rows
 from moetune.sync.shards import ShardMap, local_tensor
 from moetune.sync.wire import Bucket, dtype_name, encode_header
@@ -47,8 +47,9 @@ def _reshard(model) -> None:
 class WeightSender:
     def __init__(self, model, group: SyncGroup | None, format: str = "bf16", lora: str = "merge",
                  train_group="default", root: int = 0, bucket_bytes: int | None = None,
-                 max_experts_per_unit: int = MAX_EXPERTS_PER_UNIT, fused_kernels: bool = True):
+                 max_experts_per_unit: int = MAX_EXPERTS_PER_UNIT, fused_kernels: bool = True, device=None):
         """group: the sync group on the sending rank (training rank `root`), None on the other training ranks.
+        device: without a group, where `buckets()` produces (a WeightSource over this sender, vllm_engine.py).
         train_group: the training process group whose ranks hold the shards ("default": torch.distributed's
         world when initialised, else none: a single process). fused_kernels: use kernels.py on CUDA."""
         if train_group == "default":
@@ -57,18 +58,51 @@ class WeightSender:
         self.train_group, self.root = train_group, root
         self.bucket_bytes, self.max_experts_per_unit = bucket_bytes, max_experts_per_unit
         self.is_root = (dist.get_rank(train_group) if train_group is not None else 0) == root
-        if self.is_root and group is None:
+        if self.is_root and group is None and device is None:
             raise ValueError("the sending rank needs the sync group: pass group=connect(address, 0, world_size)")
+        self.device = torch.device(device) if device is not None else None
         self.mem = Allocations()
         self.plan: Plan | None = None
         self.kernels = None
-        if fused_kernels and self.is_root and group.device.type == "cuda":
+        if fused_kernels and self.is_root and self._device(group).type == "cuda" and format != "fp32":
             try:
                 from moetune.sync import kernels as _kernels
                 self.kernels = _kernels
             except ImportError:  # no Triton: the torch path, slower to pack but the same wire
                 pass
         self._signature = None
+
+    def _device(self, group) -> torch.device:
+        return group.device if group is not None else self.device
+
+    def metadata(self) -> dict:
+        """The header the next sync sends (names, dtypes, shapes of every bucket), without sending anything. Every
+        training rank calls it (the plan is agreed on by all)."""
+        _reshard(self.model)
+        tensors = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        device = self._device(self.group) if self.is_root else local_tensor(next(iter(tensors.values()))).device
+        self._prepare(tensors, device)
+        return self.plan.header
+
+    @torch.no_grad()
+    def buckets(self, before_reuse=None):
+        """Produce the model bucket by bucket (every training rank; call metadata() first): yields each Bucket on
+        the sending rank (None on the others, which only take part in the gathers). A bucket's tensors are valid
+        until the next but one is produced: two ring slots are the memory bound. before_reuse(slot) runs before a
+        slot is overwritten (sync: wait for its broadcast)."""
+        plan = self.plan
+        self.mem.reset()
+        ring = [self.mem.empty(max(b.meta["nbytes"] for b in plan.buckets), torch.uint8, self.shards.device)
+                for _ in range(min(2, len(plan.buckets)))] if self.is_root else []
+        for k, b in enumerate(plan.buckets):
+            bucket = None
+            if ring:
+                if before_reuse is not None:
+                    before_reuse(k % len(ring))
+                bucket = Bucket(b.meta, ring[k % len(ring)][: b.meta["nbytes"]], plan.header["format"])
+            for u in b.units:
+                self._produce(u, bucket)
+            yield bucket
 
     def _prepare(self, tensors: dict, device) -> None:
         """The shard map and the plan, rebuilt only when a name, shape, dtype or placement changed (on any rank):
@@ -91,42 +125,68 @@ class WeightSender:
 
     @torch.no_grad()
     def sync(self) -> dict:
-        """Stream the model once. Returns {"bytes", "buckets", "seconds", "peak_alloc", "bound", ...}."""
-        t0 = time.perf_counter()
-        _reshard(self.model)
-        tensors = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        device = self.group.device if self.is_root else local_tensor(next(iter(tensors.values()))).device
-        self.mem.reset()
-        self._prepare(tensors, device)
-        plan = self.plan
-        if not self.is_root:
-            for b in plan.buckets:
-                for u in b.units:
-                    self._produce(u, None)
-            return {"bytes": 0, "buckets": len(plan.buckets), "seconds": time.perf_counter() - t0}
+        """Stream the model once. Returns {"bytes", "buckets", "seconds", "peak_alloc", "bound", ...}.
 
-        self.group.send_header(self.mem.track(self._header.to(device)))
-        ring = [self.mem.empty(max(b.meta["nbytes"] for b in plan.buckets), torch.uint8, device)
-                for _ in range(min(2, len(plan.buckets)))]
-        in_flight = [None] * len(ring)
-        for k, b in enumerate(plan.buckets):
-            slot = k % len(ring)
+        Before any weight moves, every receiver checks the header (names, shapes, format) against its model and
+        answers; one refusal stops the sync on every rank (SyncRefused, naming the receiver and what differs).
+        Every wait is bounded (group.deadline: a fixed part plus the bytes at the slowest expected rate); a
+        receiver that does not answer in time is named (SyncTimeout) instead of blocking the trainer."""
+        t0 = time.perf_counter()
+        header = self.metadata()
+        refusal = self._header_round() if self.is_root else None
+        self._agree(refusal)
+        if not self.is_root:
+            for _ in self.buckets():
+                pass
+            return {"bytes": 0, "buckets": len(self.plan.buckets), "seconds": time.perf_counter() - t0}
+
+        group, n = self.group, len(header["buckets"])
+        in_flight = [None, None]
+
+        def before_reuse(slot):  # on CUDA: the producing stream waits, the host runs ahead
             if in_flight[slot] is not None:
-                in_flight[slot].wait()  # on CUDA: the producing stream waits, the host runs ahead
-            bucket = Bucket(b.meta, ring[slot][: b.meta["nbytes"]], plan.header["format"])
-            for u in b.units:
-                self._produce(u, bucket)
-            in_flight[slot] = self.group.broadcast(bucket.buf)
+                group.wait(*in_flight[slot])
+
+        for k, bucket in enumerate(self.buckets(before_reuse)):
+            in_flight[k % 2] = (group.broadcast(bucket.buf), bucket.meta["nbytes"], f"taking bucket {k + 1} of {n}")
         for work in in_flight:
             if work is not None:
-                work.wait()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        del ring, bucket
+                group.wait(*work)
+        if group.device.type == "cuda":
+            torch.cuda.current_stream(group.device).synchronize()
+        plan = self.plan
+        # the broadcasts may have completed on the sender's side while a receiver still reads: its word that it has
+        # everything ends the sync
+        group.collect("done", range(1, group.size), plan.wire_bytes, "confirming it received the whole sync")
         return {"format": plan.header["format"], "bytes": plan.wire_bytes, "buckets": len(plan.buckets),
                 "seconds": time.perf_counter() - t0, "peak_alloc": self.mem.peak, "bound": plan.bound,
                 "largest_group": plan.largest_group, "expert_bf16": plan.expert_bf16,
                 "experts_per_unit": plan.experts_per_unit, "bucket": plan.bucket, "fused": self.kernels is not None}
+
+    def _header_round(self) -> str | None:
+        """The sending rank: send the header, collect every receiver's answer, tell them all whether the sync goes
+        on. Returns the refusal (None: it goes on)."""
+        group = self.group
+        group.syncs += 1
+        group.send_header(self.mem.track(self._header.to(group.device)))
+        answers = group.collect("verdict", range(1, group.size), self._header.numel(), "checking the header")
+        refused = {r: v for r, v in sorted(answers.items()) if v != "ok"}
+        group.post("go", "ok" if not refused else "refused")
+        if not refused:
+            return None
+        return "; ".join(f"{group.member(r)} refused it: {v}" for r, v in refused.items())
+
+    def _agree(self, refusal: str | None) -> None:
+        """Every training rank learns the sending rank's outcome (the others would otherwise wait in gathers the
+        sender never starts)."""
+        flag = 1 if refusal else 0
+        if self.train_group is not None and dist.get_world_size(self.train_group) > 1:
+            t = torch.tensor([flag], device=self.shards.device if dist.get_backend(self.train_group) == "nccl" else "cpu")
+            dist.broadcast(t, group_src=self.root, group=self.train_group)
+            flag = int(t.item())
+        if flag:
+            raise SyncRefused("weight sync refused before any weight was sent: " + (
+                refusal or f"a receiver refused it (training rank {self.root}'s error names it)"))
 
     # -------------------------------------------------------------------------------------------- producing
     def _produce(self, u, bucket: Bucket | None) -> None:

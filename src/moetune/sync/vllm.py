@@ -1,4 +1,10 @@
-"""A vLLM worker extension that receives weight syncs into a running engine.
+"""vLLM's side of a weight sync through a worker extension (collective_rpc), and what it shares with the "moetune"
+weight-transfer backend (vllm_engine.py: vLLM's own API, the way to sync from now on).
+
+The extension stays for two uses: the `collective_rpc` recipe below (the README's), and `vllm serve`, whose worker
+processes import this module through `--worker-extension-cls moetune.sync.vllm.MoetuneWorkerExtension`, which
+registers the "moetune" backend there (vLLM's factories are per process); then `--weight-transfer-config
+'{"backend": "moetune"}'` and the HTTP routes drive syncs.
 
     llm = LLM(model=..., worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
     llm.collective_rpc("init_weight_sync", args=("tcp://trainer0:29600", 1, 1 + n_workers))
@@ -20,22 +26,7 @@ from __future__ import annotations
 
 from moetune.sync.group import connect
 from moetune.sync.receiver import receive
-from moetune.sync.wire import Bucket
-
-
-def load_weights_consumer(model, copy: bool = False):
-    """consume(bucket) that hands the bucket's (HF name, tensor) pairs to model.load_weights. copy: hand over copies,
-    for a loader that keeps tensors past the call (the bucket's memory is reused for a later bucket)."""
-
-    def consume(bucket: Bucket) -> None:
-        if bucket.format == "adapter":
-            raise ValueError("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync "
-                             "merged weights (lora='merge') or serve the adapter "
-                             "(`moetune export adapter --format vllm`)")
-        tensors = bucket.tensors()
-        model.load_weights(weights=[(n, t.clone()) for n, t in tensors] if copy else tensors)
-
-    return consume
+from moetune.sync.vllm_load import load_weights_consumer, repack_cpu_experts  # noqa: F401  (load_weights_consumer: re-exported)
 
 
 def _layerwise_reload():
@@ -44,18 +35,6 @@ def _layerwise_reload():
     except ImportError:
         return None
     return initialize_layerwise_reload, finalize_layerwise_reload
-
-
-def _repack_cpu_experts(model) -> None:
-    """vLLM's CPU MoE backend packs the expert weights into its grouped-GEMM layout once, when the model loads; a
-    weight update skips that step (vLLM 0.32, UnquantizedFusedMoEMethod._setup_kernel runs the experts' own
-    process_weights_after_loading on the first call only), which leaves plain weights where the kernel reads packed
-    ones. Pack them again. GPU backends read the weights as loaded: nothing to do there."""
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__name__.startswith("CPU"):
-            experts.process_weights_after_loading(module)
 
 
 class WeightSyncExtension:
@@ -83,10 +62,21 @@ class WeightSyncExtension:
             return receive(self._moetune_sync, load_weights_consumer(model, copy=True))
         finally:
             finalize(model, self.model_runner.model_config)
-            _repack_cpu_experts(model)
+            repack_cpu_experts(model)
 
     def close_weight_sync(self) -> None:
         self._moetune_sync.close()
 
 
 MoetuneWorkerExtension = WeightSyncExtension  # the name the README gives
+
+
+def _register_backend() -> None:
+    """Where vLLM is installed, importing this module registers the "moetune" weight-transfer backend."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        import moetune.sync.vllm_engine  # noqa: F401  (registers on import)
+
+
+_register_backend()

@@ -132,6 +132,43 @@ class ExpertSlabs:
         return out
 
 
+def manifest(header: dict) -> dict[str, tuple]:
+    """{HF name: (shape, wire dtype)} of every tensor a sync carries, in the order `Bucket.tensors` yields them
+    (experts one by one), read from the header alone: what a receiver checks before any weight moves."""
+    out = {}
+    for meta in header["buckets"]:
+        for name, dtype, shape, _ in meta["tensors"]:
+            out[name] = (tuple(shape), dtype)
+        sec = meta["experts"]
+        if sec:
+            I, H, dtype, fp8 = sec["I"], sec["H"], sec["dtype"], sec["dtype"] == "float8_e4m3fn"
+            for e in range(sec["first"], sec["first"] + sec["count"]):
+                p = f"{sec['prefix']}.{e}"
+                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                    out[f"{p}.{proj}.weight"] = (shape, dtype)
+                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))) if fp8 else ():
+                    out[f"{p}.{proj}.weight_scale_inv"] = (scale_shape(*shape), "float32")
+    return out
+
+
+def compare_manifests(sent: dict, expected: dict, limit: int = 3) -> str | None:
+    """None when `sent` names exactly the tensors of `expected` with the same shapes (manifests: dtypes may differ,
+    the receiver casts), else what differs (the first `limit` of each kind)."""
+    def first(items):
+        items = sorted(items)
+        return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+    problems = []
+    if unknown := [n for n in sent if n not in expected]:
+        problems.append(f"{len(unknown)} tensors it does not have ({first(unknown)})")
+    if shapes := [f"{n} {list(sent[n][0])} (its own {list(expected[n][0])})" for n in sent
+                  if n in expected and tuple(sent[n][0]) != tuple(expected[n][0])]:
+        problems.append(f"{len(shapes)} of other shapes ({first(shapes)})")
+    if missing := [n for n in expected if n not in sent]:
+        problems.append(f"{len(missing)} of its tensors not in the sync ({first(missing)})")
+    return "the sync's model differs from this one: " + "; ".join(problems) if problems else None
+
+
 class Bucket:
     """One bucket's buffer seen through its metadata: the sender writes into these views, receivers read them."""
 

