@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moetune.model.quant.modules import fp8_weights, scale_name
 from moetune.sync.alloc import Allocations
 from moetune.sync.fp8 import quantize_
 from moetune.sync.group import SyncGroup, SyncRefused
@@ -116,9 +117,12 @@ class WeightSender:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.train_group)  # all rebuild, or none
             changed = bool(flag.item())
         if changed:
-            self.shards = ShardMap(tensors, self.train_group, self.root, device, self.mem)
-            self.plan = build_plan(self.model, tensors, self.format, self.lora, self.bucket_bytes,
-                                   self.max_experts_per_unit)
+            # an fp8 base: its weights travel dequantised (then in the wire's format), its scales not at all
+            fp8 = {w: (scale_name(w, q), q) for w, q in fp8_weights(self.model)}
+            scales = {s for s, _ in fp8.values()}
+            self.shards = ShardMap(tensors, self.train_group, self.root, device, self.mem, fp8)
+            self.plan = build_plan(self.model, {n: t for n, t in tensors.items() if n not in scales}, self.format,
+                                   self.lora, self.bucket_bytes, self.max_experts_per_unit)
             self._header = encode_header(self.plan.header, "cpu")
             self._signature = sig
         self.shards.tensors = tensors  # FSDP may have swapped the parameter objects; their boxes are the same
@@ -212,7 +216,8 @@ class WeightSender:
         rank = self.shards.tensors[A_name].shape[0] if u.lora else 0
         step = rows  # a copy as it is: whole, received straight into the bucket
         if u.lora or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
-            step = staging_rows(self.plan.staging_budget, math.prod(u.shape[1:]), src.element_size(), rank)
+            itemsize = 4 if u.src in self.shards.fp8 else src.element_size()  # an fp8 weight is staged dequantised
+            step = staging_rows(self.plan.staging_budget, math.prod(u.shape[1:]), itemsize, rank)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             part = dst[r0:r1] if dst is not None else None

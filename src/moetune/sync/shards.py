@@ -17,6 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from moetune.model.quant.fp8 import expand_block_scale
 from moetune.sync.alloc import Allocations
 from moetune.tensors import local_box, local_tensor  # noqa: F401  (re-exported)
 
@@ -25,8 +26,10 @@ class ShardMap:
     """Where every piece of `tensors` lives across the training group. Collective: every rank constructs it."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], group=None, root: int = 0, device=None,
-                 mem: Allocations | None = None):
+                 mem: Allocations | None = None, fp8: dict | None = None):
+        """`fp8`: {fp8 weight: (its scale's name, Fp8Scheme)} of an fp8 base, whose rows are gathered dequantised."""
         self.tensors, self.group, self.root = tensors, group, root
+        self.fp8 = fp8 or {}
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.device = torch.device(device) if device is not None else None
@@ -68,7 +71,32 @@ class ShardMap:
 
     def gather(self, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """Rows lo:hi of `name`, whole, on the sending rank (None elsewhere). Into `out` when given (cast to its
-        dtype), else a view of the sender's own shard when that holds them all, else a new buffer (counted)."""
+        dtype), else a view of the sender's own shard when that holds them all, else a new buffer (counted). An fp8
+        weight's rows come dequantised (fp32) with its scales' rows: the wire carries the weights the model computes
+        with."""
+        if name in self.fp8:
+            return self._gather_dequantised(name, lo, hi, out)
+        return self._gather(name, lo, hi, out)
+
+    def _gather_dequantised(self, name: str, lo: int, hi: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        scale_name, scheme = self.fp8[name]
+        q = self._gather(name, lo, hi)
+        block_rows = scheme.block is not None and self.tensors[name].dim() == 2  # an expert stack's rows are experts
+        b0 = scheme.block[0] if block_rows else 1
+        s = self._gather(scale_name, lo // b0, -(-hi // b0))
+        if q is None:
+            return None
+        if block_rows:  # the block rows covering lo:hi, then the rows asked for
+            s = expand_block_scale(s, ((-(-hi // b0) - lo // b0) * b0, q.shape[1]), scheme.block)
+            w = self.mem.track(q.float() * s[lo - lo // b0 * b0:][: hi - lo])
+        else:
+            w = self.mem.track(scheme.dequantize(q, s))
+        if out is None:
+            return w
+        out.copy_(w)
+        return out
+
+    def _gather(self, name: str, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         pieces = self.pieces(name, lo, hi)
         if not self.is_root:
             for r, idx in pieces:
