@@ -42,7 +42,7 @@ def timed(fn, reps=20):
 
 
 def main():
-    from moetune.model.moe import experts_forward
+    from moetune.model.experts import experts_forward
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -118,7 +118,7 @@ def speed():
     """Each GEMM of a frozen layer (forward, input gradient) at Air's shapes, every candidate compiled (so the
     activation quantisation fuses as in the compiled model): bf16, fp8 (dgrad with and without fast accumulation),
     and the just-in-time dequantised bf16 product; the weight transpose alone."""
-    from moetune.model.moe import _grouped_mm
+    from moetune.model.experts import _grouped_mm
     from moetune.model.quant.fp8 import quantize_rows
     from moetune.model.quant.matmul import _gmm_dgrad, _gmm_fwd, _mm_dgrad, _mm_fwd
 

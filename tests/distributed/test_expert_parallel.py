@@ -122,7 +122,7 @@ def _buffers_worker(rank, port):
     import weakref
 
     import moetune.model.expert_parallel as ep_module
-    import moetune.model.moe as moe_module
+    import moetune.model.experts as moe_module
     from moetune.parallel.apply import shard_experts
 
     mesh = _ep_mesh(rank, port, WORLD)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model.loss import linear_cross_entropy
-from moetune.model.moe import grouped_linear, permute, unpermute
+from moetune.model.experts import grouped_linear, permute, unpermute
 
 
 def test_fused_linear_cross_entropy_matches_plain():
@@ -144,7 +144,7 @@ def test_activation_checkpointing_per_layer_errors_name_the_key(spec, message):
 def test_weighted_swiglu_backward_equals_autograd(dtype):
     """The eager hand-written backward (kept memory: h and the weights only) gives autograd's gradients."""
     from moetune.model.kernels import swiglu
-    from moetune.model.moe import _WeightedSwiGLU
+    from moetune.model.experts import _WeightedSwiGLU
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 2 * 24, generator=g).to(dtype).requires_grad_()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.model.kernels import bag_sum
-from moetune.model.moe import count_values
+from moetune.model.experts import count_values
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
 

@@ -22,7 +22,7 @@ from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy
 from moetune.names import LOSS_CHUNK_TOKENS
-from moetune.model.moe import experts_forward, permute, unpermute
+from moetune.model.experts import experts_forward, permute, unpermute
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name
 from moetune.model.recompute import recompute, split_modes
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.model.moe import grouped_linear
+from moetune.model.experts import grouped_linear
 from moetune.model.quant.modules import Fp8Linear, frozen_linear
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
