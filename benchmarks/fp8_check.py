@@ -114,6 +114,17 @@ def _time(fn, n=20):
     return (time.perf_counter() - t) / n
 
 
+def _time_each(cands: dict) -> dict:
+    """ms per call of each candidate, or why it did not run."""
+    out = {}
+    for k, f in cands.items():
+        try:
+            out[k] = round(_time(f) * 1e3, 4)
+        except Exception as ex:  # noqa: BLE001  (a candidate that does not run is a finding, not a crash)
+            out[k] = f"{type(ex).__name__}: {str(ex)[:120]}"
+    return out
+
+
 def speed():
     """Each GEMM of a frozen layer (forward, input gradient) at Air's shapes, every candidate compiled (so the
     activation quantisation fuses as in the compiled model): bf16, fp8 (dgrad with and without fast accumulation),
@@ -142,13 +153,7 @@ def speed():
                  "weight_transpose": cc(lambda: w8.t().contiguous())}
         if CPU:
             cands.pop("fp8_dgrad_fast_accum")
-        r = {}
-        for k, f in cands.items():
-            try:
-                r[k] = round(_time(f) * 1e3, 4)
-            except Exception as ex:  # noqa: BLE001
-                r[k] = f"{type(ex).__name__}: {str(ex)[:120]}"
-        res[name] = r
+        res[name] = _time_each(cands)
     E, H, I, R = (8, 64, 32, 256) if CPU else (128, 4096, 1408, 32768)
     offs = torch.full((E,), R // E).cumsum(0).to(torch.int32).to(DEV)
     for name, (N, K) in {"experts gate_up": (2 * I, H), "experts down": (H, I)}.items():
@@ -165,13 +170,7 @@ def speed():
                  "fp8_dgrad_fast_accum": cc(lambda: _gmm_dgrad(g, w8, s, offs, True)),
                  "dequant_bf16_dgrad": cc(lambda: _grouped_mm(g, w8.to(bf) * s.to(bf), offs=offs)),
                  "weight_transpose": cc(lambda: w8.transpose(-2, -1).contiguous())}
-        r = {}
-        for k, f in cands.items():
-            try:
-                r[k] = round(_time(f) * 1e3, 4)
-            except Exception as ex:  # noqa: BLE001
-                r[k] = f"{type(ex).__name__}: {str(ex)[:120]}"
-        res[name] = r
+        res[name] = _time_each(cands)
         del w, w8, x, g
     save("speed", res)
 
