@@ -47,13 +47,13 @@ def test_a_run_with_a_file_a_run_never_writes_is_refused(tmp_path):
 
 
 def test_moetune_train_refuses_a_project_folder_before_any_work(tmp_path, monkeypatch):
-    import moetune.train.loop as loop
+    import moetune.train.trainer as trainer
 
     args = small_run_args(tmp_path, "proj", **{"train.steps": 1})
     project = tmp_path / "runs" / "proj"
     project.mkdir(parents=True)
     (project / "README.md").write_text("my project")
-    monkeypatch.setattr(loop, "setup_data", lambda *a: pytest.fail("data prepared for a refused run directory"))
+    monkeypatch.setattr(trainer, "setup_data", lambda *a: pytest.fail("data prepared for a refused run directory"))
     with pytest.raises(ConfigError, match=r"holds what a moetune run does not write \(README.md\)"):
         run_inprocess(args)
     assert os.listdir(project) == ["README.md"]  # not even a .lock
