@@ -404,3 +404,37 @@ def test_merged_export_in_fp8_needs_an_fp8_base_or_training(tmp_path):
     with pytest.raises(ExportError, match="dtype fp8: .* not an FP8 checkpoint"):
         export_merged(base, str(tmp_path / "adapter"), str(tmp_path / "out"), dtype="fp8")
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_lora_over_an_fp8_checkpoint_equals_peft_on_the_dequantised_model(tmp_path):
+    """An FP8 checkpoint loaded as stored, LoRA on every target: logits, loss and every LoRA gradient equal PEFT's on
+    transformers' Glm4MoeForCausalLM holding the dequantised weights (what the fp8 base computes with)."""
+    pytest.importorskip("peft")
+    from test_lora_peft_parity import lora_grads_of_peft, peft_model, rel_err
+    from helpers import randomize_lora
+    from moetune.export import peft_layout
+    from moetune.model.lora import apply_lora, lora_state_dict
+    from transformers import AutoModelForCausalLM
+
+    fp8_dir, deq_dir = write_fp8_checkpoint(hf_model(seed=8), tmp_path, "compressed-tensors")
+    ours = load_model(fp8_dir, dtype="float32")
+    assert fp8_weights(ours)
+    apply_lora(ours, ALL_TARGETS, 4, 8.0, 0.0, False)
+    randomize_lora(ours, seed=7)
+    meta = {"rank": 4, "alpha": 8.0, "rslora": False, "targets": ALL_TARGETS}
+    peft_state, peft_cfg = peft_layout.to_peft_state_dict(lora_state_dict(ours), meta)
+    pm = peft_model(AutoModelForCausalLM.from_pretrained(deq_dir, dtype=torch.float32).eval(), peft_state, peft_cfg)
+    B, S = 2, 20
+    ids = torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(3))
+    shifted = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)
+    with torch.no_grad():
+        assert rel_err(ours(ids), pm(input_ids=ids).logits) < 1e-4
+    for n, p in pm.named_parameters():  # a model from from_pretrained comes frozen: train the LoRA tensors
+        p.requires_grad_(".lora_" in n)
+    pm(input_ids=ids, labels=ids).loss.backward()
+    (ours(ids, labels=shifted) / (shifted != -100).sum()).backward()
+    theirs = lora_grads_of_peft(pm, peft_cfg)
+    mine = {k: p.grad for k, p in ours.named_parameters() if ".lora" in k}
+    assert set(mine) == set(theirs) and len(mine) > 20
+    for k in mine:
+        assert rel_err(mine[k], theirs[k]) < 1e-4, k
