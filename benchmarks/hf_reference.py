@@ -1,6 +1,7 @@
 """The HF reference: transformers' Glm4MoeForCausalLM + PEFT LoRA, set up as ../shared/reference describes
-(bf16 N(0, 0.02) weights, gradient checkpointing non-reentrant, enable_input_require_grads, LoRA r16 α32,
-AdamW lr 1e-4 on the LoRA parameters). Imported by train_throughput.py's worker; one variant per process."""
+(bf16 N(0, 0.02) weights, gradient checkpointing non-reentrant with enable_input_require_grads — or none, the
+`_nogc` variants: transformers' faster setting where it fits —, LoRA r16 α32, AdamW lr 1e-4 on the LoRA parameters).
+Imported by train_throughput.py's worker; one variant per process."""
 
 from __future__ import annotations
 
