@@ -132,7 +132,7 @@ def test_vllms_weight_transfer_api_with_moetunes_backend(run, ids):
 
 
 def test_a_running_vllm_server_is_updated_through_its_http_routes(run, ids, tmp_path):
-    """`vllm serve` with moetune's backend (registered in its worker process by the worker extension's import),
+    """`vllm serve` with moetune's backend (registered in every vLLM process by the `vllm.general_plugins` entry point),
     driven by vLLM's HTTPVLLMWeightSyncClient: after one sync its prompt logprobs are the trainer's."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -141,8 +141,7 @@ def test_a_running_vllm_server_is_updated_through_its_http_routes(run, ids, tmp_
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(run / "base"), "--dtype",
          "float32", "--max-model-len", "256", "--enforce-eager", "--port", str(port),
-         "--weight-transfer-config", '{"backend": "moetune"}',
-         "--worker-extension-cls", "moetune.sync.vllm.MoetuneWorkerExtension"], stdout=log, stderr=log, env=env)
+         "--weight-transfer-config", '{"backend": "moetune"}'], stdout=log, stderr=log, env=env)
     try:
         r = python("http_trainer.py", url, str(run / "base"), str(run / "adapter"), json.dumps(ids), timeout=300)
     finally:
