@@ -26,7 +26,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
 from moetune.model.quant.checkpoint import checkpoint_scheme, prepare_fp8_base
-from moetune.model.quant.modules import fp8_weights, scale_name
+from moetune.model.quant.modules import fp8_parameters, scale_name
 from moetune.names import FUSED_EXPERT_PART_RE, layer_index
 from moetune.tensors import local_index, local_tensor
 
@@ -37,8 +37,9 @@ log = logging.getLogger("moetune")
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast the base weights; the router's correction bias stays fp32 (as transformers keeps it), an fp8 base's
     weights and scales stay as they are."""
+    fp8 = fp8_parameters(model)
     params = dict(model.named_parameters())
-    kept = [(params[n], params[n].data) for w, q in fp8_weights(model) for n in (w, scale_name(w, q))]
+    kept = [(p, p.data) for w, (scale, _) in fp8.items() for p in (params[w], scale)]
     model.to(dtype)
     for p, data in kept:
         p.data = data
@@ -56,14 +57,16 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
     """Random init that does not depend on sharding: each parameter is drawn whole from its own seeded
     generator (on its device) and each rank keeps its slice. Norms 1, biases and the correction bias 0. An fp8
     weight is the same draw quantised: an fp8 base is the quantised base of the same seed."""
-    params = dict(model.named_parameters())
-    fp8 = {name: (params[scale_name(name, q)], q) for name, q in fp8_weights(model)}
+    fp8 = fp8_parameters(model)
     scales = {id(s) for s, _ in fp8.values()}
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if ".lora" in name or id(p) in scales:
             continue  # LoRA keeps its own init (B = 0); an fp8 scale is made with its weight
         if name in fp8:
-            _fill_seeded_fp8(p, *fp8[name], name, seed, std)
+            scale_p, scheme = fp8[name]
+            q, scale = scheme.quantize(seeded_slice(p, name, seed, lambda t, g: t.normal_(0.0, std, generator=g)))
+            local_tensor(p).copy_(q)
+            local_tensor(scale_p).copy_(scale)
             continue
         local = local_tensor(p)
         if name.endswith("norm.weight"):
@@ -75,24 +78,18 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
 
 
 @torch.no_grad()
-def _fill_seeded_fp8(p, scale_p, scheme, name: str, seed: int, std: float) -> None:
-    idx, shape = local_index(p)
-    g = torch.Generator(device=local_tensor(p).device).manual_seed(_param_seed(seed, name))
-    full = torch.empty(shape, dtype=torch.float32, device=local_tensor(p).device).normal_(0.0, std, generator=g)
-    q, s = scheme.quantize(full[idx])
-    local_tensor(p).copy_(q)
-    local_tensor(scale_p).copy_(s)
-
-
-@torch.no_grad()
 def fill_seeded(p: torch.Tensor, name: str, seed: int, draw) -> None:
     """Draw the whole tensor `name` from a generator seeded by (seed, name) on its device, keep this rank's
     slice: the same values at any world size or sharding. `draw(tensor, generator)` fills in place."""
+    local_tensor(p).copy_(seeded_slice(p, name, seed, draw))
+
+
+def seeded_slice(p: torch.Tensor, name: str, seed: int, draw) -> torch.Tensor:
+    """This rank's slice (fp32) of the whole tensor `name` drawn as fill_seeded draws it."""
     local = local_tensor(p)
     idx, shape = local_index(p)
     g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
-    full = draw(torch.empty(shape, dtype=torch.float32, device=local.device), g)
-    local.copy_(full[idx])
+    return draw(torch.empty(shape, dtype=torch.float32, device=local.device), g)[idx]
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -279,8 +276,7 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -
     consumed: set[str] = set()
     tensors = [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers()) if ".lora" not in n]
     progress = _Progress(path, sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in tensors))
-    params = dict(tensors)
-    fp8 = {name: (params[scale_name(name, q)], q) for name, q in fp8_weights(model)}
+    fp8 = fp8_parameters(model)
     scales = {id(s) for s, _ in fp8.values()}
     for name, p in tensors:
         if id(p) in scales:

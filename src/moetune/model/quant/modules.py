@@ -144,6 +144,13 @@ def fp8_weights(model) -> list[tuple[str, Fp8Scheme]]:
     return out
 
 
+def fp8_parameters(model) -> dict[str, tuple[nn.Parameter, Fp8Scheme]]:
+    """{qualified name of each fp8 weight: (its scale parameter, its scheme)}: what casting, initialising and loading
+    treat together (a scale is always made or read with its weight)."""
+    params = dict(model.named_parameters())
+    return {name: (params[scale_name(name, q)], q) for name, q in fp8_weights(model)}
+
+
 @torch.no_grad()
 def dequantize_model(model, dtype=torch.float32):
     """Turn every fp8 weight back into a plain `dtype` one (q · scale), in place: a model whose weights can be
