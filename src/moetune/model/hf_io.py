@@ -11,6 +11,7 @@ from the per-expert tensors. Host memory stays near one shard plus one tensor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -136,8 +137,10 @@ class _Reader:
                 sl = h.get_slice(key)
                 self.tensors[key] = _Stored(fname, key, tuple(sl.get_shape()), sl.get_dtype())
 
-    def is_fp8(self) -> bool:
-        return checkpoint_scheme(self.path) is not None
+    @functools.cached_property
+    def fp8_scheme(self):
+        """The FP8 scheme config.json declares (None: unquantised), read once."""
+        return checkpoint_scheme(self.path)
 
     def dtype(self, key: str) -> str:
         """safetensors' name of a stored tensor's dtype (BF16, F32, F8_E4M3, ...)."""
@@ -219,7 +222,7 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
 def _dequantize_stored(reader: _Reader, name: str, t: torch.Tensor, idx, consumed: set) -> torch.Tensor:
     """An fp8 tensor the checkpoint stores for a module this model keeps in the compute dtype (e.g. DSA's indexer),
     dequantised with its stored scale."""
-    scheme = checkpoint_scheme(reader.path)
+    scheme = reader.fp8_scheme
     key = next((k for k in (scale_name(name, scheme), _scale_alias(scale_name(name, scheme))) if k in reader.tensors),
                None) if scheme is not None else None
     if key is None:
@@ -270,9 +273,10 @@ def _ignored(key: str, cfg: ModelConfig) -> bool:
 
 
 @torch.no_grad()
-def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True) -> None:
-    """Fill the base weights of `model` (plain or sharded, already materialised) from an HF checkpoint dir."""
-    reader = _Reader(path)
+def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True, reader: "_Reader | None" = None) -> None:
+    """Fill the base weights of `model` (plain or sharded, already materialised) from an HF checkpoint dir (`reader`:
+    its index, when the caller already read it)."""
+    reader = reader or _Reader(path)
     consumed: set[str] = set()
     tensors = [(n, p) for n, p in list(model.named_parameters()) + list(model.named_buffers()) if ".lora" not in n]
     progress = _Progress(path, sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in tensors))
@@ -330,9 +334,10 @@ def load_model(path: str, device="cpu", dtype=None, adapter: str | None = None,
     model = build_model(cfg, "meta")
     dtype = as_dtype(dtype) or torch.float32
     cast_model(model, dtype)
-    prepare_fp8_base(model, _Reader(path), quantize)
+    reader = _Reader(path)
+    prepare_fp8_base(model, reader, quantize)
     model.to_empty(device=device)
-    load_hf_weights(model, path)
+    load_hf_weights(model, path, reader=reader)
     if adapter is not None:
         from moetune.model.adapter_io import load_adapter
 

@@ -34,7 +34,7 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     # LoRA mode: the frozen base is stored in the compute dtype, LoRA in fp32. Full mode: fp32 master weights.
     cast_model(model, torch.float32 if full else compute_dtype)
     reader = checkpoint_reader(cfg.model.path) if cfg.model.path else None
-    if full and (cfg.model.quantize or (reader is not None and reader.is_fp8())):
+    if full and (cfg.model.quantize or (reader is not None and reader.fp8_scheme is not None)):
         raise ConfigError("finetune.mode full trains the base itself: it cannot be stored in fp8 (model.quantize, or "
                           f"the FP8 checkpoint at model.path {cfg.model.path}); use LoRA or a bf16 checkpoint")
     fp8 = not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None  # (no offload: the layout)
@@ -52,7 +52,7 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     model.to_empty(device="cpu" if layout.cpu_offload else dist.device)
     with torch.no_grad():
         if cfg.model.path:
-            load_hf_weights(model, cfg.model.path)
+            load_hf_weights(model, cfg.model.path, reader=reader)
         else:
             init_weights(model, cfg.model.init_std, seed=cfg.run.seed)
         init_lora(model, seed=cfg.run.seed)

@@ -95,7 +95,7 @@ def stored_fp8_modules(reader) -> set[str]:
 def prepare_fp8_base(model, reader=None, quantize: str | None = None, block=(128, 128)) -> Fp8Scheme | None:
     """Turn the model's frozen weights into fp8 ones as the checkpoint stores them (an FP8 checkpoint needs no
     setting), or all of them with `quantize` ("fp8" | "fp8_block") for a bf16 checkpoint or a random base."""
-    scheme = checkpoint_scheme(reader.path) if reader is not None else None
+    scheme = reader.fp8_scheme if reader is not None else None
     if scheme is not None:
         stored = stored_fp8_modules(reader)
         quantize_model(model, scheme, keep=lambda name: name in stored)
