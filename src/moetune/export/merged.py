@@ -208,7 +208,7 @@ def _check_lora_fits(base: Reader, lora: Reader, adapter_dir: str, base_path: st
                           f"(e.g. {sorted(stray)[0]}); is this adapter for this base model?")
 
 
-def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=None) -> None:
+def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=None, stored_scheme=None) -> None:
     """The base's config.json with the written dtype; an FP8 base's quantization_config is kept when the merge is
     requantised into the same scheme, replaced by ours for a scheme the base did not have, dropped otherwise."""
     with open(os.path.join(base_path, "config.json")) as f:
@@ -217,7 +217,7 @@ def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=N
     if requantise is not None:
         # the base's own config only where its scale names are the ones written (weight_scale row-wise,
         # weight_scale_inv per block; a compressed-tensors block checkpoint names its block scales weight_scale)
-        same = stored and checkpoint_scheme(base_path) == requantise and \
+        same = stored and stored_scheme == requantise and \
             (stored.get("quant_method") == "fp8") == (requantise.block is not None)
         cfg["quantization_config"] = stored if same else fp8_config(requantise)
     write_config_dict(cfg, out_dir, dtype)
@@ -291,7 +291,7 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
     check_out_dir(out_dir)  # before the work; checked again under the writer's lock
     with output_errors(out_dir), atomic_output_dir(out_dir, label=f"--out {out_dir}") as tmp:
-        _write_config(base_path, tmp, torch_dtype, requantise)
+        _write_config(base_path, tmp, torch_dtype, requantise, stored)
         base, lora = Reader(base_path), Reader(adapter_dir)
         merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype,
                          stored, trained, requantise)
