@@ -6,6 +6,8 @@
 #   MODEL=tiny NPROC=2 DEVICE=cpu bash benchmarks/air_full_size.sh   (a CPU rehearsal of the same commands)
 #   EP=2 AC=none SPEED_ONLY=1 STEPS=14 NPROC=2 bash benchmarks/air_full_size.sh   (throughput only: no resume/export)
 #   LAYERS=8 NPROC=1 AC=none SPEED_ONLY=1 STEPS=14 bash benchmarks/air_full_size.sh   (AIR-8 through the CLI, 1 GPU)
+#   MODEL=glm47-flash TARGETS=[mla_attention] NPROC=1 AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" \
+#     SPEED_ONLY=1 STEPS=12 bash benchmarks/air_full_size.sh   (GLM-4.7-Flash as on an 80 GB GPU, layout auto)
 #   QUANT=fp8 NPROC=1 AC=attention SPEED_ONLY=1 STEPS=12 bash benchmarks/air_full_size.sh   (full Air, fp8 base, 1 GPU)
 set -euo pipefail
 NPROC=${NPROC:-8}
@@ -14,7 +16,7 @@ OUTDIR=${OUT:-/tmp/air_full}
 RUN=${RUN_DIR:-/tmp/air_runs}
 TARGETS=${TARGETS:-[q_proj,k_proj,v_proj,o_proj]}
 SEQ=${SEQ:-4096}
-AC=${AC:-full}
+AC=${AC-full}  # empty: not set (layout auto chooses)
 COMPILE=${COMPILE:-true}
 EP=${EP:-1}
 MICRO=${MICRO:-1}
@@ -27,11 +29,11 @@ LAYOUT=()
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --model.init_std 0.02
         --model.dtype bfloat16 --data.train null --data.eval null --data.seq_len "$SEQ" --lora.targets "$TARGETS"
-        --train.micro_batch_size "$MICRO" --train.grad_accum 1 --train.activation_checkpointing "$AC"
+        --train.micro_batch_size "$MICRO" --train.grad_accum 1 ${AC:+--train.activation_checkpointing "$AC"}
         --train.compile "$COMPILE" --eval.every 0 --eval.max_batches 2 --logging.expert_stats_every 10
         --logging.progress_bar false --checkpoint.every 15 --checkpoint.keep_last 2 --optim.warmup_steps 5
         --run.output_dir "$RUN" --run.name air "${LAYOUT[@]}" ${LAYERS:+--model.num_hidden_layers "$LAYERS"}
-        ${QUANT:+--model.quantize "$QUANT"})
+        ${QUANT:+--model.quantize "$QUANT"} ${EXTRA:-})
 launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29611 -m moetune train)
 rm -rf "$RUN"
 t0=$(date +%s.%N)

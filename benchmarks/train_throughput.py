@@ -99,6 +99,10 @@ FLASH_VARIANTS = {
     "ours_flash_mla_1x4096_eager": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "compile": False}),
     "hf_flash_mlaexperts_1x4096": ("hf", 1, 4096, FLASH_MLA + ["experts"], {"model": "glm47-flash"}),
     "ours_flash_mlaexperts_1x4096": ("ours", 1, 4096, FLASH_MLA + ["experts"], {"model": "glm47-flash"}),
+    # the shape of `moetune train` (packed rows: FlexAttention with document masks)
+    "ours_flash_mla_1x4096_packed": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 4}),
+    # the demo data's shape (~23-token documents, 4,096-token packs): what `moetune train` without data.train runs
+    "ours_flash_mla_1x4096_demo": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 128}),
 }
 VARIANTS.update(FLASH_VARIANTS)
 # an fp8 frozen base (model.quantize): AIR-8 against the bf16 rows above, full-size Air on ONE GPU, Flash
@@ -118,6 +122,14 @@ FP8_VARIANTS = {
                                          {"model": "glm47-flash", "quantize": "fp8"}),
 }
 VARIANTS.update(FP8_VARIANTS)
+# candidates of issue 21, each against the row it derives from (same call): SDPA forced to one kernel
+# ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
+for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
+              "ours_ep8rank_qkvo_1x4096"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
+    VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
+    VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -195,7 +207,11 @@ def build_ours(cfg: dict, targets, extra, device):
         apply_lora(model, targets, 16, 32)
     apply_ac(model, extra.get("ac", "none"))
     if extra.get("compile"):
-        apply_compile(model)
+        if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode
+            for layer in model.model.layers:
+                layer.compile(dynamic=False, mode=extra["compile_mode"])
+        else:
+            apply_compile(model)
     if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
         from moetune.parallel.apply import apply_ep, apply_fsdp
         from moetune.parallel.layout import make_layout
@@ -230,6 +246,19 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
+def sdpa_context():
+    """The SDPA kernel a variant forces (`sdpa` extra, via BENCH_SDPA), else no constraint."""
+    import contextlib
+
+    name = os.environ.get("BENCH_SDPA")
+    if not name:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]])
+
+
 def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
     """guard: around the update, what `moetune train`'s step adds (train/loop.py train_step): gradient clipping, the
     bad-step guard's checks and its copy of the LoRA state to host memory."""
@@ -249,6 +278,10 @@ def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
     n = [0]
 
     def step(ids, labels, pos):
+        with sdpa_context():
+            return _step(ids, labels, pos)
+
+    def _step(ids, labels, pos):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()
         loss.backward()
         if hasattr(model, "dist"):
@@ -305,7 +338,7 @@ def breakdown(step, batch):
         totals[b] = totals.get(b, 0.0) + t / 1e3
         kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + t / 1e3
     if os.environ.get("BENCH_KERNELS"):
-        for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+        for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:40]:
             print(f"KERNEL {v:8.2f} ms  {k}", flush=True)
     out = {k: round(v, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     out["gpu_busy_total"] = round(sum(totals.values()), 1)  # vs step_s: the rest is host overhead / launch gaps
@@ -318,6 +351,8 @@ CPU_DRY_RUN = bool(os.environ.get("BENCH_CPU"))  # the same code paths on the ti
 def worker(name: str) -> dict:
     os.environ["BENCH_VARIANT"] = name
     stack, B, S, targets, extra = VARIANTS[name]
+    if extra.get("sdpa"):
+        os.environ["BENCH_SDPA"] = extra["sdpa"]
     if CPU_DRY_RUN:
         from moetune.model.config import BUILTIN
 
@@ -340,7 +375,7 @@ def worker(name: str) -> dict:
             from moetune.model.config import BUILTIN
 
             cfg = dict(BUILTIN[extra["model"]])
-    docs = extra.get("docs", 1)
+    docs = min(extra.get("docs", 1), S // 8)  # the dry run's short rows keep documents of 8 tokens
     if stack == "hf":
         from hf_reference import build_hf, hf_step_fn
 
@@ -463,7 +498,8 @@ def main():
         print(json.dumps(r), flush=True)
         if a.out:  # after every variant, so a call cut short keeps what it measured
             with open(os.path.join(a.out, "train_throughput.json"), "w") as f:
-                json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0),
+                json.dump({"date": time.strftime("%Y-%m-%d"),
+                           "device": "cpu (dry run)" if CPU_DRY_RUN else torch.cuda.get_device_name(0),
                            "torch": torch.__version__, "results": results}, f, indent=1)
     print(table(results))
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 21's measurements on ONE H200, stage by stage, each bounded, results under $OUT after each:
+#   STAGES="attention trace variants" bash benchmarks/speed_session.sh
+# attention: benchmarks/attention_kernels.py (every attention kernel on Flash's MLA and Air's GQA shapes)
+# trace:     GLM-4.7-Flash's step, profiled (Chrome trace + top kernels) and its idle gaps (trace_gaps.py)
+# variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
+# ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
+# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data)
+# flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB)
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/speed_session}
+mkdir -p "$OUT"
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best" "$LOGS/$name.log" \
+          | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
+flash_train() {  # $1: name, rest: extra overrides
+  local name=$1; shift
+  run "$name" 200 env OUT="$OUT/$name" MODEL=glm47-flash NPROC=1 SPEED_ONLY=1 STEPS=${FLASH_STEPS:-12} \
+    TARGETS="[mla_attention]" AC=none "$@" bash benchmarks/air_full_size.sh
+}
+for stage in ${STAGES:-attention trace variants}; do
+  case $stage in
+    attention) run attention 120 python3 benchmarks/attention_kernels.py ;;
+    trace) mkdir -p "$OUT/trace"
+      run trace 120 env BENCH_TRACE="$OUT/trace" BENCH_KERNELS=1 python3 benchmarks/train_throughput.py --timeout 110 \
+        --variants ${TRACE_VARIANT:-ours_flash_mla_1x4096}
+      grep KERNEL "$LOGS/trace.log" > "$OUT/trace_kernels.txt"
+      for t in "$OUT"/trace/*.json; do python3 benchmarks/trace_gaps.py "$t" > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
+    variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout 80 --variants $VARIANTS ;;
+    ggemm) run ggemm 150 python3 benchmarks/grouped_gemm.py ;;
+    flash_train) flash_train flash_train ;;
+    flash_80g) flash_train flash_80g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" ;;
+  esac
+done
