@@ -67,7 +67,7 @@ if triton is not None:
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, offs_ptr, M, N, K,
                              stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                              stride_se, stride_ss,
-                             E: tl.constexpr, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+                             E, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                              SWAP: tl.constexpr):
         """C[rows of g] = A[rows of g] · B[g] with B[g][k, n] at b_ptr + g·stride_be + k·stride_bk + n·stride_bn.
@@ -182,8 +182,8 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
         mode = 1 if transpose else 2
     offs = offs.to(torch.int32)
     args = (x, weight, y, scale_t, offs, M, N, K, x.stride(0), x.stride(1), stride_we, stride_bk, stride_bn,
-            y.stride(0), y.stride(1), stride_se, stride_ss)
-    meta = dict(E=E, E_POW2=triton.next_power_of_2(E + 1), SCALE=mode, DOT_FP32=_interpreting())
+            y.stride(0), y.stride(1), stride_se, stride_ss, E)
+    meta = dict(E_POW2=triton.next_power_of_2(E + 1), SCALE=mode, DOT_FP32=_interpreting())
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else None)
 
     def grid(m):
