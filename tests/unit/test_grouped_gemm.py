@@ -30,6 +30,7 @@ def _case(fp8: bool, pad: int = 3, seed: int = 0):
 
 
 def _close(got, want):
+    # a bf16 ulp or two: Triton 3.9's interpreter rounds fp32 -> bf16 toward zero (a GPU rounds to nearest even)
     assert torch.isfinite(got).all()
     want = want.float()
     atol = 2e-2 * want.abs().max().item() if want.numel() else 0.0
