@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
 from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_grouped_linear
 from moetune.model.quant.modules import FrozenFp8
@@ -24,6 +25,9 @@ from moetune.model.recompute import Rebuilt
 from moetune.tensors import local_tensor
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+# The frozen base stacks' GEMMs (bf16, or fp8 with row scales) on CUDA: "torch" (torch._grouped_mm, and the fp8 path of
+# model/quant/matmul.py) or "triton" (model/grouped_gemm.py). LoRA's trainable A/B always take torch._grouped_mm.
+GROUPED_GEMM = "torch"
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -42,10 +46,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, base: bool = False) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weight[e].T, for weight [E, out, in] and int32 offsets [E]
     (under expert parallelism: this rank's experts, `offs` counting only the rows it received). A `FrozenFp8`
-    weight runs through the fp8 grouped GEMM (model/quant)."""
+    weight runs through the fp8 grouped GEMM (model/quant). `base`: the weight is an expert stack of the model (not
+    LoRA's A or B), which `GROUPED_GEMM` may send through the Triton kernel when it is frozen."""
+    if base and GROUPED_GEMM == "triton" and x.is_cuda:
+        fp8 = isinstance(weight, FrozenFp8)
+        if not fp8 or weight.scheme.block is None:
+            q, scale = (local_tensor(weight.q), local_tensor(weight.scale)) if fp8 else (local_tensor(weight), None)
+            if not q.requires_grad and kernel_supported(x, q, scale):
+                return grouped_mm_frozen(x, q, offs, scale)
     if isinstance(weight, FrozenFp8):
         return fp8_grouped_linear(x, local_tensor(weight.q), local_tensor(weight.scale), offs, weight.scheme)
     weight = local_tensor(weight)
@@ -124,13 +135,13 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum."""
     if lora is not None and lora_weights is None:
         lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-    h = grouped_linear(x, gate_up_proj, offs)
+    h = grouped_linear(x, gate_up_proj, offs, base=True)
     if lora is not None:
         h = h + lora.delta(x, lora_weights[0], lora_weights[1], offs)
     a = weighted_swiglu(h, row_weights)
     if rebuilt is not None:
         rebuilt.add(a, functools.partial(weighted_swiglu_fwd, h.detach(), row_weights.detach()))
-    y = grouped_linear(a, down_proj, offs)
+    y = grouped_linear(a, down_proj, offs, base=True)
     if lora is not None:
         y = y + lora.delta(a, lora_weights[2], lora_weights[3], offs)
     return y

@@ -1,0 +1,267 @@
+"""The frozen expert stacks' grouped GEMMs on one GPU: torch._grouped_mm (bf16) against the Triton kernel of
+model/grouped_gemm.py (bf16), torch._scaled_grouped_mm row-wise fp8 (model/quant/matmul.py's path) and the Triton
+kernel on the fp8 stack (W8A16) — forward and input gradient of gate_up and down, a sweep of tile configs.
+
+    python benchmarks/grouped_gemm.py [flash] [air8] [air_ep8]    # default: all three, in that order
+    SWEEP=full python benchmarks/grouped_gemm.py flash           # every BM/BN/BK/stages/warps combination that fits
+
+Shapes: flash = GLM-4.7-Flash (64 experts, hidden 2048, moe_intermediate 1536, 4096 tokens × top-4 = 16,384 rows);
+air8 = GLM-4.5-Air on one GPU (128 experts, hidden 4096, 1408, 4096 tokens × top-8 = 32,768 rows); air_ep8 = one
+expert-parallel rank of 8 of Air (its 16 experts, the ~32,768 rows they get from 32,768 tokens × top-8 over 128).
+Routing: top-k of random scores with a mild per-expert skew, rows sorted by expert (as the router gives).
+Every result goes to $OUT/grouped_gemm.json as soon as it is measured (a run cut short keeps what it had).
+BENCH_CPU=1: the same code on tiny shapes under Triton's interpreter (a rehearsal), plus a compile of the kernel for
+sm_90 (wgmma, cp.async pipelining) when this Triton has the NVIDIA backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+
+CPU = bool(os.environ.get("BENCH_CPU"))
+if CPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+from moetune.model import grouped_gemm as gg  # noqa: E402
+from moetune.model.quant import matmul  # noqa: E402
+from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
+
+DEV = torch.device("cpu" if CPU else "cuda")
+OUT = os.environ.get("OUT", "/tmp")
+SWEEP = os.environ.get("SWEEP", "quick")
+
+SHAPES = {  # experts here, all experts (routing), hidden, moe_intermediate, tokens, top-k
+    "flash": dict(E=64, E_all=64, H=2048, I=1536, tokens=4096, k=4),
+    "air8": dict(E=128, E_all=128, H=4096, I=1408, tokens=4096, k=8),
+    "air_ep8": dict(E=16, E_all=128, H=4096, I=1408, tokens=32768, k=8),
+}
+CPU_SHAPES = {
+    "flash": dict(E=4, E_all=4, H=64, I=48, tokens=24, k=2),
+    "air_ep8": dict(E=3, E_all=8, H=32, I=40, tokens=20, k=3),
+}
+
+# (BM, BN, BK, stages, warps)
+QUICK = gg.AUTOTUNE + [(128, 256, 64, 4, 8), (64, 256, 128, 3, 8)]
+FULL = list(itertools.product((64, 128), (128, 256), (64, 128), (3, 4), (4, 8)))
+CPU_CONFIGS = [(16, 16, 16, 1, 1), (32, 16, 32, 1, 1)]
+SMEM_LIMIT = 227 * 1024  # an H100/H200's shared memory per block
+
+
+def configs(fp8: bool):
+    base = CPU_CONFIGS if CPU else {"quick": QUICK, "full": FULL}[SWEEP]
+    out = []
+    for BM, BN, BK, stages, warps in base:
+        # an fp8 weight tile is converted to bf16 in registers and staged again in shared memory for the MMA
+        extra = BK * BN * 2 if fp8 else 0
+        if gg.smem_bytes(BM, BN, BK, stages, 1 if fp8 else 2) + extra > SMEM_LIMIT:
+            continue
+        for swap in ((False, True) if fp8 else (False,)):
+            out.append(dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, SWAP=swap, num_warps=warps,
+                            num_stages=stages))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def bench(fn) -> float:
+    """Milliseconds per call (median)."""
+    if CPU:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    except TypeError:  # older do_bench without return_mode
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+
+def errors(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (y.double() - ref.double())
+    finite = bool(torch.isfinite(y).all())
+    rel = (d.norm() / ref.double().norm().clamp(min=1e-30)).item()
+    max_rel = (d.abs().max() / ref.double().abs().max().clamp(min=1e-30)).item()
+    return dict(rel_err=rel if finite else float("nan"), max_rel_err=max_rel if finite else float("nan"),
+                finite=finite)
+
+
+def routing(E, E_all, tokens, k, seed=0):
+    """offs over this GPU's E experts (the first E of E_all) for top-k of random scores with a mild skew."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    scores = torch.randn(tokens, E_all, generator=g) + 0.3 * torch.randn(E_all, generator=g)
+    flat = scores.topk(k, dim=-1).indices.reshape(-1)
+    flat = flat[flat < E]
+    flat = flat[torch.argsort(flat, stable=True)]
+    counts = torch.zeros(E, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))
+    return counts.cumsum(0).to(torch.int32).to(DEV), counts
+
+
+def save(results):
+    obj = dict(results=results, date=time.strftime("%Y-%m-%d %H:%M"), sweep=SWEEP,
+               device=("cpu (interpreter)" if CPU else torch.cuda.get_device_name(0)), torch=torch.__version__,
+               triton=getattr(gg.triton, "__version__", None))
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "grouped_gemm.json"), "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+# ------------------------------------------------------------------------------------------------ one shape
+def run_shape(name, p, results):
+    torch.manual_seed(0)
+    E, H, I = p["E"], p["H"], p["I"]
+    offs, counts = routing(E, p["E_all"], p["tokens"], p["k"])
+    R = int(counts.sum())
+    shape_res = dict(shape=p, rows=R, rows_per_expert_min=int(counts.min()), rows_per_expert_max=int(counts.max()),
+                     ops={})
+    results[name] = shape_res
+    print(f"== {name}: E={E} H={H} I={I} rows={R} (per expert {int(counts.min())}..{int(counts.max())})", flush=True)
+    bf16 = torch.bfloat16
+    weights = {"gate_up": (torch.randn(E, 2 * I, H, device=DEV) * 0.02).to(bf16),
+               "down": (torch.randn(E, H, I, device=DEV) * 0.02).to(bf16)}
+    fp8 = {n: quantize_rows(w) for n, w in weights.items()}  # e4m3 [E, out, in], fp32 scales [E, out, 1]
+    fp8_kernels = (not CPU and hasattr(torch, "_scaled_grouped_mm")
+                   and torch.cuda.get_device_capability() >= (8, 9))
+    ops = [("gate_up_fwd", "gate_up", True), ("down_fwd", "down", True),
+           ("gate_up_dgrad", "gate_up", False), ("down_dgrad", "down", False)]
+    for op, wname, transpose in ops:
+        W = weights[wname]
+        w8, s8 = fp8[wname]
+        n_out, n_in = W.shape[1:]
+        K, N = (n_in, n_out) if transpose else (n_out, n_in)
+        a = torch.randn(R, K, device=DEV, dtype=bf16)
+        flop = 2.0 * R * K * N
+        ref = gg.grouped_mm_reference(a.float(), W, offs, None, transpose)  # fp32 on the bf16 weight
+        ref8 = gg.grouped_mm_reference(a.float(), w8, offs, s8, transpose)  # fp32 on the dequantised fp8 weight
+        res = dict(M=R, N=N, K=K, gflop=flop / 1e9, methods={})
+        shape_res["ops"][op] = res
+
+        def record(method, fn, reference, **extra):
+            try:
+                y = fn()
+                ms = bench(fn)
+                r = dict(ms=ms, tflops=flop / ms / 1e9, **errors(y, reference), **extra)
+            except Exception as e:  # noqa: BLE001 — a method that does not run here is a result too
+                r = dict(error=f"{type(e).__name__}: {str(e)[:300]}", **extra)
+            res["methods"][method] = r
+            return r
+
+        # torch: _grouped_mm on the bf16 stack (the input gradient reads the stack as stored, as its autograd does)
+        mat2 = W.transpose(-2, -1) if transpose else W
+        record("torch_bf16", lambda: torch._grouped_mm(a, mat2, offs=offs), ref)
+        # torch row-wise fp8 (activation quantised per row inside; the input gradient folds the weight's scales into
+        # dy, quantises it and makes a K-major copy of the stack, as model/quant/matmul.py does)
+        if fp8_kernels:
+            if transpose:
+                record("torch_fp8", lambda: matmul._gmm_fwd(a, w8, s8, offs), ref8)
+                aq, sa = quantize_rows(a)
+                record("torch_fp8_gemm_only", lambda: torch._scaled_grouped_mm(
+                    aq, w8.transpose(-2, -1), scale_a=sa.view(-1), scale_b=matmul._row_scales(s8), offs=offs,
+                    out_dtype=bf16, use_fast_accum=matmul.FAST_ACCUM_FORWARD), ref8)
+            else:
+                record("torch_fp8", lambda: matmul._gmm_dgrad(a, w8, s8, offs), ref8)
+        else:
+            res["methods"]["torch_fp8"] = dict(error="no torch._scaled_grouped_mm / fp8 tensor cores here")
+        # Triton: the sweep, then the module's own (autotuned) path
+        for kind, (w, s, reference) in (("bf16", (W, None, ref)), ("fp8", (w8, s8, ref8))):
+            best = None
+            for cfg in configs(kind == "fp8"):
+                tag = "{BM}x{BN}x{BK}_s{num_stages}_w{num_warps}".format(**cfg) + ("_swap" if cfg["SWAP"] else "")
+                r = record(f"triton_{kind}[{tag}]", lambda: gg.grouped_gemm(a, w, offs, s, transpose, config=cfg),
+                           reference, config=cfg)
+                if "ms" in r and r["finite"] and (best is None or r["ms"] < best[1]["ms"]):
+                    best = (tag, r)
+            if best is not None:
+                res["methods"][f"triton_{kind}"] = dict(best[1], best_config=best[0])
+            if not CPU:
+                record(f"triton_{kind}_autotuned", lambda: gg.grouped_gemm(a, w, offs, s, transpose), reference)
+        save(results)
+        line = [f"{op:14s} M={R} N={N} K={K}"]
+        for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "torch_fp8", "torch_fp8_gemm_only",
+                  "triton_fp8", "triton_fp8_autotuned"):
+            r = res["methods"].get(m)
+            if r and "ms" in r:
+                line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
+                            + (f" [{r['best_config']}]" if "best_config" in r else ""))
+            elif r:
+                line.append(f"{m} {r['error'][:80]}")
+        print("\n    ".join(line), flush=True)
+        del a, ref, ref8
+    del weights, fp8
+    if not CPU:
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------ CPU: sm_90 compile
+def compile_check() -> dict:
+    """Compile the kernel for sm_90 without a GPU (this Triton's NVIDIA backend and ptxas): that it lowers to wgmma
+    with cp.async pipelining for each variant, and the shared memory it takes. Specialisations as the launcher gets
+    them on a GPU (16-divisible pointers/strides, unit inner strides)."""
+    import subprocess
+
+    code = r'''
+import json, os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moetune.model.grouped_gemm import _grouped_gemm_kernel as k
+out = {}
+for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False, False), ("fp8e4nv", 1, True, False),
+                                    ("fp8e4nv", 2, False, False), ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True)]:
+    ones = ["stride_ak", "stride_cn", "stride_ss", "stride_bk" if transpose else "stride_bn"]
+    const = dict({n: 1 for n in ones}, E_POW2=128, SCALE=scale, DOT_FP32=False, BM=128, BN=128, BK=64, GROUP_M=8,
+                 SWAP=swap)
+    sig = {}
+    for n in k.arg_names:
+        sig[n] = ("constexpr" if n in const else {"a_ptr": "*bf16", "b_ptr": "*" + wdt, "c_ptr": "*bf16",
+                  "scale_ptr": "*fp32", "offs_ptr": "*i32"}.get(n, "i32"))
+    div16 = ["a_ptr", "b_ptr", "c_ptr", "scale_ptr", "offs_ptr", "N", "K", "stride_am", "stride_be", "stride_bk",
+             "stride_bn", "stride_cm", "stride_se"]
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
+                    attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in const})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4))
+    ttgir = c.asm["ttgir"]
+    out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' swap' if swap else ''}"] = dict(
+        shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
+        async_copies=ttgir.count("async_copy_global_to_local"))
+print("RESULT" + json.dumps(out))
+'''
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(HERE, "..", "src")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+        return json.loads(line[0][6:]) if line else dict(error=p.stderr[-1500:])
+    except Exception as e:  # noqa: BLE001
+        return dict(error=f"{type(e).__name__}: {e}")
+
+
+def main():
+    names = sys.argv[1:] or list(CPU_SHAPES if CPU else SHAPES)
+    results = {}
+    t0 = time.time()
+    for name in names:
+        run_shape(name, (CPU_SHAPES if CPU else SHAPES)[name], results)
+        print(f"   ({time.time() - t0:.0f} s so far)", flush=True)
+    if CPU:
+        results["sm90_compile_check"] = compile_check()
+        print("sm90 compile check:", json.dumps(results["sm90_compile_check"]), flush=True)
+        save(results)
+    bad = [(n, op, m) for n, r in results.items() if "ops" in r for op, o in r["ops"].items()
+           for m, v in o["methods"].items() if m.startswith("triton") and v.get("finite") is False]
+    print(f"done in {time.time() - t0:.0f} s; results in {os.path.join(OUT, 'grouped_gemm.json')}"
+          + (f"; NON-FINITE: {bad}" if bad else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""A Triton grouped GEMM for frozen expert stacks (bf16, or fp8 e4m3 with one scale per output row): the forward
+y = x · W[e]ᵀ and the input gradient dx = dy · W[e], both reading the stack as stored.
+
+Rows are sorted by expert, group ends `offs` (int32 [E], cumulative), weight [E, out, in]. The grid is fixed by an
+upper bound on the number of row tiles, so nothing reads `offs` on the host: group g (expert g < E, and past the
+last end a group E of padding rows that gets zeros) owns the virtual row tiles [⌊a_g/BM⌋ + g, ⌊b_g/BM⌋ + g + 1) for
+its rows [a_g, b_g) — at least ⌈(b_g − a_g)/BM⌉ of them — so ⌊M/BM⌋ + E + 1 virtual tiles cover every group
+(telescoping), and each program finds its group with one vector compare over `offs`; tiles past a group's rows exit.
+Tiles start at a group's first row, so a group of n rows costs ⌈n/BM⌉ tiles, as in a per-expert GEMM.
+
+The input gradient is the same kernel with the weight's strides swapped (the reduction runs over `out`): no
+transposed copy of the stack. An fp8 weight is converted to bf16 in registers for a bf16 MMA (W8A16: no activation
+quantisation, so the numerics are the dequantised GEMM's up to accumulation order); its row scale multiplies the
+output columns in the forward's epilogue, and the incoming gradient's columns as they are loaded in the input
+gradient (the scale lies inside that sum).
+
+`grouped_mm_frozen` is the autograd-facing op (a torch.library custom op, opaque to Inductor): it gives only the
+input's gradient (the weight is frozen). `grouped_mm_reference` is the torch computation, which is also the path off
+CUDA; the tests run the kernel on the CPU under Triton's interpreter against it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional: the CPU build of torch comes without Triton
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# Run the kernel (not the reference) inside the custom op on CPU tensors too: the tests set it under the interpreter.
+KERNEL_ON_CPU = False
+# A fixed launch config {BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages} instead of autotuning (tests: small tiles).
+CONFIG: dict | None = None
+_INTERPRETER_CONFIG = dict(BM=16, BN=16, BK=16, GROUP_M=2, SWAP=False, num_warps=1, num_stages=1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
+                         transpose: bool = True) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] · op(W[e]) in fp32, in x's dtype; op(W) = Wᵀ (`transpose`, the forward) or W (the
+    input gradient), W = weight · scale (row-wise) when a scale is given. Rows past the last group end get zeros."""
+    E, n_out, n_in = weight.shape
+    y = torch.zeros(x.shape[0], n_out if transpose else n_in, dtype=torch.float32, device=x.device)
+    ends = offs.tolist()
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            w = weight[e].float()
+            if scale is not None:
+                w = w * scale[e].reshape(n_out, 1).float()
+            y[start:end] = x[start:end].float() @ (w.t() if transpose else w)
+        start = max(start, end)
+    return y.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+if triton is not None:
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, offs_ptr, M, N, K,
+                             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                             stride_se, stride_ss,
+                             E, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                             SWAP: tl.constexpr):
+        """C[rows of g] = A[rows of g] · B[g] with B[g][k, n] at b_ptr + g·stride_be + k·stride_bk + n·stride_bn.
+        SCALE 0: none; 1: C[:, n] *= s[g, n] (forward); 2: A[:, k] *= s[g, k] as loaded (input gradient)."""
+        pid = tl.program_id(0)
+        num_m = M // BM + E + 1  # virtual row tiles (see the module's docstring)
+        num_n = tl.cdiv(N, BN)
+        # grouped order: GROUP_M row tiles (a few experts) sweep the column tiles together, so each weight tile is
+        # read from memory once for all of an expert's row tiles
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(num_m - first_m, GROUP_M)
+        tm = first_m + (pid % per_group) % group_rows
+        tn = (pid % per_group) // group_rows
+
+        idx = tl.arange(0, E_POW2)
+        prev = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx <= E), other=0)  # a_g: rows before group g
+        first_tile = prev // BM + idx
+        g = tl.sum(((idx <= E) & (first_tile <= tm)).to(tl.int32), axis=0) - 1
+        row_a = tl.sum(tl.where(idx == g, prev, 0), axis=0)
+        row_b = tl.sum(tl.where(idx == g + 1, prev, 0), axis=0) + tl.where(g == E, M, 0)
+        row_b = tl.minimum(row_b, M)
+        row0 = row_a + (tm - (row_a // BM + g)) * BM
+        if row0 >= row_b:
+            return
+
+        rm = row0 + tl.arange(0, BM)
+        rn = tn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        m_mask = rm < row_b
+        n_mask = rn < N
+        g64 = g.to(tl.int64)
+        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + g64 * stride_be + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        s_ptrs = scale_ptr + g64 * stride_se + rk * stride_ss
+        if SWAP:
+            acc_t = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k_end = tl.where(g < E, K, 0)  # the padding group E has nothing to sum
+        for k0 in range(0, k_end, BK):
+            k_mask = rk < K - k0
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if SCALE == 2:
+                s = tl.load(s_ptrs, mask=k_mask, other=0.0)
+                a = (a.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
+            b = b.to(a_ptr.dtype.element_ty)
+            if DOT_FP32:  # Triton's interpreter gets bf16 dots wrong; bf16 products are exact in fp32
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if SWAP:  # Cᵀ = Bᵀ·Aᵀ: the (converted) weight is the MMA's first operand
+                acc_t += tl.dot(tl.trans(b), tl.trans(a))
+            else:
+                acc += tl.dot(a, b)
+            a_ptrs += BK * stride_ak
+            b_ptrs += BK * stride_bk
+            s_ptrs += BK * stride_ss
+        if SWAP:
+            acc = tl.trans(acc_t)
+        if SCALE == 1:
+            # the padding group's zeros read expert E − 1's scales (in bounds, finite)
+            s = tl.load(scale_ptr + tl.minimum(g64, E - 1) * stride_se + rn * stride_ss, mask=n_mask, other=0.0)
+            acc = acc * s[None, :]
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False):
+    return triton.Config(dict(BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, SWAP=SWAP), num_warps=warps, num_stages=stages)
+
+
+def smem_bytes(BM, BN, BK, stages, weight_bytes=2) -> int:
+    """The operand tiles' shared memory across pipeline stages (what rules a config out: ~227 KiB on an H100/H200)."""
+    return stages * BK * (BM * 2 + BN * weight_bytes)
+
+
+# The autotuner's candidates (keyed by the GEMM's N, K, expert count and dtypes; not by the row count, which changes
+# every step under expert parallelism). benchmarks/grouped_gemm.py sweeps a wider set; put its winners here.
+AUTOTUNE = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8),
+            (128, 128, 128, 3, 8), (64, 128, 128, 3, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
+
+if triton is not None:
+    _grouped_gemm_autotuned = triton.autotune(
+        configs=[_config(*c) for c in AUTOTUNE] + [_config(128, 128, 64, 4, 8, SWAP=True),
+                                                    _config(64, 128, 64, 4, 4, SWAP=True)],
+        key=["N", "K", "E", "SCALE"])(_grouped_gemm_kernel)
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
+                 transpose: bool = True, config: dict | None = None) -> torch.Tensor:
+    """The kernel's launch: x [M, ·] (any strides) · op(W[e]) per group, W [E, out, in] bf16/fp16 (x's dtype) or fp8
+    with `scale` [E, out(, 1)] fp32; op(W) = Wᵀ (`transpose`: y [M, out]) or W (y [M, in]). `config`: a dict of
+    BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages (default: `CONFIG`, the interpreter's, or autotuned)."""
+    E, n_out, n_in = weight.shape
+    M = x.shape[0]
+    N, K = (n_out, n_in) if transpose else (n_in, n_out)
+    assert x.shape[1] == K and offs.shape == (E,), (x.shape, weight.shape, offs.shape)
+    assert weight.dtype in (x.dtype, torch.float8_e4m3fn) and (scale is None) == (weight.dtype == x.dtype)
+    y = x.new_empty(M, N)
+    if M == 0 or N == 0:
+        return y
+    if K == 0 or E == 0:
+        return y.zero_()
+    stride_we, stride_wo, stride_wi = weight.stride()
+    stride_bk, stride_bn = (stride_wi, stride_wo) if transpose else (stride_wo, stride_wi)
+    if scale is None:
+        scale_t, stride_se, stride_ss, mode = offs, 0, 0, 0  # an unread placeholder pointer
+    else:
+        scale_t = scale.reshape(E, n_out)
+        stride_se, stride_ss = scale_t.stride()
+        mode = 1 if transpose else 2
+    offs = offs.to(torch.int32)
+    args = (x, weight, y, scale_t, offs, M, N, K, x.stride(0), x.stride(1), stride_we, stride_bk, stride_bn,
+            y.stride(0), y.stride(1), stride_se, stride_ss, E)
+    meta = dict(E_POW2=triton.next_power_of_2(E + 1), SCALE=mode, DOT_FP32=_interpreting())
+    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else None)
+
+    def grid(m):
+        return ((M // m["BM"] + E + 1) * triton.cdiv(N, m["BN"]),)
+
+    if config is None:
+        _grouped_gemm_autotuned[grid](*args, **meta)
+    else:
+        _grouped_gemm_kernel[grid(config)](*args, **meta, **config)
+    return y
+
+
+def kernel_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether the kernel takes these operands: 16-bit activations, a weight in their dtype or fp8 with row scales."""
+    if triton is None or x.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 3:
+        return False
+    if scale is None:
+        return weight.dtype == x.dtype
+    return weight.dtype == torch.float8_e4m3fn and scale.numel() == weight.shape[0] * weight.shape[1]
+
+
+def _run(x, weight, offs, scale, transpose):
+    if (x.is_cuda or KERNEL_ON_CPU) and kernel_supported(x, weight, scale):
+        return grouped_gemm(x, weight, offs, scale, transpose)
+    return grouped_mm_reference(x.contiguous(), weight, offs, scale, transpose)
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+@torch.library.custom_op("moetune::grouped_mm_frozen", mutates_args=())
+def _grouped_mm_frozen_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                          scale: torch.Tensor | None) -> torch.Tensor:
+    return _run(x, weight, offs, scale, True)
+
+
+@torch.library.custom_op("moetune::grouped_mm_frozen_dgrad", mutates_args=())
+def _grouped_mm_frozen_dgrad_op(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                                scale: torch.Tensor | None) -> torch.Tensor:
+    return _run(grad, weight, offs, scale, False)
+
+
+@_grouped_mm_frozen_op.register_fake
+def _(x, weight, offs, scale):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@_grouped_mm_frozen_dgrad_op.register_fake
+def _(grad, weight, offs, scale):
+    return grad.new_empty(grad.shape[0], weight.shape[2])
+
+
+def _setup_context(ctx, inputs, output):
+    _, weight, offs, scale = inputs
+    ctx.save_for_backward(weight, offs, scale)
+
+
+def _backward(ctx, grad):
+    weight, offs, scale = ctx.saved_tensors
+    dx = torch.ops.moetune.grouped_mm_frozen_dgrad(grad, weight, offs, scale) if ctx.needs_input_grad[0] else None
+    return dx, None, None, None
+
+
+_grouped_mm_frozen_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm_frozen(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows x [N, in] sorted by expert (group ends `offs`, int32 [E]) × each expert's frozen weight [E, out, in]
+    transposed: y [N, out] in x's dtype. `weight` bf16 (x's dtype) or fp8 e4m3 with row scales `scale` [E, out, 1];
+    autograd gives x's gradient only. On CUDA the Triton kernel, elsewhere the torch reference."""
+    assert not weight.requires_grad, "grouped_mm_frozen: the weight is frozen (it gets no gradient)"
+    assert scale is None or not scale.requires_grad
+    return torch.ops.moetune.grouped_mm_frozen(x, weight, offs, scale)
