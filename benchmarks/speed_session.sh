@@ -32,8 +32,8 @@ for stage in ${STAGES:-attention trace variants}; do
         --variants ${TRACE_VARIANT:-ours_flash_mla_1x4096}
       grep KERNEL "$LOGS/trace.log" > "$OUT/trace_kernels.txt"
       for t in "$OUT"/trace/*.json; do python3 benchmarks/trace_gaps.py "$t" > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
-    variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout 80 --variants $VARIANTS ;;
-    ggemm) run ggemm 150 python3 benchmarks/grouped_gemm.py ;;
+    variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
+    ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train ;;
     flash_80g) flash_train flash_80g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" ;;
   esac

@@ -130,6 +130,12 @@ for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096"
     VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
     VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
+# the Triton grouped GEMM for the frozen expert stacks (model/grouped_gemm.py), bf16 and fp8 bases, with CUDA graphs too
+for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
+              "ours_ep8rank_qkvo_1x4096", "ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096",
+              "ours_flash_mla_1x4096_cg", "ours_qkvo_4x1024_cg", "ours_ep8rank_qkvo_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -203,6 +209,10 @@ def build_ours(cfg: dict, targets, extra, device):
             import moetune.model.quant.matmul as fp8_matmul
 
             fp8_matmul.FAST_ACCUM_DGRAD = extra["fast_accum_dgrad"]
+    if extra.get("ggemm"):  # a candidate setting, measured against the default
+        import moetune.model.experts as experts_module
+
+        experts_module.GROUPED_GEMM = extra["ggemm"]
     if not full:
         apply_lora(model, targets, 16, 32)
     apply_ac(model, extra.get("ac", "none"))
