@@ -13,6 +13,7 @@ Module and parameter names mirror transformers v5's `Glm4MoeForCausalLM`, expert
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -157,18 +158,19 @@ class Experts(nn.Module):
         if self.dispatcher is not None:
             return self.dispatcher(x, topk_idx, topk_weights, self._weights(), self._compute, self.num_experts,
                                    side_work, recompute)
-        # The permutation and the routing weights in its order are made once and kept (under recompute too: a few
-        # bytes per pair); the rows are gathered inside the recomputed function, so the [T·k, H] permuted rows are
-        # not saved, only x, which the shared expert's checkpoint keeps anyway.
+        # The permutation and the routing weights in its order are made once and kept, under recompute too (28
+        # bytes a pair); the rows are gathered inside the recomputed function, so the [T·k, H] permuted rows are not
+        # saved, only x, which the shared expert's checkpoint keeps anyway. The permutation's per-pair tensors are
+        # the function's arguments, not its closure: a checkpoint keeps them as saved tensors, which a census sees.
         perm = permute(topk_idx, self.num_experts)
         row_weights = topk_weights.reshape(-1)[perm.order]
 
-        def run(x, row_weights):
-            y = experts_forward(x[perm.token_idx], perm.offs, row_weights, expert_weight(self, "gate_up_proj"),
+        def run(x, row_weights, token_idx, inverse):
+            y = experts_forward(x[token_idx], perm.offs, row_weights, expert_weight(self, "gate_up_proj"),
                                 expert_weight(self, "down_proj"), self.lora)
-            return unpermute(y, perm, x.shape[0])
+            return unpermute(y, replace(perm, token_idx=token_idx, inverse=inverse), x.shape[0])
 
-        y = recompute_fn(run, recompute, x, row_weights)
+        y = recompute_fn(run, recompute, x, row_weights, perm.token_idx, perm.inverse)
         return y, perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):

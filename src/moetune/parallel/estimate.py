@@ -276,7 +276,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     mode = "compiled" if cfg.train.compile else "eager"
     seq, L, rank = cfg.data.seq_len, m.num_hidden_layers, cfg.lora.rank
     modes = layout.recompute  # each layer's activation checkpointing
-    split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
+    split = ep > 1  # the expert-parallel exchange's terms (activations.ep_layer_bytes_per_token)
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
 
     def layer_bytes(i):
@@ -294,9 +294,11 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
             return attn
         if ac != "full":
             return 0
-        if not (moe and split):
+        if not moe:
             return attn + mlp
-        experts = full or "experts" in lora  # frozen experts are not recomputed
+        # recompute.split_modes: a MoE layer recomputes its attention and its expert work one after the other (under
+        # EP frozen experts are not recomputed: the exchange freed their rows)
+        experts = not split or full or "experts" in lora
         return max(attn, skew * expert_row_bytes_per_token(m, "eager", b, lora, full, rank) if experts else 0)
 
     per_layer = [layer_bytes(i) for i in range(L)]
@@ -306,7 +308,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         how = f"per layer ({describe(ac)}): {sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer on average, " \
               "+ one layer's recompute"
     elif ac == "full":
-        how = f"full checkpointing: layer inputs {b}·H·T·L + one layer recomputed"
+        how = (f"full checkpointing: layer inputs {b}·H·T·L (MoE layers: + their norm, normed input, routing and "
+               f"permutation, kept) + one layer's attention or expert work recomputed")
     elif ac == "attention":
         how = f"attention checkpointing: layer inputs + the MLP/MoE halves ({mode}), " \
               f"{sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer, + one attention block recomputed"
