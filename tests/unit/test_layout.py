@@ -318,6 +318,34 @@ def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
         load_config(None, ["--parallel.gpu_memory_gib", "0"])
 
 
+def test_a_stated_gpu_memory_caps_the_cuda_allocator(monkeypatch):
+    """parallel.gpu_memory_gib below the device's memory holds the caching allocator to it when the run sets its
+    device (an H200 run told 79.1 GiB runs out of memory where an 80 GB GPU would); the device's own memory, or a
+    statement above it, sets no cap."""
+    import torch
+
+    from moetune.parallel.mesh import init_distributed
+
+    class H200Props:
+        total_memory = int(139.8 * 2**30)
+
+    calls = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200Props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append((f, device)))
+    for over, want in [(["--parallel.gpu_memory_gib", "79.1"], [(pytest.approx(79.1 / 139.8), torch.device("cuda", 0))]),
+                       ([], []), (["--parallel.gpu_memory_gib", "200"], [])]:
+        calls.clear()
+        cfg = load_config(None, over)
+        memory = memory_limit(cfg)
+        assert memory.stated == bool(over)
+        run = init_distributed(resolve_layout(cfg, 1, memory))
+        assert run.device == torch.device("cuda", 0) and calls == want, over
+
+
 # ------------------------------------------------------------------------------------------ bugs of issue 22
 def test_a_cpu_run_is_held_to_the_machines_ram(monkeypatch, tmp_path):
     """A CPU run whose estimate is over the machine's RAM is refused before anything is built, naming the estimate

@@ -57,6 +57,7 @@ class MemoryLimit:
     gib: float
     what: str  # where the figure comes from, for the reasons and errors
     host: bool = False
+    stated: bool = False  # the user's statement (parallel.gpu_memory_gib): the run's allocator is held to it (mesh.py)
 
     def __str__(self) -> str:
         return f"{self.what}: {self.gib:.1f} GiB"
@@ -220,8 +221,8 @@ def memory_limit(cfg, local_rank: int | None = None) -> MemoryLimit:
     divided among the processes the launcher starts on this node."""
     gpu = gpu_memory_gib(cfg, local_rank)
     if gpu is not None:
-        what = "parallel.gpu_memory_gib" if cfg.parallel.gpu_memory_gib is not None else "GPU memory"
-        return MemoryLimit(gpu, what)
+        stated = cfg.parallel.gpu_memory_gib is not None
+        return MemoryLimit(gpu, "parallel.gpu_memory_gib" if stated else "GPU memory", stated=stated)
     ram, procs = host_memory_gib(), launch_gpus_per_node() or 1
     share = f" shared by {procs} processes" if procs > 1 else ""
     return MemoryLimit(ram / procs, f"host RAM {ram:.1f} GiB{share} (a CPU run: no GPU)", host=True)
