@@ -1,7 +1,8 @@
 """Activation checkpointing ("recompute") of a piece of a layer: `full` keeps only the inputs and recomputes
 everything in backward; `selective` keeps what the GEMMs and attention produced and recomputes only the cheap
 element-wise ops (norms, RoPE, SwiGLU, casts, permutation gathers); `attention` (a layer mode, `split_modes`)
-recomputes the attention block in full and keeps the MLP's or MoE's activations.
+recomputes the attention block in full and keeps the MLP's or MoE's activations. A MoE layer under `full` recomputes
+its attention and its expert work apart, its routing made once (`split_modes`).
 
 `Rebuilt` keeps, in place of some large tensors autograd would save, a way to rebuild them cheaply in backward
 (a gather, an element-wise op): recompute of single tensors, not of a whole piece."""

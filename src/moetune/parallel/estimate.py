@@ -45,7 +45,8 @@ vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %, before 82752e3a). The
 knowing the compiled figure. tests/unit/test_observability_inspect.py pins these and checks the eager per-layer
 formula against a census of the tensors autograd saves.
 Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full activation checkpointing, eager,
-issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
+issue 11's table measured at d05efb6, when full recomputed a MoE layer whole: today's estimate of these runs is higher
+by what the split keeps, activations.moe_split_bytes_per_token, 4.4 GiB at micro-batch 1; not re-measured): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
 123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
 GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
 (replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 42.4 (41.4 before selective_terms
