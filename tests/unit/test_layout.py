@@ -45,11 +45,12 @@ def shape(layout: Layout):
     (None, [], 2, None, (1, 1, 2, "none", False)),  # replicated: no all-gathers at all
     # GLM-4.5-Air LoRA q,k,v,o (compiled) on 2 x H200: ep 2 holds the rest of the model whole and half the experts,
     # 106 GiB of weights: 131.7 GiB without recompute, under 95 % of 139.8 (measured 132.1 GiB, 5,057 tokens/s per
-    # GPU); on a 132 GiB card no layout fits without recompute, ep 2 with the attention recomputed does (122.5)
+    # GPU); on a 132 GiB card no layout fits without recompute, ep 2 with the attention of 32 layers recomputed does
+    # (125.3; of every layer: 122.5)
     (AIR, [], 2, H200, (2, 1, 1, "none", False)),
-    (AIR, [], 2, TIGHT, (2, 1, 1, "attention", False)),
-    # eager: ep 2 without recompute 136.0, selective 133.1, attention 124.1
-    (AIR, ["--train.compile", "false"], 2, H200, (2, 1, 1, "attention", False)),
+    (AIR, [], 2, TIGHT, (2, 1, 1, (("attention", 32), ("none", 14)), False)),
+    # eager: ep 2 without recompute 136.0, selective 133.1; the attention of 14 layers recomputed 132.6 (of all: 124.1)
+    (AIR, ["--train.compile", "false"], 2, H200, (2, 1, 1, (("attention", 14), ("none", 32)), False)),
     (AIR, [], 8, H200, (8, 1, 1, "none", False)),  # experts stay put, no FSDP: 63.6 GiB
     (AIR, [], 8, H100, (8, 1, 1, "none", False)),
     (AIR_EXPERTS, [], 8, H200, (8, 1, 1, "none", False)),  # 87.5 GiB
@@ -63,24 +64,26 @@ def shape(layout: Layout):
     # full fine-tuning of Air on 8 x H200: 16 bytes per parameter do not fit on the GPUs, only with CPU offload
     (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "none", True)),  # 130.4 GiB
     # GLM-4.5 (355B), eager, 8 x H200: ep 8 holds 77 GiB of experts + the rest whole (too much even with the attention
-    # recomputed: 150.9); ep 4 × FSDP 2 with the attention recomputed: 127.1 GiB
-    (GLM45, [], 8, H200, (4, 2, 1, "attention", False)),
+    # recomputed: 150.9); ep 4 × FSDP 2 with the attention of 72 of the 92 layers recomputed: 132.5 GiB (all: 127.1)
+    (GLM45, [], 8, H200, (4, 2, 1, (("attention", 72), ("none", 20)), False)),
     (GLM45, [], 16, H200, (8, 2, 1, "none", False)),  # two nodes of 8: ep within the node, FSDP across: 111.9
     # GLM-4.7-Flash (MLA), its recipe: one H200 without recompute (74.5 GiB: 56 of weights), also under 95 % of an
-    # 80 GB card; LoRA on the experts too needs full recompute there (65.1); 8 GPUs replicate LoRA, and full
-    # fine-tuning goes expert parallel (71.5)
+    # 80 GB card; LoRA on the experts too needs full recompute of 10 layers there (74.9: a MoE layer's full recompute
+    # keeps its routing, a little more than the whole layer's input); 8 GPUs replicate LoRA, and full fine-tuning goes
+    # expert parallel (71.5); on a 75 GiB card the attention of 16 layers is recomputed (71.2)
     (FLASH, AS_FLASH, 1, H200, (1, 1, 1, "none", False)),
     (FLASH, AS_FLASH, 1, H100, (1, 1, 1, "none", False)),
-    (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, H100, (1, 1, 1, (("full", 9), ("attention", 38)), False)),
+    (FLASH, AS_FLASH, 1, 75.0, (1, 1, 1, (("attention", 16), ("none", 31)), False)),
+    (FLASH, AS_FLASH + ["--lora.targets", "[mla_all]"], 1, H100, (1, 1, 1, (("full", 10), ("attention", 37)), False)),
     (FLASH, AS_FLASH, 8, H200, (1, 1, 8, "none", False)),
     (FLASH, AS_FLASH + ["--finetune.mode", "full"], 8, H200, (8, 1, 1, "none", False)),
-    # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention recomputed (100.9
-    # GiB: its per-layer DSA mask is recomputed too); 8 nodes too (79.2): selective keeps every GEMM output, the LoRA
-    # B projections' full-width outputs included (a census of what it saves), 159.0 GiB; 2 nodes fit only with the
-    # weights offloaded to the host (82.6)
-    (GLM5, AS_GLM5, 32, H200, (8, 4, 1, "attention", False)),
-    (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "attention", False)),
-    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, "attention", True)),
+    # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention of 34 of the 78
+    # layers recomputed (132.1 GiB; of all 100.9: its per-layer DSA mask is recomputed too); 8 nodes, 3 layers (132.7;
+    # all 79.2): selective keeps every GEMM output, the LoRA B projections' full-width outputs included (a census of
+    # what it saves), 159.0 GiB; 2 nodes fit only with the weights offloaded to the host, 8 layers recomputed (132.5)
+    (GLM5, AS_GLM5, 32, H200, (8, 4, 1, (("attention", 34), ("none", 44)), False)),
+    (GLM5, AS_GLM5, 64, H200, (8, 8, 1, (("attention", 3), ("none", 75)), False)),
+    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, (("attention", 8), ("none", 70)), True)),
 ])
 def test_auto_layout_choices(path, over, world, gpu, want):
     layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)
@@ -93,8 +96,8 @@ def test_auto_layout_choices(path, over, world, gpu, want):
 def test_reasons_give_the_estimate_of_each_layout_considered():
     layout = layout_for(AIR, 2, TIGHT)
     text = layout.describe()
-    assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention" \
-        in text
+    assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention " \
+           "on 32 layers, none on 14 layers" in text
     rejected = [r for r in layout.reasons if r.endswith("does not fit")]
     # replicated, ep 2 and FSDP without recompute, replicated with the attention recomputed
     assert len(rejected) == 4 and any(r.startswith("expert parallel (ep 2;") and "none" in r for r in rejected)
@@ -146,6 +149,26 @@ def test_a_split_is_the_most_attention_layers_that_fit_and_its_estimate_adds_up_
     assert gib("{full: 0, attention: 46}") == pytest.approx(gib("attention"))
     assert gib("{full: 46, attention: 0}") == pytest.approx(gib("full"))
     assert "activation checkpointing full on 17 layers, attention on 29 layers" in chosen.summary()
+
+
+def test_only_as_many_layers_as_needed_recompute_their_attention():
+    """Before recomputing the attention of every layer, auto recomputes it in the fewest layers that fit, the first
+    ones ({attention: n, none: L - n}, Megatron's recompute_num_layers): GLM-4.7-Flash on a 75 GiB card. The estimate
+    falls with every layer recomputed, from no recompute (n = 0) to attention everywhere (n = L), but for the first:
+    what one layer's recompute frees, backward holds again while it recomputes that layer."""
+    chosen = layout_for(FLASH, 1, 75.0, *AS_FLASH)
+    (mode, n), (rest, n_none) = chosen.activation_checkpointing
+    assert (mode, rest, n + n_none) == ("attention", "none", 47) and chosen.recompute[:n] == ("attention",) * n
+
+    def gib(ac):
+        return layout_for(FLASH, 1, None, *AS_FLASH, "--parallel.layout", "manual", "--parallel.ep", "1",
+                          "--parallel.dp_shard", "1", "--train.activation_checkpointing", ac).estimate_gib
+
+    series = [gib(f"{{attention: {i}, none: {47 - i}}}") for i in range(48)]
+    assert series[0] == pytest.approx(series[1]) and all(a > b for a, b in zip(series[1:], series[2:])), series
+    assert series[0] == pytest.approx(gib("none")) and series[-1] == pytest.approx(gib("attention"))
+    assert series[n] == pytest.approx(chosen.estimate_gib) and series[n] <= FIT_FRACTION * 75.0 < series[n - 1]
+    assert "activation checkpointing attention on 16 layers, none on 31 layers" in chosen.summary()
 
 
 def test_a_split_written_in_the_config_is_kept_and_must_add_up_to_the_layers():
@@ -293,6 +316,34 @@ def test_gpu_memory_from_the_config_else_torch_cuda(monkeypatch):
     assert gpu_memory_gib(load_config(None)) == pytest.approx(139.7, abs=0.05)
     with pytest.raises(ConfigError, match="gpu_memory_gib"):
         load_config(None, ["--parallel.gpu_memory_gib", "0"])
+
+
+def test_a_stated_gpu_memory_caps_the_cuda_allocator(monkeypatch):
+    """parallel.gpu_memory_gib below the device's memory holds the caching allocator to it when the run sets its
+    device (an H200 run told 79.1 GiB runs out of memory where an 80 GB GPU would); the device's own memory, or a
+    statement above it, sets no cap."""
+    import torch
+
+    from moetune.parallel.mesh import init_distributed
+
+    class H200Props:
+        total_memory = int(139.8 * 2**30)
+
+    calls = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200Props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append((f, device)))
+    for over, want in [(["--parallel.gpu_memory_gib", "79.1"], [(pytest.approx(79.1 / 139.8), torch.device("cuda", 0))]),
+                       ([], []), (["--parallel.gpu_memory_gib", "200"], [])]:
+        calls.clear()
+        cfg = load_config(None, over)
+        memory = memory_limit(cfg)
+        assert memory.stated == bool(over)
+        run = init_distributed(resolve_layout(cfg, 1, memory))
+        assert run.device == torch.device("cuda", 0) and calls == want, over
 
 
 # ------------------------------------------------------------------------------------------ bugs of issue 22

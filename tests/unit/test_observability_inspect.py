@@ -14,7 +14,7 @@ from moetune.cli import main
 from moetune.config import load_config
 from moetune.data import DEMO_TOKENIZER_DIR
 from moetune.parallel.activations import (activation_bytes_per_token, ep_layer_bytes_per_token, layer_terms,
-                                          ranks_per_token, receives_topk)
+                                          moe_split_bytes_per_token, ranks_per_token, receives_topk)
 from moetune.parallel.estimate import count_params, estimate_memory
 from moetune.inspect import build_meta_model, render_pack
 from moetune.parallel.layout import make_layout
@@ -62,18 +62,19 @@ def test_inspect_placeholders_are_skipped_not_fatal(capsys):
 
 def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
     air = str(CONFIGS / "glm45-air-lora.yaml")
-    # 132 GiB: Air's ep 2 without recompute (131.7 GiB estimated) is over 95 %, ep 2 with the attention recomputed
-    # fits
+    # 132 GiB: Air's ep 2 without recompute (131.7 GiB estimated) is over 95 %, ep 2 with the attention of 32 of the
+    # 46 layers recomputed fits (of all: 122.5)
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "132"]) == 0
     out = capsys.readouterr().out
     layout = out.split("=== parallel layout, world size 2")[1].split("=== memory estimate")[0]
-    assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention" \
-        in layout
+    assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention " \
+           "on 32 layers, none on 14 layers, cpu_offload false; estimated peak 125.33 GiB" in layout
     assert "expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing none, cpu_offload false: " \
            "131.66 GiB — does not fit" in layout
     estimate = out.split("=== memory estimate per GPU")[1]
-    assert "ep 2, dp_shard 1, replicas 1" in estimate and "activation checkpointing: attention" in estimate
-    assert "122.46  at the start of backward" in estimate  # the chosen layout's, as the layout line says
+    assert "ep 2, dp_shard 1, replicas 1" in estimate
+    assert "activation checkpointing: attention on 32 layers, none on 14 layers," in estimate
+    assert "125.33  at the start of backward" in estimate  # the chosen layout's, as the layout line says
     # nothing fits: said on one line, exit status 1
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8", "--finetune.mode", "full"]) == 1
     assert "error: parallel.layout auto: nothing fits 2 GPU(s) of 139.8 GiB" in capsys.readouterr().out
@@ -169,6 +170,17 @@ AIR_2GPU = ["--model.config", "glm45-air", "--train.compile", "false"]
 ])
 def test_memory_estimate_full_size_air_on_two_gpus(over, ep, measured):
     got = estimate_gib(CONFIGS / "glm45-air-lora.yaml", AIR_2GPU + over, world=2, ep=ep, ac="full")
+    if ep == 1:
+        # Measured when full checkpointing recomputed a local MoE layer whole, keeping its input only; since it
+        # recomputes the attention and the expert work apart, such a layer keeps its norm's input, the normed input,
+        # the routing and the permutation besides (moe_split_bytes_per_token, checked against the census of saved
+        # tensors): taken out here, the rest of the estimate is held to what was measured.
+        from moetune.model.config import resolve_model_config
+
+        m = resolve_model_config(None, "glm45-air")
+        tokens = 4096 * (4 if "--train.micro_batch_size" in over else 1)
+        moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+        got -= tokens * moe_layers * moe_split_bytes_per_token(m, "eager", 2, False) / 2**30
     assert got == pytest.approx(measured, rel=0.03)
 
 

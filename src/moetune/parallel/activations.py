@@ -57,8 +57,12 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
              recompute (eager: its norm and everything after). Compiled, Inductor recomputes the residual after
              attention from the layer input too (CPU census): b·H + [2b·I dense | 2b·k·Im + 2b·Is + 8E + 32k MoE]
              (+ the full-mode/LoRA inputs). One attention block is recomputed at a time.
-  full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time (under EP a MoE
-             layer's attention and expert work one after the other: the larger of the two).
+  full activation checkpointing keeps each layer's input (b·H) and recomputes a dense layer whole. A MoE layer
+             recomputes its attention and its expert work apart (recompute.split_modes; local and under EP alike), so
+             the routing and the permutation are made once: its MoE half keeps its norm's input (eager 4H + 4, + b·H
+             in full mode; compiled b·H + 4), the normed input (b·H, the checkpoints' input), the router (4E + 12k + 4)
+             and the permutation (28k) (moe_split_bytes_per_token); backward holds one recompute at a time, the
+             attention or the expert work, the larger of the two.
   A per-layer split ({mode: layers}, ac_modes) counts each layer in its own mode; one layer's recompute, the
              largest of any layer's, is added once.
   A checkpoint (selective, attention, full) keeps all its inputs, whether the layer reads them or not: a DSA model
@@ -199,13 +203,37 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
     H = m.hidden_size
     inputs = b * H + topk
     if ac == "full":
-        return inputs
+        return inputs + (moe_split_bytes_per_token(m, mode, b, full) if moe else 0)
     attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
     if ac == "attention":
         # Compiled, the residual after attention is recomputed from the layer input rather than saved (a CPU census
         # of Inductor's partition): the MLP half's own input is not kept.
         return inputs + mlp - (b * H if mode == "compiled" else 0)
     return attn + mlp
+
+
+def moe_half_outside_bytes_per_token(m, mode: str, b: int, full: bool) -> float:
+    """What a MoE half whose expert work recomputes apart from its attention (recompute.split_modes: `full`, and under
+    EP `selective`) keeps outside its checkpoints, per token, before the router: the post-attention norm (eager: its
+    fp32 input and rstd, + the bf16 cast its weight's gradient needs in full mode; compiled: the bf16 residual and
+    rstd, from which Inductor recomputes the fp32 chain) and the normed input (the expert work's and the shared
+    expert's checkpoints keep it, one tensor)."""
+    H = m.hidden_size
+    norm = b * H + 4 if mode == "compiled" else 4 * H + 4 + (b * H if full else 0)
+    return norm + b * H
+
+
+def moe_split_bytes_per_token(m, mode: str, b: int, full: bool) -> float:
+    """A local (not expert-parallel) MoE half under full checkpointing, per token (mode eager | compiled): the
+    attention block and the expert work recompute apart (recompute.split_modes), so besides the layer input it keeps
+    what its norm keeps, the normed input (moe_half_outside_bytes_per_token), the router's saved tensors (4E + 12k +
+    4: the fp32 scores, the top-k weights and indices, their normaliser) and the permutation, made once in forward
+    (28k: the routing weights in its order 4k, the sort order, source tokens and inverse, 8k each). The rows, the
+    grouped GEMMs' outputs and the shared expert's are recomputed: frozen experts too, since the checkpoint keeps only
+    the normed input, which the shared expert keeps anyway. A CPU census: eager in
+    tests/unit/test_observability_inspect.py, compiled by hand (torch 2.13: the same terms, the norm's as above)."""
+    E, k = m.n_routed_experts, m.num_experts_per_tok
+    return moe_half_outside_bytes_per_token(m, mode, b, full) + 4 * E + 12 * k + 4 + 28 * k
 
 
 def receives_topk(m, layer: int, seq: int) -> bool:
@@ -309,13 +337,11 @@ def ep_layer_bytes_per_token(m, mode: str, ac: str, b: int, lora: set, full: boo
     H, Is, k, E = m.hidden_size, m.moe_intermediate_size * m.n_shared_experts, m.num_experts_per_tok, m.n_routed_experts
     experts = ep_skew(ep) * ep_expert_bytes_per_token(m, ac, b, lora, full, ep, rank)
     if ac == "full":
-        # The layer input for the attention's recompute; the MoE half is not checkpointed: the post-attention norm's
-        # input (eager: fp32 + rstd, + the bf16 cast in full mode; compiled: the bf16 residual, a graph output at the
-        # dispatcher's graph break, from which Inductor recomputes the fp32 chain), the normed input (the shared
-        # expert's checkpoint keeps it), the router; then the expert rows.
-        norm = b * H + 4 if mode == "compiled" else 4 * H + 4 + (b * H if full else 0)
-        inputs = activation_bytes_per_token(m, True, mode, b, lora, full, first, rank, seq, "full", topk_in)
-        return inputs + norm + b * H + 8 * E + 32 * k + experts
+        # The layer input for the attention's recompute; the MoE half is not checkpointed: what its norm keeps and the
+        # normed input (compiled, the bf16 residual is a graph output at the dispatcher's graph break), the router and
+        # the exchange's plan; then the expert rows.
+        inputs = b * H + (8 * min(m.index_topk, seq) if topk_in else 0)
+        return inputs + moe_half_outside_bytes_per_token(m, mode, b, full) + 8 * E + 32 * k + experts
     if ac == "selective":
         # The attention block is one selective checkpoint; the MoE half is not checkpointed as a piece: the
         # post-attention norm and the router keep what they keep eagerly, the shared expert is its own selective

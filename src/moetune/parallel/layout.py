@@ -17,10 +17,11 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   4. FSDP over all GPUs;
   each first without activation checkpointing, then with `selective` (not under torch.compile). Then every
   structure again with `attention` (the attention block's forward repeated in backward, the MLP/MoE activations
-  kept: the middle ground), then with `full` (the whole layer; under EP the attention and the local expert work
-  apart, model/recompute.split_modes) — or rather, where `attention` did not fit on that structure, the per-layer
-  split {full: n, attention: L - n} (ac_modes) with the most attention layers that fits: recompute on a preferred
-  structure is not assumed to beat a less preferred structure without it. CPU offload (FSDP; on one GPU FSDP over a
+  kept: the middle ground), then with `full` (a dense layer whole, a MoE layer's attention and expert work apart,
+  model/recompute.split_modes) — each as the per-layer split (ac_modes) that recomputes the fewest layers that fit:
+  {attention: n, none: L - n} (Megatron's recompute_num_layers: often only a few layers need recompute), then
+  {full: n, attention: L - n}; recompute on a preferred structure is not assumed to beat a less preferred structure
+  without it. CPU offload (FSDP; on one GPU FSDP over a
   mesh of one process) only when nothing else fits, its modes in the same order. A layout fits when its estimate is under FIT_FRACTION (95 %) of the memory
   (`memory_limit`): `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib) when set, else torch.cuda's; a CPU run is
   held to the machine's RAM (or its cgroup's limit) shared by the processes on the node, and considers no CPU offload
@@ -56,6 +57,7 @@ class MemoryLimit:
     gib: float
     what: str  # where the figure comes from, for the reasons and errors
     host: bool = False
+    stated: bool = False  # the user's statement (parallel.gpu_memory_gib): the run's allocator is held to it (mesh.py)
 
     def __str__(self) -> str:
         return f"{self.what}: {self.gib:.1f} GiB"
@@ -219,8 +221,8 @@ def memory_limit(cfg, local_rank: int | None = None) -> MemoryLimit:
     divided among the processes the launcher starts on this node."""
     gpu = gpu_memory_gib(cfg, local_rank)
     if gpu is not None:
-        what = "parallel.gpu_memory_gib" if cfg.parallel.gpu_memory_gib is not None else "GPU memory"
-        return MemoryLimit(gpu, what)
+        stated = cfg.parallel.gpu_memory_gib is not None
+        return MemoryLimit(gpu, "parallel.gpu_memory_gib" if stated else "GPU memory", stated=stated)
     ram, procs = host_memory_gib(), launch_gpus_per_node() or 1
     share = f" shared by {procs} processes" if procs > 1 else ""
     return MemoryLimit(ram / procs, f"host RAM {ram:.1f} GiB{share} (a CPU run: no GPU)", host=True)
@@ -340,27 +342,30 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         raise ConfigError(f"no layout for {world_size} process(es) is compatible with what the config sets: {kept}")
     tried = []
 
-    def split(ep, dp_shard, offload):
-        """The layout of this structure that recomputes the attention of as many layers as fit and the rest whole
-        (ac_modes); None if none fits. Asked for at a structure's `full`, which unless the mode is pinned comes
-        after its `attention` (_candidates), so attention everywhere was tried there and did not fit. The estimate
-        grows with the attention layers, so the largest that fits is found by bisection."""
+    def split(ep, dp_shard, offload, ac):
+        """The layout of this structure that recomputes the fewest layers that fit, as a per-layer split (ac_modes);
+        None if none fits. At `attention`: {attention: n, none: L - n} (Megatron's recompute_num_layers: where only a
+        few layers need recompute, the others run without); at `full`: {full: n, attention: L - n}. Asked for at a
+        structure's mode, which unless the mode is pinned comes after the lighter one on that structure
+        (_candidates), so the lighter mode everywhere was tried there and did not fit; the heavier everywhere is the
+        candidate itself. The estimate falls as n grows, so the smallest n that fits is found by bisection."""
         if "activation_checkpointing" in pinned or limit is None:
             return None
-        best, lo, hi = None, 1, n_layers - 1  # attention layers
+        lighter = {"attention": "none", "full": "attention"}[ac]
+        best, lo, hi = None, 1, n_layers - 1  # layers in the heavier mode
         while lo <= hi:
             n = (lo + hi) // 2
-            layout = make_layout(world_size, ep, dp_shard, {"full": n_layers - n, "attention": n}, offload, auto=True,
+            layout = make_layout(world_size, ep, dp_shard, {ac: n, lighter: n_layers - n}, offload, auto=True,
                                  **common)
             gib = estimate(layout)
             if fits(gib):
-                best, lo = (layout, gib), n + 1
+                best, hi = (layout, gib), n - 1
             else:
-                hi = n - 1
+                lo = n + 1
         return best
 
     for ep, dp_shard, ac, offload in candidates:
-        found = split(ep, dp_shard, offload) if ac == "full" else None
+        found = split(ep, dp_shard, offload, ac) if ac in ("attention", "full") else None
         layout, gib = found or (make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common), None)
         gib = estimate(layout) if gib is None else gib
         tried.append((layout, gib))

@@ -77,6 +77,17 @@ def launch_gpus_per_node() -> int | None:
     return None
 
 
+def cap_allocator(memory, device: torch.device) -> None:
+    """Hold the CUDA caching allocator to `parallel.gpu_memory_gib` (`memory`: Layout.memory, stated by the user) when
+    it is below the device's memory: the layout was chosen for a GPU of that size, and a run on a larger one is then
+    an honest emulation of it (out of memory where that GPU would be) rather than a run that only fits here."""
+    if memory is None or memory.host or not memory.stated:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if memory.gib < total:
+        torch.cuda.set_per_process_memory_fraction(memory.gib / total, device)
+
+
 def init_distributed(layout, device: str | None = None) -> Dist:
     """The process group `layout` (layout.Layout) needs and its mesh; the device of this rank (its GPU, else the
     CPU, or `device`)."""
@@ -90,6 +101,7 @@ def init_distributed(layout, device: str | None = None) -> Dist:
     dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
+        cap_allocator(layout.memory, dev)
     if not (launched or layout.needs_process_group):
         return Dist(device=dev)
     if not dist.is_initialized():

@@ -1,0 +1,72 @@
+"""Activation checkpointing of a local (not expert-parallel) MoE layer: under `full` its attention and its expert work
+recompute apart (model/recompute.split_modes), the routing and the permutation made once in forward and kept. Routing
+is deterministic, so every mode gives the gradients of no recompute bit for bit, and the split saves less."""
+
+import pytest
+import torch
+
+from moetune.model import glm4_moe
+from moetune.model.config import ModelConfig
+from moetune.parallel.apply import apply_ac
+
+from test_observability_inspect import MLA_ATTN, MLA_TINY, TINY_GQA, _census_model, saved_bytes_by_layer
+
+CASES = {
+    "gqa-lora-attention": (TINY_GQA, "lora", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "gqa-lora-experts": (TINY_GQA, "lora", ["q_proj", "experts", "shared_experts"]),
+    "gqa-full": (TINY_GQA, "full", []),
+    "mla-lora-attention": (dict(MLA_TINY, model_type="glm4_moe_lite"), "lora", MLA_ATTN),
+    "mla-lora-experts": (dict(MLA_TINY, model_type="glm4_moe_lite"), "lora", ["o_proj", "experts"]),
+    "mla-full": (dict(MLA_TINY, model_type="glm4_moe_lite"), "full", []),
+}
+MODES = ["attention", "selective", "full", {"full": 1, "none": 1}, {"attention": 1, "full": 1}]
+
+
+def _grads(config, mode, targets, ac, dtype):
+    m = ModelConfig.from_hf_dict(config)
+    torch.manual_seed(0)  # LoRA's A
+    model, _ = _census_model(m, mode, targets)
+    model.to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_B"):  # B = 0 would hide the experts' LoRA gradients of A
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    apply_ac(model, ac)
+    ids = torch.randint(0, m.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(ids, None, labels=torch.roll(ids, -1, 1)).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_mode_gives_the_gradients_of_no_recompute_bit_for_bit(case, dtype):
+    config, mode, targets = CASES[case]
+    want = _grads(config, mode, targets, "none", dtype)
+    assert want and all(g is not None and g.abs().sum() > 0 for g in want.values())
+    for ac in MODES:
+        got = _grads(config, mode, targets, ac, dtype)
+        differ = [n for n, g in want.items() if not torch.equal(got[n], g)]
+        assert not differ, (ac, differ)
+
+
+@pytest.mark.parametrize("case", ["gqa-lora-attention", "gqa-lora-experts", "gqa-full", "mla-lora-experts"])
+def test_full_recompute_of_a_moe_layer_routes_once_and_saves_less(case, monkeypatch):
+    """The permutation is made once per MoE layer and step (not again in backward), and the MoE layer saves less than
+    without recompute: its input, its norm, the routing and the permutation, not the rows or the GEMM outputs."""
+    config, mode, targets = CASES[case]
+    m = ModelConfig.from_hf_dict(config)
+    calls = []
+    permute = glm4_moe.permute
+    monkeypatch.setattr(glm4_moe, "permute", lambda *a: calls.append(1) or permute(*a))
+    saved = {}
+    ids = torch.randint(0, m.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    for ac in ("none", "full", "selective"):
+        model, _ = _census_model(m, mode, targets)
+        apply_ac(model, ac)
+        calls.clear()
+        model(ids, None, labels=ids).backward()
+        # one MoE layer: sorted once per step; selective recomputes the layer as one piece, the sort included
+        assert len(calls) == (2 if ac == "selective" else 1), ac
+        small, big = saved_bytes_by_layer(model, 64), saved_bytes_by_layer(model, 128)
+        saved[ac] = (big[1] - small[1]) / 64
+    assert m.is_moe_layer(1) and saved["full"] < saved["none"] / 2, saved
