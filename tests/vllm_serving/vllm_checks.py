@@ -42,8 +42,8 @@ def prompt_logprobs(llm, ids):
 def greedy(llm, ids, max_tokens):
     from vllm import SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                       use_tqdm=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
 
 
