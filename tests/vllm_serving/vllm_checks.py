@@ -1,7 +1,8 @@
 """One vLLM engine per process (vLLM keeps process-wide state): `python vllm_checks.py CHECK JSON_ARGS` prints one
 JSON line `RESULT {...}`. The `__main__` guard is needed: vLLM may start helper processes by spawning this file.
 
-    serve     load an HF checkpoint (the merged export), return prompt logprobs of `ids`
+    serve     load an HF checkpoint (the merged export), return prompt logprobs of `ids` (and with `max_tokens`, the
+              greedy continuation of `ids`, eos ignored)
     lora      start from the base with LoRA enabled; add_lora each adapter dir: accepted or the error
     sync      start from the base, join moetune's weight sync through MoetuneWorkerExtension, receive one sync;
               prompt logprobs of `ids` before and after
@@ -38,8 +39,20 @@ def prompt_logprobs(llm, ids):
     return [lps[t][ids[t]].logprob for t in range(1, len(ids))]
 
 
+def greedy(llm, ids, max_tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
 def serve(a):
-    return {"logprobs": prompt_logprobs(_llm(a["model"], a.get("native_rope", False)), a["ids"])}
+    llm = _llm(a["model"], a.get("native_rope", False))
+    out = {"logprobs": prompt_logprobs(llm, a["ids"])}
+    if a.get("max_tokens"):
+        out["tokens"] = greedy(llm, a["ids"], a["max_tokens"])
+    return out
 
 
 def lora(a):

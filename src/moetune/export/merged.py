@@ -57,7 +57,9 @@ class _Merger:
     An FP8 base (`stored`: its scheme) is dequantised with its scales before the merge; a bf16 base that was
     trained stored in fp8 (`trained`: the adapter's base_quantize) is quantised and dequantised first, so the merge
     is the model that was trained. `requantise`: the merged weights are written in fp8 again (the base's scheme, or
-    the trained one), each with its new scale, produced right after its weight."""
+    the trained one), each with its new scale, produced right after its weight: those an FP8 base stores in fp8 (a
+    module its quantization_config ignores, e.g. routed experts kept in bf16, stays unquantised), every fp8-trained
+    weight of a bf16 base."""
 
     def __init__(self, base: Reader, lora: Reader, scaling: float, dtype: torch.dtype, stored=None, trained=None,
                  requantise=None):
@@ -66,6 +68,13 @@ class _Merger:
         self.unused_lora = set(lora.entries)
         self._row_cache = (None, None)
         self._scale = {}
+        self.fp8_out: set[str] = set()  # output weights written in fp8 (planned by _plan)
+
+    def requantised(self, out: str, source: str) -> bool:
+        """Is the output weight `out` (read from the base tensor `source`) written in fp8?"""
+        if self.requantise is None or not _fp8_in_training(out):
+            return False
+        return self.stored is None or self.base.entries[source].dtype == FP8
 
     def out_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
         if not stored.is_floating_point or name.endswith(_KEEP_DTYPE):
@@ -85,7 +94,7 @@ class _Merger:
     def finish(self, name: str, W: torch.Tensor) -> torch.Tensor:
         """The merged weight in the output's dtype; with `requantise`, its fp8 values (its scale kept for the tensor
         planned next)."""
-        if self.requantise is None or not _fp8_in_training(name):
+        if name not in self.fp8_out:
             return W
         q, scale = self.requantise.quantize(W)
         self._scale[name] = scale
@@ -148,11 +157,17 @@ def _fp8_in_training(name: str) -> bool:
     return bool(FP8_WEIGHT_RE.match(name))
 
 
-def _scale_plan(merger: _Merger, name: str, shape):
-    """The (name, shape, dtype, producer) of a requantised weight's scale, planned right after the weight."""
+def _plan_weight(plan: list, merger: _Merger, out: str, source: str, shape, dtype, producer) -> None:
+    """Plan the output weight `out` (from the base tensor `source`); a requantised one in fp8, its scale right
+    after it."""
+    if not merger.requantised(out, source):
+        plan.append((out, shape, dtype, producer))
+        return
+    merger.fp8_out.add(out)
     scheme = merger.requantise
-    return (name[: -len("weight")] + scheme.scale_suffix, scheme.scale_shape(shape), torch.float32,
-            lambda n=name: merger.scale(n))
+    plan.append((out, shape, FP8, producer))
+    plan.append((out[: -len("weight")] + scheme.scale_suffix, scheme.scale_shape(shape), torch.float32,
+                 lambda n=out: merger.scale(n)))
 
 
 def _plan(base: Reader, merger: _Merger):
@@ -171,10 +186,8 @@ def _plan(base: Reader, merger: _Merger):
                 for proj in projs:
                     shape = (ent.shape[1] // 2, ent.shape[2]) if which == "gate_up_proj" else tuple(ent.shape[1:])
                     out = f"{prefix}.{e}.{proj}.weight"
-                    plan.append((out, shape, merger.out_dtype(out, ent.dtype),
-                                 lambda p=prefix, e=e, j=proj, s=name: merger.expert(p, e, j, s)))
-                    if merger.requantise is not None:
-                        plan.append(_scale_plan(merger, out, shape))
+                    _plan_weight(plan, merger, out, name, shape, merger.out_dtype(out, ent.dtype),
+                                 lambda p=prefix, e=e, j=proj, s=name: merger.expert(p, e, j, s))
             continue
         m = _EXPERT_RE.match(name)
         if m:
@@ -184,12 +197,7 @@ def _plan(base: Reader, merger: _Merger):
             producer = lambda n=name: merger.linear(n)  # noqa: E731
         else:
             producer = lambda n=name: base.read(n)  # noqa: E731
-        dtype = merger.out_dtype(name, ent.dtype)
-        if merger.requantise is not None and _fp8_in_training(name):
-            dtype = FP8
-        plan.append((name, tuple(ent.shape), dtype, producer))
-        if merger.requantise is not None and _fp8_in_training(name):
-            plan.append(_scale_plan(merger, name, tuple(ent.shape)))
+        _plan_weight(plan, merger, name, name, tuple(ent.shape), merger.out_dtype(name, ent.dtype), producer)
     return plan
 
 

@@ -15,8 +15,8 @@ from moetune.errors import VerificationError
 from moetune.model.adapter_io import read_adapter, read_adapter_config
 from moetune.model.hf_io import as_dtype, load_model
 from moetune.model.quant.checkpoint import checkpoint_scheme
-from moetune.model.quant.modules import dequantize_model
-from moetune.names import ATTENTION_TARGETS, FP8_WEIGHT_RE, MLA_ATTENTION_TARGETS
+from moetune.model.quant.modules import dequantize_model, fp8_weights
+from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
 
 ATTENTION = ATTENTION_TARGETS + MLA_ATTENTION_TARGETS  # LoRA Linear in PEFT (unlike the MLPs, see verify_vllm_adapter)
 
@@ -123,8 +123,9 @@ def verify_merged(base_path: str, adapter_dir: str, merged_dir: str, tol: float 
     unrounded = ref(ids)
     dequantize_model(ref)  # an fp8 base: merged into its dequantised weights, as the export does
     _merge_in_memory(ref)
+    fp8_out = {name for name, _ in fp8_weights(merged)}  # what the export wrote in fp8 (not what its config ignores)
     for name, p in ref.named_parameters():
-        if requantised is not None and FP8_WEIGHT_RE.match(name):
+        if name in fp8_out:
             p.copy_(requantised.dequantize(*requantised.quantize(p)))
         else:
             p.copy_(p.to(dtype).float())
