@@ -44,6 +44,7 @@ tail -n 8 "$OUTDIR/train.log"
 t1=$(date +%s.%N)
 if [ -n "${SPEED_ONLY:-}" ]; then
   mkdir -p "$OUTDIR"
+  cp "$RUN/air/metrics.jsonl" "$OUTDIR/"
   python3 - "$RUN/air/metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

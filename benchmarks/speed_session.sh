@@ -5,12 +5,15 @@
 # trace:     GLM-4.7-Flash's step, profiled (Chrome trace + top kernels) and its idle gaps (trace_gaps.py)
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
-# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data)
-# flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB)
+# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data); flash_nocg without
+#              CUDA graphs (train.cuda_graphs false): the same losses step for step, and the graphs' gain
+# flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB); flash_72g
+#              at 72 GiB, where auto recomputes the attention of some layers
+# variants2:   a second list ($VARIANTS2), results in $OUT/v2
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/speed_session}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/v2"
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
@@ -21,7 +24,7 @@ run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
 flash_train() {  # $1: name, rest: extra overrides
   local name=$1; shift
-  run "$name" 200 env OUT="$OUT/$name" MODEL=glm47-flash NPROC=1 SPEED_ONLY=1 STEPS=${FLASH_STEPS:-12} \
+  run "$name" ${TRAIN_LIMIT:-200} env OUT="$OUT/$name" MODEL=glm47-flash NPROC=1 SPEED_ONLY=1 STEPS=${FLASH_STEPS:-12} \
     TARGETS="[mla_attention]" AC=none "$@" bash benchmarks/air_full_size.sh
 }
 for stage in ${STAGES:-attention trace variants}; do
@@ -35,6 +38,10 @@ for stage in ${STAGES:-attention trace variants}; do
     variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
     ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train ;;
+    flash_nocg) flash_train flash_nocg EXTRA="--train.cuda_graphs false" ;;
     flash_80g) flash_train flash_80g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" ;;
+    flash_72g) flash_train flash_72g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 72" ;;
+    variants2) run variants2 ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} \
+      --variants $VARIANTS2 --out "$OUT/v2" ;;
   esac
 done

@@ -125,7 +125,7 @@ VARIANTS.update(FP8_VARIANTS)
 # candidates of issue 21, each against the row it derives from (same call): SDPA forced to one kernel
 # ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
-              "ours_ep8rank_qkvo_1x4096"):
+              "ours_ep8rank_qkvo_1x4096", "ours_flash_mla_1x4096_demo", "ours_experts_4x1024_ac"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
     VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
