@@ -20,7 +20,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
-        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best" "$LOGS/$name.log" \
+        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best" "$LOGS/$name.log" \
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
 flash_train() {  # $1: name, rest: extra overrides
   local name=$1; shift
