@@ -191,10 +191,6 @@ class TrainConfig(_Section):
     # parallel.layout auto chooses it unless set
     activation_checkpointing: Union[str, dict[str, Any]] = "none"
     compile: bool = False
-    # CUDA graphs around each compiled layer (torch.compile mode "reduce-overhead"): the GPU no longer waits for the
-    # host to launch a layer's many small kernels (GLM-4.7-Flash: +8% on one H200). null = on when it can be: compile
-    # on a GPU, no FSDP and no expert parallelism (whose collectives and per-step buffers a graph cannot replay)
-    cuda_graphs: Optional[bool] = None
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
 
