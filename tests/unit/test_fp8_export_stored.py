@@ -18,18 +18,13 @@ from helpers import hf_model, random_adapter, save_hf
 from moetune.export.merged import export_merged
 from moetune.model.adapter_io import read_adapter, save_adapter
 from moetune.model.hf_io import load_model
+from moetune.model.quant.checkpoint import fp8_config
 from moetune.model.quant.fp8 import FP8, ROWWISE
 from moetune.model.quant.modules import fp8_weights
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts", "experts"]
-IGNORE_EXPERTS = {
-    "quant_method": "compressed-tensors", "format": "float-quantized",
-    "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.experts\\..*"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                              "dynamic": True}}}}
+IGNORE_EXPERTS = {**fp8_config(ROWWISE),  # the releases' config, with the routed experts ignored too
+                  "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.experts\\..*"]}
 
 
 def _rel(a, b):

@@ -53,6 +53,7 @@ import moetune
 from helpers import hf_model, random_adapter, save_hf
 from moetune.cli import main as moetune_main
 from moetune.model.quant import matmul
+from moetune.model.quant.checkpoint import fp8_config
 from moetune.model.quant.fp8 import FP8, ROWWISE
 from moetune.model.quant.modules import fp8_weights
 from test_vllm import check
@@ -65,14 +66,8 @@ NEW_TOKENS = 8
 # The hub's FP8 GLM-4.5 releases (compressed-tensors float-quantized): fp8 e4m3 weights with a weight_scale per output
 # row, activations quantised per token at run time; the router and lm_head not quantised. Here the routed experts are
 # listed too (kept bf16).
-QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.experts\\..*"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                              "dynamic": True}}}}
+QUANTIZATION_CONFIG = {**fp8_config(ROWWISE),  # the releases' config, with the routed experts ignored too
+                       "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.experts\\..*"]}
 
 
 def write_hub_fp8(plain: str, out: Path, experts_fp8: bool) -> str:
