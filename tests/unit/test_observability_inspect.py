@@ -62,19 +62,19 @@ def test_inspect_placeholders_are_skipped_not_fatal(capsys):
 
 def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
     air = str(CONFIGS / "glm45-air-lora.yaml")
-    # 132 GiB: Air's ep 2 without recompute (131.7 GiB estimated) is over 95 %, ep 2 with the attention of 32 of the
+    # 132 GiB: Air's ep 2 without recompute (132.6 GiB estimated; 132.1 measured) is over 95 %, ep 2 with the attention of 32 of the
     # 46 layers recomputed fits (of all: 122.5)
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "132"]) == 0
     out = capsys.readouterr().out
     layout = out.split("=== parallel layout, world size 2")[1].split("=== memory estimate")[0]
     assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention " \
-           "on 32 layers, none on 14 layers, cpu_offload false; estimated peak 125.33 GiB" in layout
+           "on 32 layers, none on 14 layers, cpu_offload false; estimated peak 125.29 GiB" in layout
     assert "expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing none, cpu_offload false: " \
-           "131.66 GiB — does not fit" in layout
+           "132.58 GiB — does not fit" in layout
     estimate = out.split("=== memory estimate per GPU")[1]
     assert "ep 2, dp_shard 1, replicas 1" in estimate
     assert "activation checkpointing: attention on 32 layers, none on 14 layers," in estimate
-    assert "125.33  at the start of backward" in estimate  # the chosen layout's, as the layout line says
+    assert "125.29  at the start of backward" in estimate  # the chosen layout's, as the layout line says
     # nothing fits: said on one line, exit status 1
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8", "--finetune.mode", "full"]) == 1
     assert "error: parallel.layout auto: nothing fits 2 GPU(s) of 139.8 GiB" in capsys.readouterr().out
@@ -193,7 +193,7 @@ def test_memory_estimate_shards_with_world_size():
     one, eight = (estimate_memory(cfg, m, counts, make_layout(w, n_layers=m.num_hidden_layers)) for w in (1, 8))
     weights = {w: dict((r[0], r[1]) for r in e.rows)["weights"] for w, e in ((1, one), (8, eight))}
     assert weights[1] == pytest.approx(8 * weights[8]) and weights[1] == pytest.approx(2 * 106.85e9 / 2**30, rel=1e-3)
-    assert 30 < eight.total_gib < 60 < one.total_gib
+    assert 30 < eight.total_gib < 65 < one.total_gib
 
 
 @pytest.mark.parametrize("quantize", [None, "fp8", "fp8_block"])
