@@ -41,6 +41,10 @@ Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1
   LoRA q,k,v,o, eager:           measured 43.4 GiB before 82752e3a (the eager SwiGLU then kept 3 more tensors per
                                  row), estimated 40.1 GiB for today's code: not re-measured
   full fine-tuning, 2 layers:    measured 29.5 GiB, estimated 29.6 GiB compiled (+0.4 %), 30.3 GiB eager (+2.6 %)
+GLM-4.7-Flash (full size, 1 H200, torch 2.11, LoRA r16 on every MLA projection, 1 × 4096, compiled): no recompute
+measured 75.50 GiB (moetune train, packed; 75.51 benchmarks/train_throughput.py), estimated 75.47; attention on 29
+layers, none on 18: measured 68.59, estimated 68.82 (74.48 and 68.28 before the compiled attention's normed input and
+the loss's third chunk were counted).
 Weights are 33.3 of the 39.2 GiB (LoRA) and 21.4 of the 29.5 GiB (full, with the optimizer), so these figures test
 the activation terms much less than the totals suggest: the activation + working-set part alone is 5.9 GiB measured
 vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %, before 82752e3a). The compiled formula was written
