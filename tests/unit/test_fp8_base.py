@@ -16,7 +16,7 @@ from moetune.model.hf_io import load_model
 from moetune.model.quant.fp8 import FP8, ROWWISE, Fp8Scheme, quantize_blocks, quantize_rows
 from moetune.model.quant.matmul import (_mm_dgrad, _mm_fwd, expert_of_rows, fp8_grouped_linear, fp8_linear,
                                         reference_fp8_dgrad, reference_fp8_grouped_linear, reference_fp8_linear)
-from moetune.model.quant.modules import fp8_weights, scale_name
+from moetune.model.quant.modules import fp8_weights, scale_name, stacked_parts
 
 
 def _rel(a, b):
@@ -180,6 +180,29 @@ def test_fp8_checkpoint_loads_as_stored_and_equals_the_dequantised_model(tmp_pat
         torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block", [(16, 16), (32, 16)], ids=["more-blocks-than-fused", "as-many-blocks-as-fused"])
+def test_fused_gate_up_keeps_the_two_grids_of_its_parts(tmp_path, block):
+    """The hub blocks each expert's gate and up [I, H] on their own grids: fused into [2I, H], the scales are the two
+    grids side by side (2·⌈I/b0⌉ rows), not one grid of ⌈2I/b0⌉ — different where I is not a multiple of b0: I = 24
+    with 16-row blocks (2 + 2 rows against 3) or 32-row blocks (1 + 1 against 2: the same count, other blocks)."""
+    hf = hf_model(seed=1, moe_intermediate_size=24)
+    fp8_dir, deq_dir = write_fp8_checkpoint(hf, tmp_path, "fp8-block", block)
+    model = load_model(fp8_dir, dtype="float32")
+    ref = load_model(deq_dir, dtype="float32")
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    # a bf16 checkpoint quantised at load uses the same grids: each part quantised alone, as the hub would store it
+    quantised = load_model(deq_dir, dtype="float32", quantize="fp8_block")
+    scheme = dict(fp8_weights(quantised))["model.layers.1.mlp.experts.gate_up_proj"]
+    gate_up = quantised.get_parameter("model.layers.1.mlp.experts.gate_up_proj")
+    scale = quantised.get_parameter(scale_name("model.layers.1.mlp.experts.gate_up_proj", scheme))
+    w = ref.get_parameter("model.layers.1.mlp.experts.gate_up_proj")
+    for part, rows in enumerate((slice(0, 24), slice(24, 48))):
+        q, s = scheme.quantize(w[:, rows])
+        assert torch.equal(gate_up[:, rows].view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale[:, part], s)
+
+
 def test_unquantised_checkpoint_quantised_at_load_equals_quantising_each_weight(tmp_path):
     hf = hf_model(seed=2)
     path = save_hf(hf, tmp_path / "plain")
@@ -238,7 +261,7 @@ def test_random_fp8_base_is_the_quantised_draw_of_the_same_seed(quantize):
     names = fp8_weights(fp8)
     assert len(names) == 3 * 4 + 3 + 2 * 3 + 2 * 2  # q,k,v,o per layer; dense MLP; shared experts; expert stacks
     for name, scheme in names:
-        q, s = scheme.quantize(params[name])
+        q, s = scheme.quantize(params[name], stacked_parts(name))  # gate_up: gate and up each on its own grid
         assert torch.equal(fp8.get_parameter(name).view(torch.uint8), q.view(torch.uint8)), name
         torch.testing.assert_close(fp8.get_parameter(scale_name(name, scheme)), s)
     for name, p in fp8.named_parameters():  # everything else: the same values

@@ -15,7 +15,7 @@ from moetune.errors import VerificationError
 from moetune.model.adapter_io import read_adapter, read_adapter_config
 from moetune.model.hf_io import as_dtype, load_model
 from moetune.model.quant.checkpoint import checkpoint_scheme
-from moetune.model.quant.modules import dequantize_model, fp8_weights
+from moetune.model.quant.modules import dequantize_model, fp8_weights, stacked_parts
 from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
 
 ATTENTION = ATTENTION_TARGETS + MLA_ATTENTION_TARGETS  # LoRA Linear in PEFT (unlike the MLPs, see verify_vllm_adapter)
@@ -126,7 +126,7 @@ def verify_merged(base_path: str, adapter_dir: str, merged_dir: str, tol: float 
     fp8_out = {name for name, _ in fp8_weights(merged)}  # what the export wrote in fp8 (not what its config ignores)
     for name, p in ref.named_parameters():
         if name in fp8_out:
-            p.copy_(requantised.dequantize(*requantised.quantize(p)))
+            p.copy_(requantised.dequantize(*requantised.quantize(p, stacked_parts(name))))  # as the export: per part
         else:
             p.copy_(p.to(dtype).float())
     errors["merged_vs_reference"] = _rel(got, ref(ids))

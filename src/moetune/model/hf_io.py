@@ -27,7 +27,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.errors import CheckpointError  # noqa: F401  (re-exported)
 from moetune.model.quant.checkpoint import checkpoint_scheme, prepare_fp8_base
-from moetune.model.quant.modules import fp8_parameters, scale_name
+from moetune.model.quant.modules import fp8_parameters, scale_name, stacked_parts
 from moetune.names import FUSED_EXPERT_PART_RE, layer_index
 from moetune.tensors import local_index, local_tensor
 
@@ -65,7 +65,8 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
             continue  # LoRA keeps its own init (B = 0); an fp8 scale is made with its weight
         if name in fp8:
             scale_p, scheme = fp8[name]
-            q, scale = scheme.quantize(seeded_slice(p, name, seed, lambda t, g: t.normal_(0.0, std, generator=g)))
+            q, scale = scheme.quantize(seeded_slice(p, name, seed, lambda t, g: t.normal_(0.0, std, generator=g)),
+                                       stacked_parts(name))
             local_tensor(p).copy_(q)
             local_tensor(scale_p).copy_(scale)
             continue
@@ -174,6 +175,10 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     """Read the slice `idx` of our parameter `name` (global `shape`) from whichever layout the checkpoint has."""
     if name in reader.tensors:
         st = reader.tensors[name]
+        if len(shape) == 4 and tuple(st.shape) == (shape[0], shape[1] * shape[2], shape[3]):
+            # a fused gate_up's block scales stored as one stack, the parts' grids one after the other: a view of ours
+            consumed.add(name)
+            return reader.read(name, idx[:1]).view(-1, *shape[1:])[(slice(None), *idx[1:])]
         if tuple(st.shape) != tuple(shape):
             raise _expected_shape_error(name, st, shape)
         consumed.add(name)
@@ -191,7 +196,10 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     # Every expert of the stack must be present with the right shape, whichever this rank reads: checked from
     # the index alone (no data read), so the strict check agrees on every rank of a sharded load.
     projs = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
-    want = tuple(shape[1:]) if which == "down_proj" else (shape[1] // 2, shape[2])
+    # gate_up's block scales keep gate's and up's grids apart ([E, 2, rows, cols]: quant/fp8.py); its weight and row
+    # scales stack gate's rows on up's ([E, 2I, ...])
+    grids = which == "gate_up_proj" and len(shape) == 4
+    want = tuple(shape[1:]) if which == "down_proj" else tuple(shape[2:]) if grids else (shape[1] // 2, shape[2])
     for e in range(E):
         for proj in projs:
             key = f"{prefix}.{e}.{proj}.{suffix}"
@@ -205,6 +213,11 @@ def _read_param(reader: _Reader, name: str, idx: tuple[slice, ...], shape, consu
     for e in range(e_slice.start, e_slice.stop):
         if which == "down_proj":
             parts.append(reader.read(f"{prefix}.{e}.down_proj.{suffix}", rest))
+            continue
+        if grids:  # rest: which of gate and up, their block rows, their block columns
+            part, rows = rest[0], rest[1:]
+            parts.append(torch.stack([reader.read(f"{prefix}.{e}.{proj}.{suffix}", rows)
+                                       for proj in projs[part.start:part.stop]], 0))
             continue
         I = shape[1] // 2
         row, col = rest
@@ -311,7 +324,7 @@ def _store_fp8(reader: _Reader, name: str, target, t: torch.Tensor, scale_p, sch
         local_tensor(target).copy_(t)
         local_tensor(scale_p).copy_(s.to(torch.float32))
         return
-    q, s = scheme.quantize(t.to(local_tensor(target).device))
+    q, s = scheme.quantize(t.to(local_tensor(target).device), stacked_parts(name))
     local_tensor(target).copy_(q)
     local_tensor(scale_p).copy_(s)
 

@@ -46,7 +46,11 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
   Layer 0 of a LoRA run saves nothing for its input norm (no gradient flows into the embeddings).
   torch.compile (per layer) recomputes the element-wise chains instead of saving them: per layer it keeps
              2b·H (layer input, residual after attention) + b·D·(2nH + 2nKV) + 4nH + [2b·I dense |
-             2b·k·Im + 2b·Is + 8E + 32k MoE] (+ the same full-mode/LoRA expert inputs).
+             2b·k·Im + 2b·Is + 8E + 32k MoE] (+ the same full-mode/LoRA expert inputs), + b·H (the attention's normed
+             input) when q/k/v (MLA: q_proj, q_a_proj, kv_a_proj_with_mqa) have LoRA or in full mode: Inductor's
+             partitioner never recomputes a tensor the backward must materialise for a matmul anyway (LoRA A's or the
+             weight's gradient reads it), so it keeps it as eager does. Checked against a census of what Inductor's
+             partition saves on the CPU (the same partitioner as on GPU), none and attention checkpointing, GQA and MLA.
   selective activation checkpointing keeps the checkpoint's input and every GEMM and attention output, by module
              (selective_terms): checkpoint input b·H; self_attn b·D(2nH + 2nKV) + 4nH + b·H (q, k, v, SDPA's output
              and LSE, o_proj); mlp 2b·I + b·H (gate, up, down) | mlp.gate 4E, mlp.experts k·(2b·Im + b·H),
@@ -74,7 +78,8 @@ MLA attention (GLM-4.7-Flash, GLM-5; nH heads, qk = nope + rope, v per head, lat
              + per latent 4r + 4 (its RMSNorm's fp32 input, rstd; + b·r in full mode) + b·r when its B projection
              (q_b_proj, kv_b_proj) trains; b·H (normed input) when q_proj / q_a_proj / kv_a_proj_with_mqa train.
              Layer 0 of a LoRA run keeps q, k, v and a latent's norm only when a projection upstream of them trains.
-             Compiled: the latent norms keep b·r + 4. Selective: the GEMM outputs b·(r_q + r_kv + rope +
+             Compiled: the latent norms keep the projection's bf16 output + 4: b·r_q + 4, and b·(r_kv + rope) + 4 for
+             the kv latent, a view of kv_a_proj_with_mqa's whole output (RoPE key included). Selective: the GEMM outputs b·(r_q + r_kv + rope +
              nH·(qk + nope + v + v)) + 4nH.
   DSA (GLM-5) past index_topk tokens: each layer attends through its own mask of the selected keys, saved as the
              attention's float bias: b·S per token (S the sequence length), + S (bool) once for the document mask.
@@ -123,8 +128,12 @@ def attention_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, first
     else:  # q, k (all heads), the kv_b_proj output v is a view of, the attention output
         core += b * nH * (2 * qk + nope + v + v)
         for r, producer, consumer in latents:
-            if not frozen_input or producer in lora:  # RMSNorm: fp32 input (compiled: recomputed from bf16), rstd
-                core += (b if mode == "compiled" else 4) * r + 4 + (b * r if full and mode == "eager" else 0)
+            if not frozen_input or producer in lora:  # RMSNorm: fp32 input, rstd
+                if mode == "compiled":  # recomputed from the projection's bf16 output, which Inductor keeps whole:
+                    # the kv latent is a view of kv_a_proj_with_mqa's output, the RoPE key's R columns included
+                    core += b * (r + (R if producer == "kv_a_proj_with_mqa" else 0)) + 4
+                else:
+                    core += 4 * r + 4 + (b * r if full else 0)
             core += b * r if full or consumer in lora else 0  # the normed latent, for the B projection's gradient
     return core, bool(full or lora & {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"})
 
@@ -160,7 +169,11 @@ def layer_terms(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: b
     shared_lora_a = lora_a if "shared_experts" in lora else 0
     dense_lora_a = lora_a if "dense_mlp" in lora else 0
     if mode == "compiled":  # each half keeps its bf16 input (the layer input is not needed in layer 0 of LoRA)
-        attn = {"layer input (compiled graph)": 0 if first and not full else b * H, "self_attn": attention}
+        # The normed input is kept as in eager, not recomputed from the layer input: Inductor's partitioner never
+        # recomputes a tensor that the backward must materialise for a matmul anyway (here LoRA A's or the weight's
+        # gradient).
+        attn = {"layer input (compiled graph)": 0 if first and not full else b * H,
+                "self_attn": (b * H if qkv_input else 0) + attention}
         ffn = {"residual after attention (compiled graph)": b * H}
         if moe:
             ffn.update({"mlp.gate": 8 * E + 32 * k, "mlp.experts": 2 * b * k * Im + expert_inputs + experts_lora_a,

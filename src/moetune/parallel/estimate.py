@@ -27,11 +27,13 @@ P below means P - P_experts + P_experts/ep, and S = 1.
 Activations (what each layer saves for backward, per token, by the module that saves it, under each recompute mode
 and expert parallelism): activations.py, checked against a census of saved tensors.
 Working set on top of the saved activations, at the start of backward: one MoE layer's backward
-  (2b·k·H + 10·k·Im per token: gradients of the permuted rows, of the expert output and of the fp32 SwiGLU) and the
-  loss: 2b·c·V (one chunk's logits and their gradient); when lm_head trains, the larger of that plus its fp32
-  gradient kept from the forward (4VH) and, at the start of backward, that gradient with the backward's fp32 product
-  and bf16 cast (10VH). Layer and loss working sets are added, which leaves a margin for the
-  transients that are not modelled one by one (allocator rounding, attention backward buffers).
+  (2b·k·H + 10·k·Im per token: gradients of the permuted rows, of the expert output and of the fp32 SwiGLU), or the
+  loss's forward: 3b·c·V when T > c (a chunk's logits and their gradient, and the previous chunk's gradient, which
+  model/loss.py's loop still holds while it makes the next: 2b·c·V for one chunk); when lm_head trains, the larger
+  of that plus its fp32 gradient kept from the forward (4VH) and, at the start of backward, that gradient with the
+  backward's fp32 product and bf16 cast (10VH). The loss's chunks are gone when backward starts: the larger of the
+  two counts (until 2026-12, both were added as a margin, and the loss counted 2b·c·V; GLM-4.7-Flash on an H200
+  showed the loss's third chunk: 75.50 GiB measured without recompute).
 Peak = static + max(saved activations + working set [+ gradients when grad_accum > 1], gradients).
 
 Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1 H200, torch max_memory_allocated):
@@ -39,6 +41,10 @@ Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1
   LoRA q,k,v,o, eager:           measured 43.4 GiB before 82752e3a (the eager SwiGLU then kept 3 more tensors per
                                  row), estimated 40.1 GiB for today's code: not re-measured
   full fine-tuning, 2 layers:    measured 29.5 GiB, estimated 29.6 GiB compiled (+0.4 %), 30.3 GiB eager (+2.6 %)
+GLM-4.7-Flash (full size, 1 H200, torch 2.11, LoRA r16 on every MLA projection, 1 × 4096, compiled): no recompute
+measured 75.50 GiB (moetune train, packed; 75.51 benchmarks/train_throughput.py), estimated 75.47; attention on 29
+layers, none on 18: measured 68.59, estimated 68.82 (74.48 and 68.28 before the compiled attention's normed input and
+the loss's third chunk were counted).
 Weights are 33.3 of the 39.2 GiB (LoRA) and 21.4 of the 29.5 GiB (full, with the optimizer), so these figures test
 the activation terms much less than the totals suggest: the activation + working-set part alone is 5.9 GiB measured
 vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %, before 82752e3a). The compiled formula was written
@@ -74,7 +80,7 @@ GIB = 2**30
 # A layout fits when its estimate is under this share of the GPU's memory: the rest is the CUDA context, NCCL's
 # buffers and allocator fragmentation, which torch.cuda.max_memory_allocated (what we estimate) does not see.
 # Measured: full-size Air, ep 2 on 2 × H200 without recompute: 132.1 GiB of 139.8 allocated at peak (94.5%), ran
-# (5,057 tokens/s per GPU, the exchange at 82752e3a; today's estimate of that run is 131.7).
+# (5,057 tokens/s per GPU, the exchange at 82752e3a; today's estimate of that run is 132.6).
 FIT_FRACTION = 0.95
 # torch.cuda.get_device_properties(0).total_memory of common GPUs, GiB: what `moetune inspect` chooses for when it has
 # no memory to choose for. H100 and H200 as measured in this project; B200 from nvidia-smi's 183,359 MiB (not measured
@@ -337,15 +343,20 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         stack = 2 * Im * H * m.n_routed_experts / ep
         layer_ws += stack + T * k * 2 * Im * 4
         ws_how += "; fp8 base: + the gate_up stack transposed (1 byte) + the folded gradient rows (4·k·2Im per token)"
+    # model/loss.py's loop: from the second chunk on, the previous chunk's logit gradient is still bound while the next
+    # chunk's logits and gradient are made: three [c, V] tensors at once
+    chunks = 3 if T > c else 2
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
-        logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
-        how = f"lm_head trains: max(chunk 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"
+        logits = max(chunks * b * c * V + 4 * V * H, 10 * V * H)
+        how = f"lm_head trains: max(chunks {chunks}·{b}·c·V + fp32 gradient 4VH, backward 10VH)"
     else:
-        logits = 2 * b * c * V
-        how = f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V"
+        logits = chunks * b * c * V
+        how = (f"{c}-token chunks: logits + their gradient, + the previous chunk's gradient: 3·{b}·c·V" if chunks == 3
+               else f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V")
     add("logits / loss", logits, how)
     add("backward working set", layer_ws, ws_how)
-    transient = logits + layer_ws
+    # The loss's chunks are freed when its forward returns, before backward starts: the larger of the two
+    transient = max(logits, layer_ws)
     if sparse_attention(m, seq):
         # DSA in the forward (the loss and backward buffers do not exist yet): a chunk of the indexer's fp32
         # scores, its top-k indices (int64), the selection and the selected mask (bool), the mask as float bias

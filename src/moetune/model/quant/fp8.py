@@ -6,6 +6,11 @@
   `weight_scale_inv [⌈out/b0⌉, ⌈in/b1⌉]`; the real weight is `weight · weight_scale_inv` per block (the name is the
   inverse of the quantiser's scale, which is what multiplies back).
 
+A fused expert stack `gate_up_proj [E, 2I, H]` holds two weights the hub stores apart, gate and up [I, H], each
+blocked on its own grid: its block scales are the two grids, `[E, 2, ⌈I/b0⌉, ⌈H/b1⌉]` (`parts` 2; one more dimension
+than the weight, so that everything dequantising a weight reads the convention from its scale). Where I is not a
+multiple of b0 that differs from one grid of ⌈2I/b0⌉ rows, in the count of rows or, as bad, in where they start.
+
 Everything here works on leading batch dimensions too (expert stacks `[E, out, in]`).
 """
 
@@ -32,15 +37,24 @@ class Fp8Scheme:
         """The name of the scale tensor next to `weight` in a checkpoint (and in our modules)."""
         return "weight_scale" if self.block is None else "weight_scale_inv"
 
-    def scale_shape(self, shape) -> tuple[int, ...]:
+    def scale_shape(self, shape, parts: int = 1) -> tuple[int, ...]:
+        """The scale of a weight of `shape` whose rows fuse `parts` weights blocked apart (row scales: one a row)."""
         *lead, out, inp = shape
         if self.block is None:
             return (*lead, out, 1)
         b0, b1 = self.block
-        return (*lead, -(-out // b0), -(-inp // b1))
+        grid = (-(-(out // parts) // b0), -(-inp // b1))
+        return (*lead, *grid) if parts == 1 else (*lead, parts, *grid)
 
-    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_rows(w) if self.block is None else quantize_blocks(w, self.block)
+    def quantize(self, w: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 values and scales of w; `parts` > 1: w's rows fuse that many weights, each blocked on its own grid."""
+        if self.block is None:
+            return quantize_rows(w)
+        if parts == 1:
+            return quantize_blocks(w, self.block)
+        *lead, out, inp = w.shape
+        q, scale = quantize_blocks(w.reshape(*lead, parts, out // parts, inp), self.block)
+        return q.reshape(w.shape), scale
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         if self.block is None:
@@ -82,9 +96,13 @@ def quantize_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def expand_block_scale(scale: torch.Tensor, shape, block) -> torch.Tensor:
-    """The per-element fp32 multiplier of a block-scaled weight of `shape`."""
+    """The per-element fp32 multiplier of a block-scaled weight of `shape`; a scale with one more dimension than the
+    weight holds the grids of the parts its rows fuse (a gate_up stack), each part's rows blocked from its own start."""
     b0, b1 = block
-    *_, out, inp = shape
+    *lead, out, inp = shape
+    if scale.dim() == len(shape) + 1:
+        parts = scale.shape[-3]
+        return expand_block_scale(scale, (*lead, parts, out // parts, inp), block).reshape(*lead, out, inp)
     s = scale.to(torch.float32).repeat_interleave(b0, dim=-2).repeat_interleave(b1, dim=-1)
     return s[..., :out, :inp]
 

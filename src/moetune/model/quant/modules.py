@@ -3,7 +3,8 @@ into fp8 ones.
 
 Names follow the checkpoints: a quantised linear keeps `weight` (fp8) and adds `weight_scale` (row-wise) or
 `weight_scale_inv` (block); a quantised expert stack keeps `gate_up_proj` / `down_proj` (fp8) and adds
-`gate_up_proj_scale[_inv]` / `down_proj_scale[_inv]`, the hub's per-expert scales stacked as the weights are. The
+`gate_up_proj_scale[_inv]` / `down_proj_scale[_inv]`, the hub's per-expert scales stacked as the weights are (gate_up's
+block scales keep gate's and up's grids apart: fp8.py, `stacked_parts`). The
 fp8 tensors are parameters that never train (requires_grad False), so expert parallelism shards them with their
 scales. The router, norms, embeddings, lm_head and DSA's indexer stay in the compute dtype, as the FP8 releases keep
 them.
@@ -77,6 +78,12 @@ def expert_weight(experts: nn.Module, name: str):
     return FrozenFp8(w, getattr(experts, scale_name(name, quant)), quant)
 
 
+def stacked_parts(weight_name: str) -> int:
+    """How many weights the rows of `weight_name` fuse, each quantised on its own grid: an expert stack's gate_up_proj
+    holds the hub's gate and up (2), anything else itself (1)."""
+    return 2 if weight_name.endswith("gate_up_proj") else 1
+
+
 def scale_name(weight_name: str, scheme: Fp8Scheme) -> str:
     """The scale of `weight_name`: `X.weight` -> `X.weight_scale[_inv]`, a stack `gate_up_proj` -> `gate_up_proj_scale[_inv]`."""
     suffix = scheme.scale_suffix
@@ -126,7 +133,8 @@ def quantize_model(model, scheme: Fp8Scheme, keep: Callable[[str], bool] = lambd
             w = getattr(experts, name)
             setattr(experts, name, _frozen(torch.empty(w.shape, dtype=FP8, device=w.device)))
             setattr(experts, scale_name(name, scheme),
-                    _frozen(torch.empty(scheme.scale_shape(w.shape), dtype=torch.float32, device=w.device), scale=True))
+                    _frozen(torch.empty(scheme.scale_shape(w.shape, stacked_parts(name)), dtype=torch.float32,
+                                        device=w.device), scale=True))
         experts.quant = scheme
         n += 1
     return n
