@@ -13,7 +13,6 @@ Module and parameter names mirror transformers v5's `Glm4MoeForCausalLM`, expert
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from moetune.model.loss import linear_cross_entropy
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.experts import experts_forward, permute, unpermute
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name
-from moetune.model.recompute import recompute as recompute_fn, split_modes
+from moetune.model.recompute import recompute, split_modes
 
 
 class RMSNorm(nn.Module):
@@ -158,20 +157,11 @@ class Experts(nn.Module):
         if self.dispatcher is not None:
             return self.dispatcher(x, topk_idx, topk_weights, self._weights(), self._compute, self.num_experts,
                                    side_work, recompute)
-        # The permutation and the routing weights in its order are made once and kept, under recompute too (28
-        # bytes a pair); the rows are gathered inside the recomputed function, so the [T·k, H] permuted rows are not
-        # saved, only x, which the shared expert's checkpoint keeps anyway. The permutation's per-pair tensors are
-        # the function's arguments, not its closure: a checkpoint keeps them as saved tensors, which a census sees.
         perm = permute(topk_idx, self.num_experts)
-        row_weights = topk_weights.reshape(-1)[perm.order]
-
-        def run(x, row_weights, token_idx, inverse):
-            y = experts_forward(x[token_idx], perm.offs, row_weights, expert_weight(self, "gate_up_proj"),
-                                expert_weight(self, "down_proj"), self.lora)
-            return unpermute(y, replace(perm, token_idx=token_idx, inverse=inverse), x.shape[0])
-
-        y = recompute_fn(run, recompute, x, row_weights, perm.token_idx, perm.inverse)
-        return y, perm.counts, side_work() if side_work is not None else None
+        rows, row_weights = x[perm.token_idx], topk_weights.reshape(-1)[perm.order]
+        y = experts_forward(rows, perm.offs, row_weights, expert_weight(self, "gate_up_proj"),
+                            expert_weight(self, "down_proj"), self.lora)
+        return unpermute(y, perm, x.shape[0]), perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):
         """The tensors the dispatcher hands `_compute` (this rank's shards): base stacks, their fp8 scales, LoRA."""
@@ -214,7 +204,7 @@ class MoE(nn.Module):
         return routed.view(shape) + shared
 
     def _shared(self, x, mode):
-        return recompute_fn(self.shared_experts, mode, x)
+        return recompute(self.shared_experts, mode, x)
 
 
 def router_entropy(scores):
@@ -239,7 +229,7 @@ def exchanges_rows(mlp: nn.Module) -> bool:
 def mlp_with(mlp: nn.Module, x, mode: str):
     """A layer's MLP or MoE half under activation checkpointing `mode` (a MoE applies it to its local expert work
     and shared expert, never to an expert-parallel exchange)."""
-    return mlp(x, recompute=mode) if isinstance(mlp, MoE) else recompute_fn(mlp, mode, x)
+    return mlp(x, recompute=mode) if isinstance(mlp, MoE) else recompute(mlp, mode, x)
 
 
 class DecoderLayer(nn.Module):
@@ -266,12 +256,12 @@ class DecoderLayer(nn.Module):
         """-> (x, the sparse attention's top-k for the next layer or None). The top-k travels as an input and an
         output, so a recomputed layer uses the one its forward used."""
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
-        split = split_modes(mode, isinstance(self.mlp, MoE), exchanges_rows(self.mlp))
+        split = split_modes(mode, exchanges_rows(self.mlp))
         if split is None:
             # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-            return recompute_fn(self._forward, mode, x, cos, sin, attn, topk, cache)
+            return recompute(self._forward, mode, x, cos, sin, attn, topk, cache)
         attention_mode, mlp_mode = split
-        h, topk = recompute_fn(self._attention, attention_mode, x, cos, sin, attn, topk, cache)
+        h, topk = recompute(self._attention, attention_mode, x, cos, sin, attn, topk, cache)
         x = x + h
         return x + mlp_with(self.mlp, self.post_attention_layernorm(x), mlp_mode), topk
 

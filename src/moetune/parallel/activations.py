@@ -61,12 +61,8 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
              recompute (eager: its norm and everything after). Compiled, Inductor recomputes the residual after
              attention from the layer input too (CPU census): b·H + [2b·I dense | 2b·k·Im + 2b·Is + 8E + 32k MoE]
              (+ the full-mode/LoRA inputs). One attention block is recomputed at a time.
-  full activation checkpointing keeps each layer's input (b·H) and recomputes a dense layer whole. A MoE layer
-             recomputes its attention and its expert work apart (recompute.split_modes; local and under EP alike), so
-             the routing and the permutation are made once: its MoE half keeps its norm's input (eager 4H + 4, + b·H
-             in full mode; compiled b·H + 4), the normed input (b·H, the checkpoints' input), the router (4E + 12k + 4)
-             and the permutation (28k) (moe_split_bytes_per_token); backward holds one recompute at a time, the
-             attention or the expert work, the larger of the two.
+  full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time (under EP a MoE
+             layer's attention and expert work one after the other: the larger of the two).
   A per-layer split ({mode: layers}, ac_modes) counts each layer in its own mode; one layer's recompute, the
              largest of any layer's, is added once.
   A checkpoint (selective, attention, full) keeps all its inputs, whether the layer reads them or not: a DSA model
@@ -216,7 +212,7 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
     H = m.hidden_size
     inputs = b * H + topk
     if ac == "full":
-        return inputs + (moe_split_bytes_per_token(m, mode, b, full) if moe else 0)
+        return inputs
     attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
     if ac == "attention":
         # Compiled, the residual after attention is recomputed from the layer input rather than saved (a CPU census
@@ -226,27 +222,14 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
 
 
 def moe_half_outside_bytes_per_token(m, mode: str, b: int, full: bool) -> float:
-    """What a MoE half whose expert work recomputes apart from its attention (recompute.split_modes: `full`, and under
-    EP `selective`) keeps outside its checkpoints, per token, before the router: the post-attention norm (eager: its
+    """What a MoE half under expert parallelism, whose expert work recomputes apart from its attention
+    (recompute.split_modes: `full` and `selective`), keeps outside its checkpoints, per token, before the router: the post-attention norm (eager: its
     fp32 input and rstd, + the bf16 cast its weight's gradient needs in full mode; compiled: the bf16 residual and
     rstd, from which Inductor recomputes the fp32 chain) and the normed input (the expert work's and the shared
     expert's checkpoints keep it, one tensor)."""
     H = m.hidden_size
     norm = b * H + 4 if mode == "compiled" else 4 * H + 4 + (b * H if full else 0)
     return norm + b * H
-
-
-def moe_split_bytes_per_token(m, mode: str, b: int, full: bool) -> float:
-    """A local (not expert-parallel) MoE half under full checkpointing, per token (mode eager | compiled): the
-    attention block and the expert work recompute apart (recompute.split_modes), so besides the layer input it keeps
-    what its norm keeps, the normed input (moe_half_outside_bytes_per_token), the router's saved tensors (4E + 12k +
-    4: the fp32 scores, the top-k weights and indices, their normaliser) and the permutation, made once in forward
-    (28k: the routing weights in its order 4k, the sort order, source tokens and inverse, 8k each). The rows, the
-    grouped GEMMs' outputs and the shared expert's are recomputed: frozen experts too, since the checkpoint keeps only
-    the normed input, which the shared expert keeps anyway. A CPU census: eager in
-    tests/unit/test_observability_inspect.py, compiled by hand (torch 2.13: the same terms, the norm's as above)."""
-    E, k = m.n_routed_experts, m.num_experts_per_tok
-    return moe_half_outside_bytes_per_token(m, mode, b, full) + 4 * E + 12 * k + 4 + 28 * k
 
 
 def receives_topk(m, layer: int, seq: int) -> bool:

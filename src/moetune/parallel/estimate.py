@@ -51,8 +51,7 @@ vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %, before 82752e3a). The
 knowing the compiled figure. tests/unit/test_observability_inspect.py pins these and checks the eager per-layer
 formula against a census of the tensors autograd saves.
 Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full activation checkpointing, eager,
-issue 11's table measured at d05efb6, when full recomputed a MoE layer whole: today's estimate of these runs is higher
-by what the split keeps, activations.moe_split_bytes_per_token, 4.4 GiB at micro-batch 1; not re-measured): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
+issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
 123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
 GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
 (replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 42.4 (41.4 before selective_terms
@@ -283,7 +282,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     mode = "compiled" if cfg.train.compile else "eager"
     seq, L, rank = cfg.data.seq_len, m.num_hidden_layers, cfg.lora.rank
     modes = layout.recompute  # each layer's activation checkpointing
-    split = ep > 1  # the expert-parallel exchange's terms (activations.ep_layer_bytes_per_token)
+    split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
 
     def layer_bytes(i):
@@ -301,11 +300,9 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
             return attn
         if ac != "full":
             return 0
-        if not moe:
+        if not (moe and split):
             return attn + mlp
-        # recompute.split_modes: a MoE layer recomputes its attention and its expert work one after the other (under
-        # EP frozen experts are not recomputed: the exchange freed their rows)
-        experts = not split or full or "experts" in lora
+        experts = full or "experts" in lora  # frozen experts are not recomputed
         return max(attn, skew * expert_row_bytes_per_token(m, "eager", b, lora, full, rank) if experts else 0)
 
     per_layer = [layer_bytes(i) for i in range(L)]
@@ -315,8 +312,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         how = f"per layer ({describe(ac)}): {sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer on average, " \
               "+ one layer's recompute"
     elif ac == "full":
-        how = (f"full checkpointing: layer inputs {b}·H·T·L (MoE layers: + their norm, normed input, routing and "
-               f"permutation, kept) + one layer's attention or expert work recomputed")
+        how = f"full checkpointing: layer inputs {b}·H·T·L + one layer recomputed"
     elif ac == "attention":
         how = f"attention checkpointing: layer inputs + the MLP/MoE halves ({mode}), " \
               f"{sum(per_layer) / L / (b * H):.1f}·{b}H per token·layer, + one attention block recomputed"

@@ -17,8 +17,8 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   4. FSDP over all GPUs;
   each first without activation checkpointing, then with `selective` (not under torch.compile). Then every
   structure again with `attention` (the attention block's forward repeated in backward, the MLP/MoE activations
-  kept: the middle ground), then with `full` (a dense layer whole, a MoE layer's attention and expert work apart,
-  model/recompute.split_modes) — each as the per-layer split (ac_modes) that recomputes the fewest layers that fit:
+  kept: the middle ground), then with `full` (the whole layer; under EP a MoE layer's attention and expert work
+  apart, model/recompute.split_modes) — each as the per-layer split (ac_modes) that recomputes the fewest layers that fit:
   {attention: n, none: L - n} (Megatron's recompute_num_layers: often only a few layers need recompute), then
   {full: n, attention: L - n}; recompute on a preferred structure is not assumed to beat a less preferred structure
   without it. CPU offload (FSDP; on one GPU FSDP over a
