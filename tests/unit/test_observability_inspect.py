@@ -348,6 +348,15 @@ def selective_saves_attention_as_on_gpu(monkeypatch):
                         lambda: saved | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default})
 
 
+@pytest.fixture(autouse=True)
+def selective_recompute_bound_scaled_to_the_tiny_models(monkeypatch):
+    """Selective checkpointing recomputes the products that reduce over at most 64 elements (LoRA's B, K = its rank);
+    a real GLM's base GEMMs reduce over 512 or more, but the tiny models' over 16 to 96. With their rank 4 (the
+    experts' padded to 8) a bound of 8 divides them as 64 divides a real model at rank 16: LoRA's B products
+    recomputed, every base GEMM's output kept, as the estimate counts (selective_terms)."""
+    monkeypatch.setattr(recompute, "SELECTIVE_RECOMPUTE_MAX_K", 8)
+
+
 def layer_mode(m, ac, i):
     return layer_modes(ac, m.num_hidden_layers)[i]
 
