@@ -70,3 +70,31 @@ def test_dropout_gradients_need_the_restored_rng_state(case, monkeypatch):
     monkeypatch.setattr(recompute, "checkpoint", functools.partial(recompute.checkpoint, preserve_rng_state=False))
     got = _grads(config, targets, "selective", torch.float32, 0.2)
     assert any(not torch.equal(got[n], g) for n, g in want.items())
+
+
+@pytest.mark.parametrize("rank, b_kept", [(64, False), (65, True)])
+def test_the_bound_is_the_reduction_dimension_of_each_product(rank, b_kept, monkeypatch):
+    """A LoRA linear (bias: addmm) at the production bound: x·Wᵀ + b and x·Aᵀ reduce over the input's width and are
+    kept, (x·Aᵀ)·Bᵀ reduces over the rank and is kept only above 64."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from moetune.model.lora import LoRALinear
+
+    kept = []
+    contexts = recompute.create_selective_checkpoint_contexts
+
+    def recording(policy_fn):
+        def policy(ctx, op, *args, **kwargs):
+            decision = policy_fn(ctx, op, *args, **kwargs)
+            if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                kept.append((op.__name__, tuple(ctx.op_output.shape)))
+            return decision
+        return contexts(policy)
+
+    monkeypatch.setattr(recompute, "create_selective_checkpoint_contexts", recording)
+    linear = LoRALinear(torch.nn.Linear(128, 256), rank, 2 * rank, 0.0, False)
+    torch.nn.init.normal_(linear.lora_B)
+    x = torch.randn(32, 128, requires_grad=True)
+    recompute.recompute(linear, "selective", x).square().sum().backward()
+    want = [("addmm.default", (32, 256)), ("mm.default", (32, rank))] + ([("mm.default", (32, 256))] if b_kept else [])
+    assert kept == want
