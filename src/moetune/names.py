@@ -17,6 +17,11 @@ LOSS_CHUNK_TOKENS = 2048
 # time, so seq 4096 × 32 index heads needs 128 MiB, not the 2 GiB of every query's scores together
 INDEXER_CHUNK_SCORES = 2**25
 
+# ---- selective activation checkpointing recomputes a product that reduces over at most this many elements (LoRA's
+# B, which reduces over the rank) instead of keeping its output: model/recompute.py says why, and the estimate
+# (parallel/activations.py) counts what it keeps by the same bound
+SELECTIVE_RECOMPUTE_MAX_K = 64
+
 # ---- LoRA targets, in canonical order (the saved config, the resume hash and exports use this order)
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # MLA (GLM-4.7-Flash, GLM-5): q_proj or q_a_proj + q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj

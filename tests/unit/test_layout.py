@@ -49,7 +49,7 @@ def shape(layout: Layout):
     # (125.3; of every layer: 122.5)
     (AIR, [], 2, H200, (2, 1, 1, "none", False)),
     (AIR, [], 2, TIGHT, (2, 1, 1, (("attention", 32), ("none", 14)), False)),
-    # eager: ep 2 without recompute 135.4, selective 142.8; the attention of 12 layers recomputed 132.6
+    # eager: ep 2 without recompute 135.4, selective 136.4; the attention of 12 layers recomputed 132.6
     (AIR, ["--train.compile", "false"], 2, H200, (2, 1, 1, (("attention", 12), ("none", 34)), False)),
     (AIR, [], 8, H200, (8, 1, 1, "none", False)),  # experts stay put, no FSDP: 63.6 GiB
     (AIR, [], 8, H100, (8, 1, 1, "none", False)),
@@ -79,8 +79,8 @@ def shape(layout: Layout):
     (FLASH, AS_FLASH + ["--finetune.mode", "full"], 8, H200, (8, 1, 1, "none", False)),
     # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention of 32 of the 78
     # layers recomputed (132.4 GiB; its per-layer DSA mask is recomputed too); 8 nodes without recompute (132.8;
-    # selective, which keeps every GEMM output, the LoRA B projections' full-width outputs included (a census of what it
-    # saves), does not fit); 2 nodes fit only with the weights offloaded to the host, 7 layers recomputed (132.5)
+    # selective, 127.0 since it recomputes LoRA's B products (168.7 when it kept their full-width outputs), comes after
+    # none); 2 nodes fit only with the weights offloaded to the host, 7 layers recomputed (132.5)
     (GLM5, AS_GLM5, 32, H200, (8, 4, 1, (("attention", 32), ("none", 46)), False)),
     (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "none", False)),
     (GLM5, AS_GLM5, 16, H200, (1, 16, 1, (("attention", 7), ("none", 71)), True)),

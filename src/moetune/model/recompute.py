@@ -1,7 +1,8 @@
 """Activation checkpointing ("recompute") of a piece of a layer: `full` keeps only the inputs and recomputes
 everything in backward; `selective` keeps what the GEMMs and attention produced and recomputes only the cheap
-element-wise ops (norms, RoPE, SwiGLU, casts, permutation gathers); `attention` (a layer mode, `split_modes`)
-recomputes the attention block in full and keeps the MLP's or MoE's activations.
+element-wise ops (norms, RoPE, SwiGLU, casts, permutation gathers) and the products as cheap as those (LoRA's B:
+`selective_checkpoint_context`); `attention` (a layer mode, `split_modes`) recomputes the attention block in full
+and keeps the MLP's or MoE's activations.
 
 `Rebuilt` keeps, in place of some large tensors autograd would save, a way to rebuild them cheaply in backward
 (a gather, an element-wise op): recompute of single tensors, not of a whole piece."""
@@ -14,6 +15,8 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from moetune.names import SELECTIVE_RECOMPUTE_MAX_K
+
 
 @functools.cache
 def _saved_ops() -> frozenset:
@@ -24,11 +27,35 @@ def _saved_ops() -> frozenset:
                       aten._scaled_dot_product_cudnn_attention.default})
 
 
+@functools.cache
+def _products() -> dict:
+    """The saved ops that are products, and which argument's last dimension is the one they reduce over: mm(a [M, K],
+    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs)."""
+    aten = torch.ops.aten
+    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0}
+
+
 def selective_checkpoint_context():
-    saved = _saved_ops()
+    """Keep the GEMM and attention outputs, recompute the rest; but recompute a product that reduces over at most
+    SELECTIVE_RECOMPUTE_MAX_K (64) elements, which in a GLM model only LoRA's B does (its K is the rank; the smallest
+    base GEMM reduces over MLA's kv_lora_rank, 512).
+
+    Such a product does 2K FLOPs per output element: at most 64 per byte written in bf16, under a third of an H100's
+    or H200's ridge point (~990 dense bf16 TFLOP/s over 3.35-4.8 TB/s: 200-300 FLOPs per byte). It runs at the speed
+    of memory like the element-wise ops recomputed anyway, and its recompute costs 2·tokens·r·out FLOPs (3 % of a
+    512-wide base GEMM's at r 16), while its output is as large as that of the base GEMM it is added to: keeping it
+    made selective keep more than no recompute on GLM-5's LoRA'd MLA projections. The recompute reads x·Aᵀ
+    ([tokens, r]), which stays kept (its K is the LoRA input's width): B's weight gradient reads it too, so keeping it
+    costs b·r bytes a token, while recomputing it would cost the product with A and need LoRA's input. With LoRA
+    dropout the recompute draws the forward's mask again: the checkpoint restores the RNG state (torch's
+    preserve_rng_state, on by default). A rank above 64 keeps B's output: from 128 FLOPs per byte on the product nears
+    the ridge point."""
+    saved, products, bound = _saved_ops(), _products(), SELECTIVE_RECOMPUTE_MAX_K
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        if op not in saved or (op in products and args[products[op]].shape[-1] <= bound):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
     return create_selective_checkpoint_contexts(policy)
 

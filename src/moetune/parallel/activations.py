@@ -54,8 +54,11 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
   selective activation checkpointing keeps the checkpoint's input and every GEMM and attention output, by module
              (selective_terms): checkpoint input b·H; self_attn b·D(2nH + 2nKV) + 4nH + b·H (q, k, v, SDPA's output
              and LSE, o_proj); mlp 2b·I + b·H (gate, up, down) | mlp.gate 4E, mlp.experts k·(2b·Im + b·H),
-             mlp.shared_experts b·(2Is + H); and each LoRA linear's x·Aᵀ (b·r) and full-width output (b·out).
-             Norms, RoPE, SwiGLU and the gathers are recomputed: full fine-tuning keeps no expert inputs here.
+             mlp.shared_experts b·(2Is + H); and each LoRA linear's x·Aᵀ (b·r). LoRA's B products, (x·Aᵀ)·Bᵀ,
+             reduce over the rank: up to names.SELECTIVE_RECOMPUTE_MAX_K (64; the experts' rank padded to 16 bytes)
+             they are recomputed, above it their full-width outputs (b·out) are kept too (selective_lora_outputs).
+             Norms, RoPE, SwiGLU and the gathers are recomputed: full fine-tuning keeps no expert inputs here. Every
+             base GEMM of a GLM model reduces over more than the bound (the smallest: MLA's kv_lora_rank, 512).
   attention  activation checkpointing recomputes the attention block (its norm, q/k/v/o, RoPE, attention) from the
              layer input, which its checkpoint keeps (b·H, in layer 0 too), and keeps the MLP/MoE half as without
              recompute (eager: its norm and everything after). Compiled, Inductor recomputes the residual after
@@ -89,7 +92,7 @@ from __future__ import annotations
 import math
 
 from moetune.model.config import GLM_MOE_DSA
-from moetune.names import ATTENTION_TARGETS, MLA_PROJECTIONS
+from moetune.names import ATTENTION_TARGETS, MLA_PROJECTIONS, SELECTIVE_RECOMPUTE_MAX_K
 
 EP_SKEW_PER_DOUBLING = 0.1  # received rows above the mean on the busiest rank, per doubling of ep (assumed)
 
@@ -240,8 +243,8 @@ def receives_topk(m, layer: int, seq: int) -> bool:
 
 
 def lora_output_widths(m, moe: bool, lora: set) -> dict[str, float]:
-    """Per token, the width of each adapted linear's LoRA output (x·Aᵀ)·Bᵀ, by module: a GEMM output, which selective
-    checkpointing keeps (per routed pair for the experts: gate_up's B and down's B, k pairs a token)."""
+    """Per token, the width of each adapted linear's LoRA output (x·Aᵀ)·Bᵀ, by module (per routed pair for the
+    experts: gate_up's B and down's B, k pairs a token)."""
     H, k, Im, Is, I = (m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size,
                        m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size)
     nH = m.num_attention_heads
@@ -262,11 +265,20 @@ def lora_output_widths(m, moe: bool, lora: set) -> dict[str, float]:
     return out
 
 
+def selective_lora_outputs(m, moe: bool, b: int, lora: set, rank: int) -> dict[str, float]:
+    """Per token, by module, the bytes of LoRA's B outputs that selective checkpointing keeps: none up to a rank of
+    SELECTIVE_RECOMPUTE_MAX_K, whose products model/recompute.py recomputes (they reduce over the rank, the experts'
+    padded to 16 bytes), the full width of each adapted linear's above it."""
+    return {name: b * width for name, width in lora_output_widths(m, moe, lora).items()
+            if (_padded_rank(rank, b) if name == "mlp.experts" else rank) > SELECTIVE_RECOMPUTE_MAX_K}
+
+
 def selective_terms(m, moe: bool, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
                     seq: int = 0) -> dict[str, float]:
-    """Selective activation checkpointing, per token, by the module that keeps it: the checkpoint's input and every
-    GEMM and attention output (model/recompute._saved_ops); norms, RoPE, SwiGLU and the permutation gathers are
-    recomputed, so full fine-tuning keeps no more than LoRA but its adapters' outputs."""
+    """Selective activation checkpointing, per token, by the module that keeps it: the checkpoint's input, every
+    GEMM and attention output (model/recompute._saved_ops) but LoRA's B products up to rank 64
+    (selective_lora_outputs); norms, RoPE, SwiGLU and the permutation gathers are recomputed, so full fine-tuning
+    keeps no more than LoRA but its adapters' x·Aᵀ."""
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
@@ -278,8 +290,8 @@ def selective_terms(m, moe: bool, b: int, lora: set, full: bool, first: bool = F
         terms["mlp.shared_experts"] = b * (2 * Is + H)  # gate, up, down
     else:
         terms["mlp"] = b * (2 * I + H)  # gate, up, down
-    for name, width in lora_output_widths(m, moe, lora).items():
-        terms[name] = terms.get(name, 0) + b * width
+    for name, nbytes in selective_lora_outputs(m, moe, b, lora, rank).items():
+        terms[name] = terms.get(name, 0) + nbytes
     small = lora_small_bytes_per_token(m, moe, b, lora, rank)
     if small:
         terms["mlp LoRA x·Aᵀ"] = small
@@ -298,8 +310,9 @@ def expert_row_bytes_per_token(m, mode: str, b: int, lora: set, full: bool, rank
     k, Im, H = m.num_experts_per_tok, m.moe_intermediate_size, m.hidden_size
     experts_lora = "experts" in lora
     lora_a = 2 * b * k * _padded_rank(rank, b) if experts_lora else 0
-    if mode == "selective":  # selective_terms' "mlp.experts": the grouped GEMMs' outputs, LoRA's B outputs too
-        return k * (2 * b * Im + b * H) + b * lora_output_widths(m, True, lora).get("mlp.experts", 0) + lora_a
+    if mode == "selective":  # selective_terms' "mlp.experts": the grouped GEMMs' outputs (LoRA's B's above rank 64)
+        b_outputs = selective_lora_outputs(m, True, b, lora, rank).get("mlp.experts", 0)
+        return k * (2 * b * Im + b * H) + b_outputs + lora_a
     return ((b * k * H + b * k * Im) if (full or experts_lora) else 0) + lora_a + 2 * b * k * Im
 
 

@@ -54,8 +54,9 @@ Multi-GPU (full-size GLM-4.5-Air, 2 × H200, seq 4096 packed, LoRA q,k,v,o, full
 issue 11's table measured at d05efb6): FSDP micro-batch 1 measured 113.7 GiB, estimated 114.8 (+1.0 %); micro-batch 4
 123.0 / 124.6 (+1.3 %); LoRA also on the experts 121.4 / 123.9 (+2.0 %). These are dominated by the weights (99.5
 GiB). On the AIR-8 proxy (2 GPUs, compiled, 4 × 1024): FSDP measured 31.8 / estimated 33.1 GiB, dp_shard 1
-(replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 / 42.4 (41.4 before selective_terms
-counted LoRA's full-width outputs). The EP measurements of the
+(replicated) 44.4 / 45.7; one GPU, selective checkpointing, compiled: 42.1 measured when selective kept LoRA's
+full-width B outputs (estimated 42.0 for that policy); since it recomputes them (rank ≤ 64) estimated 40.9, not
+re-measured. The EP measurements of the
 same table (full Air ep 2: 108.0 GiB; AIR-8 ep 2: 28.7) are of the exchange before a6764f9, which kept nothing.
 The token exchange (c6b0d86f, BENCHMARKS.md), full Air, ep 2, compiled, LoRA q,k,v,o + shared + routed experts, full
 checkpointing, 1 × 4096: measured 122.4 GiB, estimated 125.9 (+2.8 %; 127.5 before the compiled MoE half's bf16 norm
