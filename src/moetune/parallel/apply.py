@@ -59,8 +59,8 @@ def shard_experts(experts, ep_mesh, overlap_chunks: int = 1) -> None:
 def apply_ac(model, spec) -> None:
     """Activation checkpointing per decoder layer (`spec`: Layout.recompute, or a setting ac_modes reads): "full"
     recomputes the whole layer in backward (under EP a MoE layer's attention and expert work apart, the exchange's
-    rows kept: model/recompute.split_modes); "attention" only its attention block; "selective" keeps the GEMM and attention
-    outputs and recomputes only the cheap elementwise ops."""
+    rows kept: model/recompute.split_modes); "attention" only its attention block; "selective" keeps the GEMM and
+    attention outputs and recomputes only the cheap elementwise ops."""
     layers = model.model.layers
     for layer, mode in zip(layers, layer_modes(spec, len(layers))):
         layer.activation_checkpointing = mode
