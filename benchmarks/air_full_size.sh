@@ -53,7 +53,9 @@ later = [r for r in steps if r["step"] > 4]  # past compile and warm-up
 print("AIR_RESULT " + json.dumps({"steps": len(steps),
       "median_tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in later),
       "median_mfu": statistics.median(r.get("mfu") or 0 for r in later),
-      "peak_mem_gib": max(r["mem_gib"] for r in steps), "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]]}))
+      "peak_mem_gib": max(r["mem_gib"] for r in steps), "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+      "peak_reserved_gib": max(r.get("mem_reserved_gib") or 0 for r in steps),
+      "alloc_retries": steps[-1].get("alloc_retries"), "step_s": [round((b["tokens"] - a["tokens"]) / b["tokens_per_s"], 3) for a, b in zip(steps, steps[1:])]}))
 PY
   exit 0
 fi

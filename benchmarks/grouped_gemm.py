@@ -4,6 +4,7 @@ kernel on the fp8 stack (W8A16) — forward and input gradient of gate_up and do
 
     python benchmarks/grouped_gemm.py [flash] [air8] [air_ep8]    # default: all three, in that order
     SWEEP=full python benchmarks/grouped_gemm.py flash           # every BM/BN/BK/stages/warps combination that fits
+    GG_KINDS=fp8,w8a8 python benchmarks/grouped_gemm.py air8     # only these Triton kinds (bf16 | fp8 W8A16 | w8a8)
 
 Shapes: flash = GLM-4.7-Flash (64 experts, hidden 2048, moe_intermediate 1536, 4096 tokens × top-4 = 16,384 rows);
 air8 = GLM-4.5-Air on one GPU (128 experts, hidden 4096, 1408, 4096 tokens × top-8 = 32,768 rows); air_ep8 = one
@@ -38,6 +39,7 @@ from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
 DEV = torch.device("cpu" if CPU else "cuda")
 OUT = os.environ.get("OUT", "/tmp")
 SWEEP = os.environ.get("SWEEP", "quick")
+KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8").split(",")  # which Triton kinds to sweep (torch's always run)
 
 SHAPES = {  # experts here, all experts (routing), hidden, moe_intermediate, tokens, top-k
     "flash": dict(E=64, E_all=64, H=2048, I=1536, tokens=4096, k=4),
@@ -56,13 +58,16 @@ CPU_CONFIGS = [(16, 16, 16, 1, 1), (32, 16, 32, 1, 1)]
 SMEM_LIMIT = 227 * 1024  # an H100/H200's shared memory per block
 
 
-def configs(fp8: bool):
-    base = CPU_CONFIGS if CPU else {"quick": QUICK, "full": FULL}[SWEEP]
+def configs(kind: str):
+    """kind: bf16 | fp8 (W8A16) | w8a8."""
+    fp8, w8a8 = kind == "fp8", kind == "w8a8"
+    base = CPU_CONFIGS if CPU else gg.AUTOTUNE_FP8 if w8a8 else {"quick": QUICK, "full": FULL}[SWEEP]
     out = []
     for BM, BN, BK, stages, warps in base:
         # an fp8 weight tile is converted to bf16 in registers and staged again in shared memory for the MMA
         extra = BK * BN * 2 if fp8 else 0
-        if gg.smem_bytes(BM, BN, BK, stages, 1 if fp8 else 2) + extra > SMEM_LIMIT:
+        smem = stages * BK * (BM + BN) if w8a8 else gg.smem_bytes(BM, BN, BK, stages, 1 if fp8 else 2) + extra
+        if smem > SMEM_LIMIT:
             continue
         for swap in ((False, True) if fp8 else (False,)):
             out.append(dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, SWAP=swap, num_warps=warps,
@@ -171,23 +176,32 @@ def run_shape(name, p, results):
                 record("torch_fp8", lambda: matmul._gmm_dgrad(a, w8, s8, offs), ref8)
         else:
             res["methods"]["torch_fp8"] = dict(error="no torch._scaled_grouped_mm / fp8 tensor cores here")
-        # Triton: the sweep, then the module's own (autotuned) path
-        for kind, (w, s, reference) in (("bf16", (W, None, ref)), ("fp8", (w8, s8, ref8))):
+        # Triton: the sweep, then the module's own (autotuned) path; "w8a8": fp8 activations × the fp8 stack (the
+        # forward only; the activation quantised beforehand, as torch_fp8_gemm_only)
+        kinds = [("bf16", (W, None, ref)), ("fp8", (w8, s8, ref8))]
+        if transpose:
+            aq, sa = quantize_rows(a)
+            kinds.append(("w8a8", (w8, s8, ref8)))
+        for kind, (w, s, reference) in [k for k in kinds if k[0] in KINDS]:
             best = None
-            for cfg in configs(kind == "fp8"):
+            w8a8 = dict(x_scale=sa) if kind == "w8a8" else {}
+            x_in = aq if kind == "w8a8" else a
+            for cfg in configs(kind):
                 tag = "{BM}x{BN}x{BK}_s{num_stages}_w{num_warps}".format(**cfg) + ("_swap" if cfg["SWAP"] else "")
-                r = record(f"triton_{kind}[{tag}]", lambda: gg.grouped_gemm(a, w, offs, s, transpose, config=cfg),
+                r = record(f"triton_{kind}[{tag}]", lambda: gg.grouped_gemm(x_in, w, offs, s, transpose, config=cfg,
+                                                                             **w8a8),
                            reference, config=cfg)
                 if "ms" in r and r["finite"] and (best is None or r["ms"] < best[1]["ms"]):
                     best = (tag, r)
             if best is not None:
                 res["methods"][f"triton_{kind}"] = dict(best[1], best_config=best[0])
             if not CPU:
-                record(f"triton_{kind}_autotuned", lambda: gg.grouped_gemm(a, w, offs, s, transpose), reference)
+                record(f"triton_{kind}_autotuned", lambda: gg.grouped_gemm(x_in, w, offs, s, transpose, **w8a8),
+                       reference)
         save(results)
         line = [f"{op:14s} M={R} N={N} K={K}"]
         for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "torch_fp8", "torch_fp8_gemm_only",
-                  "triton_fp8", "triton_fp8_autotuned"):
+                  "triton_fp8", "triton_fp8_autotuned", "triton_w8a8", "triton_w8a8_autotuned"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -217,16 +231,17 @@ from triton.compiler import ASTSource
 from moetune.model.grouped_gemm import _grouped_gemm_kernel as k
 out = {}
 for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False, False), ("fp8e4nv", 1, True, False),
-                                    ("fp8e4nv", 2, False, False), ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True)]:
+                                    ("fp8e4nv", 2, False, False), ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True),
+                                    ("fp8e4nv", 3, True, False)]:
     ones = ["stride_ak", "stride_cn", "stride_ss", "stride_bk" if transpose else "stride_bn"]
-    const = dict({n: 1 for n in ones}, E_POW2=128, SCALE=scale, DOT_FP32=False, BM=128, BN=128, BK=64, GROUP_M=8,
-                 SWAP=swap)
+    const = dict({n: 1 for n in ones}, E_POW2=128, SCALE=scale, DOT_FP32=False, BM=128, BN=128,
+                 BK=128 if scale == 3 else 64, GROUP_M=8, SWAP=swap)
     sig = {}
     for n in k.arg_names:
-        sig[n] = ("constexpr" if n in const else {"a_ptr": "*bf16", "b_ptr": "*" + wdt, "c_ptr": "*bf16",
-                  "scale_ptr": "*fp32", "offs_ptr": "*i32"}.get(n, "i32"))
-    div16 = ["a_ptr", "b_ptr", "c_ptr", "scale_ptr", "offs_ptr", "N", "K", "stride_am", "stride_be", "stride_bk",
-             "stride_bn", "stride_cm", "stride_se"]
+        sig[n] = ("constexpr" if n in const else {"a_ptr": "*fp8e4nv" if scale == 3 else "*bf16", "b_ptr": "*" + wdt,
+                  "c_ptr": "*bf16", "scale_ptr": "*fp32", "ascale_ptr": "*fp32", "offs_ptr": "*i32"}.get(n, "i32"))
+    div16 = ["a_ptr", "b_ptr", "c_ptr", "scale_ptr", "ascale_ptr", "offs_ptr", "N", "K", "stride_am", "stride_be",
+             "stride_bk", "stride_bn", "stride_cm", "stride_se"]
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in const})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4))

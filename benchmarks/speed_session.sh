@@ -9,6 +9,9 @@
 # flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB); flash_72g
 #              at 72 GiB, where auto recomputes the attention of some layers
 # variants2:   a second list ($VARIANTS2), results in $OUT/v2
+# air_train:   full-size GLM-4.5-Air through `moetune train` on one GPU: QUANT (fp8), AIR_TARGETS, AIR_AC, AIR_EXTRA
+# curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
+# offload:     benchmarks/fp8_offload_check.py (an fp8 base with parallel.cpu_offload against without)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/speed_session}
@@ -19,7 +22,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
-        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best" "$LOGS/$name.log" \
+        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t" "$LOGS/$name.log" \
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
 flash_train() {  # $1: name, rest: extra overrides
   local name=$1; shift
@@ -39,6 +42,11 @@ for stage in ${STAGES:-attention trace variants}; do
     flash_train) flash_train flash_train ;;
     flash_80g) flash_train flash_80g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" ;;
     flash_72g) flash_train flash_72g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 72" ;;
+    air_train) run air_train ${TRAIN_LIMIT:-200} env OUT="$OUT/air_train" QUANT=${QUANT:-fp8} NPROC=1 SPEED_ONLY=1 \
+      STEPS=${AIR_STEPS:-12} TARGETS="${AIR_TARGETS:-[q_proj,k_proj,v_proj,o_proj]}" AC="${AIR_AC-attention}" \
+      EXTRA="${AIR_EXTRA:-}" bash benchmarks/air_full_size.sh ;;
+    curves) run curves ${CURVES_LIMIT:-200} env OUT="$OUT" python3 benchmarks/fp8_check.py curves ${CURVES_ARGS:-} ;;
+    offload) run offload ${OFFLOAD_LIMIT:-90} env OUT="$OUT" python3 benchmarks/fp8_offload_check.py ;;
     variants2) run variants2 ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} \
       --variants $VARIANTS2 --out "$OUT/v2" ;;
   esac

@@ -136,6 +136,15 @@ for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096"
               "ours_flash_mla_1x4096_cg", "ours_qkvo_4x1024_cg", "ours_ep8rank_qkvo_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
+# the fp8 base's expert stacks through the Triton kernels (model/quant/matmul.py): the input gradient W8A16 from the
+# stack as stored (_gd), and the forward fp8 x fp8 too (_gdf)
+for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash_mla_1x4096",
+              "ours_fp8_flash_mlaexperts_1x4096", "ours_fp8_air_qkvo_1x4096_packed_acattn",
+              "ours_fp8_air_experts_1x4096_packed_ac", "ours_fp8_qkvo_1x4096_packed"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_gd"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a16"})
+    VARIANTS[f"{_base}_gdf"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a16", "grouped_forward": "triton"})
+    VARIANTS[f"{_base}_gf"] = (_s, _b, _t, _tg, {**_x, "grouped_forward": "triton"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -209,6 +218,10 @@ def build_ours(cfg: dict, targets, extra, device):
             import moetune.model.quant.matmul as fp8_matmul
 
             fp8_matmul.FAST_ACCUM_DGRAD = extra["fast_accum_dgrad"]
+        import moetune.model.quant.matmul as fp8_matmul
+
+        fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
+        fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

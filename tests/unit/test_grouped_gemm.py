@@ -124,3 +124,51 @@ def test_compiles_without_graph_break():
     want.backward()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(x1.grad, x2.grad)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_w8a8_forward_matches_the_scaled_reference(pad):
+    """fp8 activations (row scales) × fp8 weights (row scales), the forward of the fp8 base's expert stacks: the
+    kernel equals the reference that dequantises both operands (products of two e4m3 values are exact in fp32)."""
+    rows, offs, w8, scale = _case(fp8=True, pad=pad, seed=3)
+    x8, sx = quantize_rows(torch.randn(rows, IN))
+    y = grouped_gemm(x8, w8, offs, scale, transpose=True, config=gg._INTERPRETER_CONFIG, x_scale=sx)
+    want = grouped_mm_reference(x8.float() * sx, w8, offs, scale)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, OUT)
+    _close(y, want)
+    assert (y[sum(COUNTS):] == 0).all()
+    op = torch.ops.moetune.grouped_mm_fp8(x8, sx, w8, offs, scale)  # the custom op's CPU path: the reference
+    _close(op, want)
+
+
+@pytest.mark.parametrize("switch", [("GROUPED_FORWARD", "triton"), ("GROUPED_DGRAD", "w8a16")])
+def test_fp8_grouped_linear_through_the_triton_kernels(switch, monkeypatch):
+    """model/quant/matmul.py's fp8 grouped path with a Triton kernel switched in (forward W8A8, or the input
+    gradient W8A16 from the stack as stored): the output and the input gradient equal that path's torch references
+    (forward: the quantised activation × the fp8 weight; input gradient: dy × the dequantised weight, no gradient
+    quantisation with W8A16). The fp8 tensor-core test (`_fp8_kernels`) is forced on: here the kernels run under
+    the interpreter."""
+    from moetune.model.quant import matmul
+    from moetune.model.quant.fp8 import scheme_named
+
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
+    monkeypatch.setattr(matmul, switch[0], switch[1])
+    calls = []
+    real = gg.grouped_gemm
+    monkeypatch.setattr(gg, "grouped_gemm", lambda *a, **k: calls.append(k.get("x_scale") is not None) or real(
+        *a, **dict(k, config=gg._INTERPRETER_CONFIG)))
+    rows, offs, w8, scale = _case(fp8=True, pad=0, seed=4)
+    x = torch.randn(rows, IN).bfloat16().requires_grad_()
+    g = torch.randn(rows, OUT).bfloat16()
+    scheme = scheme_named("fp8")
+    if switch[0] == "GROUPED_FORWARD":
+        y = matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
+        _close(y, matmul.reference_fp8_grouped_linear(x.detach(), w8, scale, offs))
+        assert calls == [True]  # the W8A8 kernel ran
+        return
+    monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
+    y = matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
+    y.backward(g)
+    assert calls == [False]  # the backward ran the W8A16 kernel
+    _close(x.grad, grouped_mm_reference(g, w8, offs, scale, transpose=False))

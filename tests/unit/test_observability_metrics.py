@@ -171,3 +171,23 @@ def test_a_step_is_timed_on_the_compute_stream_only(monkeypatch):
     timer = Throughput()
     assert timer.lap(torch.device("cuda", 0)) >= 0 and waited == ["compute stream"]
     assert timer.lap(torch.device("cpu")) >= 0 and waited == ["compute stream"]  # nothing to wait for on the CPU
+
+
+def test_allocator_retries_are_recorded_and_said_once(monkeypatch, caplog):
+    """A CUDA run's records carry the allocator's retry count and the reserved peak; the first step with a retry
+    warns (once): such a step waited on a synchronising cudaFree of the whole cache. A CPU run records neither."""
+    import logging
+
+    from moetune.train.metrics import AllocatorPressure
+
+    assert AllocatorPressure(torch.device("cpu")).record(1) == {}
+    retries = iter([0, 2, 5])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": next(retries)})
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 3 * 2**30)
+    p = AllocatorPressure(torch.device("cuda", 0))
+    with caplog.at_level(logging.WARNING, logger="moetune"):
+        records = [p.record(s) for s in (1, 2, 3)]
+    assert [r["alloc_retries"] for r in records] == [0, 2, 5]
+    assert records[0]["mem_reserved_gib"] == 3.0
+    warned = [r.message for r in caplog.records if "freed its cache" in r.message]
+    assert len(warned) == 1 and "step 2" in warned[0]

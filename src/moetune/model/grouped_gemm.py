@@ -64,14 +64,15 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tens
 # ------------------------------------------------------------------------------------------------ kernel
 if triton is not None:
     @triton.jit
-    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, offs_ptr, M, N, K,
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K,
                              stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                              stride_se, stride_ss,
                              E, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                              SWAP: tl.constexpr):
         """C[rows of g] = A[rows of g] · B[g] with B[g][k, n] at b_ptr + g·stride_be + k·stride_bk + n·stride_bn.
-        SCALE 0: none; 1: C[:, n] *= s[g, n] (forward); 2: A[:, k] *= s[g, k] as loaded (input gradient)."""
+        SCALE 0: none; 1: C[:, n] *= s[g, n] (forward); 2: A[:, k] *= s[g, k] as loaded (input gradient);
+        3: A and B both fp8 (an fp8 × fp8 MMA), C[m, n] *= a_s[m] · s[g, n] (the forward, W8A8)."""
         pid = tl.program_id(0)
         num_m = M // BM + E + 1  # virtual row tiles (see the module's docstring)
         num_n = tl.cdiv(N, BN)
@@ -128,10 +129,12 @@ if triton is not None:
             s_ptrs += BK * stride_ss
         if SWAP:
             acc = tl.trans(acc_t)
-        if SCALE == 1:
+        if SCALE == 1 or SCALE == 3:
             # the padding group's zeros read expert E − 1's scales (in bounds, finite)
             s = tl.load(scale_ptr + tl.minimum(g64, E - 1) * stride_se + rn * stride_ss, mask=n_mask, other=0.0)
             acc = acc * s[None, :]
+        if SCALE == 3:
+            acc = acc * tl.load(ascale_ptr + rm, mask=m_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -150,24 +153,36 @@ def smem_bytes(BM, BN, BK, stages, weight_bytes=2) -> int:
 AUTOTUNE = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8),
             (128, 128, 128, 3, 8), (64, 128, 128, 3, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4)]
 
+# fp8 × fp8 (W8A8): one byte per operand element, so deeper K tiles (the fp8 MMA consumes 32 of K per instruction)
+AUTOTUNE_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4, 4), (64, 256, 128, 4, 8),
+                (128, 128, 64, 4, 8), (128, 64, 128, 4, 4), (256, 128, 128, 3, 8), (64, 64, 128, 4, 4)]
+
 if triton is not None:
     _grouped_gemm_autotuned = triton.autotune(
         configs=[_config(*c) for c in AUTOTUNE] + [_config(128, 128, 64, 4, 8, SWAP=True),
                                                     _config(64, 128, 64, 4, 4, SWAP=True)],
         key=["N", "K", "E", "SCALE"])(_grouped_gemm_kernel)
+    _grouped_gemm_fp8_autotuned = triton.autotune(
+        configs=[_config(*c) for c in AUTOTUNE_FP8], key=["N", "K", "E", "SCALE"])(_grouped_gemm_kernel)
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
-                 transpose: bool = True, config: dict | None = None) -> torch.Tensor:
+                 transpose: bool = True, config: dict | None = None, x_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The kernel's launch: x [M, ·] (any strides) · op(W[e]) per group, W [E, out, in] bf16/fp16 (x's dtype) or fp8
-    with `scale` [E, out(, 1)] fp32; op(W) = Wᵀ (`transpose`: y [M, out]) or W (y [M, in]). `config`: a dict of
-    BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages (default: `CONFIG`, the interpreter's, or autotuned)."""
+    with `scale` [E, out(, 1)] fp32; op(W) = Wᵀ (`transpose`: y [M, out]) or W (y [M, in]). x fp8 too (W8A8, the
+    forward only): `x_scale` [M(, 1)] fp32 its row scales, y in `out_dtype`. `config`: a dict of BM, BN, BK, GROUP_M,
+    SWAP, num_warps, num_stages (default: `CONFIG`, the interpreter's, or autotuned)."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
+    w8a8 = x.dtype == torch.float8_e4m3fn
     assert x.shape[1] == K and offs.shape == (E,), (x.shape, weight.shape, offs.shape)
-    assert weight.dtype in (x.dtype, torch.float8_e4m3fn) and (scale is None) == (weight.dtype == x.dtype)
-    y = x.new_empty(M, N)
+    if w8a8:
+        assert transpose and weight.dtype == x.dtype and scale is not None and x_scale is not None
+    else:
+        assert weight.dtype in (x.dtype, torch.float8_e4m3fn) and (scale is None) == (weight.dtype == x.dtype)
+    y = x.new_empty(M, N, dtype=out_dtype if w8a8 else x.dtype)
     if M == 0 or N == 0:
         return y
     if K == 0 or E == 0:
@@ -179,9 +194,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
     else:
         scale_t = scale.reshape(E, n_out)
         stride_se, stride_ss = scale_t.stride()
-        mode = 1 if transpose else 2
+        mode = 3 if w8a8 else 1 if transpose else 2
+    x_scale = x_scale.reshape(M).float().contiguous() if w8a8 else offs  # else an unread placeholder
     offs = offs.to(torch.int32)
-    args = (x, weight, y, scale_t, offs, M, N, K, x.stride(0), x.stride(1), stride_we, stride_bk, stride_bn,
+    args = (x, weight, y, scale_t, x_scale, offs, M, N, K, x.stride(0), x.stride(1), stride_we, stride_bk, stride_bn,
             y.stride(0), y.stride(1), stride_se, stride_ss, E)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), SCALE=mode, DOT_FP32=_interpreting())
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else None)
@@ -190,7 +206,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
         return ((M // m["BM"] + E + 1) * triton.cdiv(N, m["BN"]),)
 
     if config is None:
-        _grouped_gemm_autotuned[grid](*args, **meta)
+        (_grouped_gemm_fp8_autotuned if w8a8 else _grouped_gemm_autotuned)[grid](*args, **meta)
     else:
         _grouped_gemm_kernel[grid(config)](*args, **meta, **config)
     return y
@@ -203,6 +219,12 @@ def kernel_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor 
     if scale is None:
         return weight.dtype == x.dtype
     return weight.dtype == torch.float8_e4m3fn and scale.numel() == weight.shape[0] * weight.shape[1]
+
+
+def kernel_supported_w8a8(x8: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes an fp8 × fp8 forward: activations and weight stack both e4m3."""
+    return (triton is not None and x8.dtype == torch.float8_e4m3fn and weight.dtype == torch.float8_e4m3fn
+            and weight.dim() == 3)
 
 
 def _run(x, weight, offs, scale, transpose):
@@ -222,6 +244,23 @@ def _grouped_mm_frozen_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Ten
 def _grouped_mm_frozen_dgrad_op(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                                 scale: torch.Tensor | None) -> torch.Tensor:
     return _run(grad, weight, offs, scale, False)
+
+
+@torch.library.custom_op("moetune::grouped_mm_fp8", mutates_args=())
+def grouped_mm_fp8(x8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
+    """The fp8 × fp8 forward (W8A8): rows x8 [N, in] e4m3 with row scales `x_scale` [N, 1] × each expert's e4m3 weight
+    [E, out, in] with row scales `scale` [E, out, 1], fp32 accumulation, bf16 out — the numerics of
+    torch._scaled_grouped_mm's row-wise path. No autograd (model/quant/matmul.py gives the input gradient)."""
+    if (x8.is_cuda or KERNEL_ON_CPU) and kernel_supported_w8a8(x8, weight):
+        return grouped_gemm(x8, weight, offs, scale, True, x_scale=x_scale)
+    return grouped_mm_reference(x8.float() * x_scale.reshape(-1, 1).float(), weight, offs, scale,
+                                True).to(torch.bfloat16)
+
+
+@grouped_mm_fp8.register_fake
+def _(x8, x_scale, weight, offs, scale):
+    return x8.new_empty(x8.shape[0], weight.shape[1], dtype=torch.bfloat16)
 
 
 @_grouped_mm_frozen_op.register_fake

@@ -73,6 +73,33 @@ def mfu(tokens_per_s: float, cfg: ModelConfig, full_finetune: bool, peak: float 
     return flops * tokens_per_s / peak
 
 
+class AllocatorPressure:
+    """The CUDA caching allocator's retries: a request it could only serve after freeing its whole cache (a
+    synchronising cudaFree of every cached block, then cudaMalloc again). A few are harmless; one per step means
+    the run lives at its memory limit and each step pays for it. The count goes into each record, and the first
+    step that had any says so once."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.warned = False
+
+    def record(self, step: int) -> dict:
+        if not self.cuda:
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        retries = stats.get("num_alloc_retries", 0)
+        out = {"mem_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3),
+               "alloc_retries": retries}
+        if retries and not self.warned:
+            self.warned = True
+            log.warning("step %d: the CUDA allocator freed its cache to serve a request (%d time(s) so far): the run "
+                        "is at its memory limit, and a step that does this waits on it. More activation "
+                        "checkpointing (train.activation_checkpointing, or parallel.layout auto with a smaller "
+                        "parallel.gpu_memory_gib) trades a little compute for the headroom", step, retries)
+        return out
+
+
 def memory_gib(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -180,6 +207,7 @@ SCALAR_TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens": "train/tokens",
     "aux_loss": "train/aux_loss", "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
     "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu", "mfu": "perf/mfu", "mem_gib": "perf/mem_gib",
+    "mem_reserved_gib": "perf/mem_reserved_gib", "alloc_retries": "perf/alloc_retries",
     "checkpoint_s": "checkpoint/seconds", "checkpoint_bytes": "checkpoint/bytes",
 }
 EXPERT_LISTS = {"expert_max_over_mean": "max_over_mean", "expert_cv": "cv", "expert_dead": "dead",

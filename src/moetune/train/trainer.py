@@ -53,7 +53,7 @@ from moetune.train.bad_steps import StepGuard
 from moetune.train.checkpoint import Checkpointer, load_checkpoint
 from moetune.train.checkpoint_files import plan_resume, remove_debris
 from moetune.train.data_setup import setup_data
-from moetune.train.metrics import ExpertMeter, MetricsWriter, Throughput, device_peak_flops, memory_gib, mfu
+from moetune.train.metrics import AllocatorPressure, ExpertMeter, MetricsWriter, Throughput, device_peak_flops, memory_gib, mfu
 from moetune.train.optim import build_optimizer, build_scheduler
 from moetune.train.progress import progress
 from moetune.train.setup import setup_model
@@ -158,6 +158,7 @@ class Trainer:
         self.peak = device_peak_flops(dist.device)
         self.bar = progress(cfg, dist.is_main, self.state.step)
         self.timer = Throughput()
+        self.pressure = AllocatorPressure(dist.device)
         self.t_start = time.time()
         self.stopped = False
 
@@ -193,6 +194,7 @@ class Trainer:
             record["aux_loss"] = round(aux, 6)
         record.update({k: round(v, 6) for k, v in user.items()})
         record.update(self.meter.record(step))
+        record.update(self.pressure.record(step))
         if step % cfg.logging.every == 0 or last:
             self.metrics.write(record)
         self.bar.update(step, record)

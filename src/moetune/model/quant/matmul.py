@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moetune.model.grouped_gemm import grouped_mm_fp8, kernel_supported, kernel_supported_w8a8
 from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -43,6 +44,13 @@ FAST_ACCUM_FORWARD, FAST_ACCUM_DGRAD = True, True
 # The input gradient through fp8 tensor cores quantises dy per row as well ("fp8"), or runs in bf16 on the weight
 # dequantised just in time ("dequant": only the weight's own rounding, no gradient quantisation).
 DGRAD = "fp8"
+# The expert stacks' grouped GEMMs on the fp8 tensor-core path (model/grouped_gemm.py has the Triton kernels):
+# forward "scaled_mm" (torch._scaled_grouped_mm) or "triton" (fp8 × fp8, the same numerics); input gradient "fp8"
+# (dy with the scales folded in, quantised per row, × a K-major copy of the stack through _scaled_grouped_mm) or
+# "w8a16" (the Triton kernel reads the stack as stored and converts it to bf16 in registers: no copy, no
+# quantisation of the gradient).
+GROUPED_FORWARD = "scaled_mm"
+GROUPED_DGRAD = "fp8"
 
 
 def _mm_fwd(x2, w8, scale, bias):
@@ -119,6 +127,8 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _gmm_fwd(x, w8, scale, offs):
     xq, sx = quantize_rows(x)
+    if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
+        return grouped_mm_fp8(xq, sx, w8, offs, scale)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
                                     offs=offs, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
 
@@ -146,6 +156,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         w8, scale, offs = ctx.saved_tensors
         g = g.contiguous()
         if DGRAD == "fp8" and _fp8_kernels(g, w8, ctx.scheme):
+            if GROUPED_DGRAD == "w8a16" and kernel_supported(g, w8, scale):
+                return torch.ops.moetune.grouped_mm_frozen_dgrad(g, w8, offs, scale), None, None, None, None
             return _gmm_dgrad(g, w8, scale, offs), None, None, None, None
         return _grouped_mm(g, ctx.scheme.dequantize(w8, scale, g.dtype), offs=offs), None, None, None, None
 
