@@ -10,6 +10,7 @@
 #              at 72 GiB, where auto recomputes the attention of some layers
 # variants2:   a second list ($VARIANTS2), results in $OUT/v2
 # air_train:   full-size GLM-4.5-Air through `moetune train` on one GPU: QUANT (fp8), AIR_TARGETS, AIR_AC, AIR_EXTRA
+# air_auto:    the same with layout auto choosing the recompute
 # curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
 # offload:     benchmarks/fp8_offload_check.py (an fp8 base with parallel.cpu_offload against without)
 set -u
@@ -44,6 +45,9 @@ for stage in ${STAGES:-attention trace variants}; do
     flash_72g) flash_train flash_72g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 72" ;;
     air_train) run air_train ${TRAIN_LIMIT:-200} env OUT="$OUT/air_train" QUANT=${QUANT:-fp8} NPROC=1 SPEED_ONLY=1 \
       STEPS=${AIR_STEPS:-12} TARGETS="${AIR_TARGETS:-[q_proj,k_proj,v_proj,o_proj]}" AC="${AIR_AC-attention}" \
+      EXTRA="${AIR_EXTRA:-}" bash benchmarks/air_full_size.sh ;;
+    air_auto) run air_auto ${TRAIN_LIMIT:-200} env OUT="$OUT/air_auto" QUANT=${QUANT:-fp8} NPROC=1 SPEED_ONLY=1 \
+      STEPS=${AIR_STEPS:-12} TARGETS="${AIR_TARGETS:-[q_proj,k_proj,v_proj,o_proj]}" AC= LAYOUT_AUTO=1 \
       EXTRA="${AIR_EXTRA:-}" bash benchmarks/air_full_size.sh ;;
     curves) run curves ${CURVES_LIMIT:-200} env OUT="$OUT" python3 benchmarks/fp8_check.py curves ${CURVES_ARGS:-} ;;
     offload) run offload ${OFFLOAD_LIMIT:-90} env OUT="$OUT" python3 benchmarks/fp8_offload_check.py ;;
