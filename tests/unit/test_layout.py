@@ -62,7 +62,8 @@ def shape(layout: Layout):
     # the rows received, not the expanded pairs), ep 4 × FSDP 2 does (65.5)
     (AIR_EXPERTS, [], 8, H100, (4, 2, 1, "none", False)),
     # full fine-tuning of Air on 8 x H200: 16 bytes per parameter do not fit on the GPUs, only with CPU offload
-    (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "none", True)),  # 130.4 GiB
+    # (131.9 GiB: 130.4 before the host shard each all-gather copies in was counted)
+    (AIR, ["--finetune.mode", "full"], 8, H200, (1, 8, 1, "none", True)),
     # GLM-4.5 (355B), eager, 8 x H200: ep 8 holds 77 GiB of experts + the rest whole (too much even with the attention
     # recomputed: 149.6); ep 4 × FSDP 2 with the attention of 68 of the 92 layers recomputed: 132.8 GiB
     (GLM45, [], 8, H200, (4, 2, 1, (("attention", 68), ("none", 24)), False)),
@@ -80,10 +81,11 @@ def shape(layout: Layout):
     # GLM-5 (MLA + DSA, 744B), its recipe: 4 nodes, ep 8 in the node × FSDP 4 with the attention of 32 of the 78
     # layers recomputed (132.4 GiB; its per-layer DSA mask is recomputed too); 8 nodes without recompute (132.8;
     # selective, 127.0 since it recomputes LoRA's B products (168.7 when it kept their full-width outputs), comes after
-    # none); 2 nodes fit only with the weights offloaded to the host, 7 layers recomputed (132.5)
+    # none); 2 nodes fit only with the weights offloaded to the host, the attention of 9 layers recomputed (132.1; 7
+    # layers, 132.5, before the host shard each all-gather copies in was counted)
     (GLM5, AS_GLM5, 32, H200, (8, 4, 1, (("attention", 32), ("none", 46)), False)),
     (GLM5, AS_GLM5, 64, H200, (8, 8, 1, "none", False)),
-    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, (("attention", 7), ("none", 71)), True)),
+    (GLM5, AS_GLM5, 16, H200, (1, 16, 1, (("attention", 9), ("none", 69)), True)),
 ])
 def test_auto_layout_choices(path, over, world, gpu, want):
     layout = layout_for(path, world, gpu, *over, gpus_per_node=8 if world > 8 else None)
@@ -377,11 +379,13 @@ def test_a_cpu_run_does_not_offload_to_the_host_it_runs_on():
         layout_for(AIR, 8, host, "--parallel.cpu_offload", "true")
 
 
-def test_cpu_offload_on_one_gpu_is_fsdp_over_a_mesh_of_one():
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_cpu_offload_on_one_gpu_is_fsdp_over_a_mesh_of_one(quantize):
     """`parallel.cpu_offload: true` in one process: FSDP2 over a mesh of one carries the offload, bringing each unit's
     parameters to the compute device for its forward and backward. It used to be skipped without a process group, the
     parameters left in host memory, and on a GPU the first forward died (embedding weight on the CPU, ids on the
-    GPU). Here on the CPU (no pinned memory): the parameters are FSDP's, and a step trains."""
+    GPU). Here on the CPU (no pinned memory): the parameters are FSDP's, and a step trains. An fp8 base stays fp8 in
+    host memory, its scales fp32 (FSDP2 keeps each parameter's dtype; no param_dtype casts them)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
@@ -391,7 +395,8 @@ def test_cpu_offload_on_one_gpu_is_fsdp_over_a_mesh_of_one():
     from moetune.parallel.mesh import init_distributed
     from moetune.train.setup import setup_model
 
-    cfg = load_config(None, ["--parallel.cpu_offload", "true", "--model.dtype", "float32"])
+    cfg = load_config(None, ["--parallel.cpu_offload", "true", "--model.dtype", "float32"]
+                      + (["--model.quantize", quantize] if quantize else []))
     layout = resolve_layout(cfg, 1, MemoryLimit(80.0, "GPU memory"))  # as on one 80 GB GPU
     assert (layout.world_size, layout.cpu_offload, layout.fsdp) == (1, True, True)
     run = init_distributed(layout, device="cpu")
@@ -399,6 +404,8 @@ def test_cpu_offload_on_one_gpu_is_fsdp_over_a_mesh_of_one():
         assert run.mesh is not None and run.mesh.size() == 1
         model = setup_model(cfg, run, layout)
         assert isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
+        dtypes = {p.to_local().dtype for p in model.parameters()}
+        assert (torch.float8_e4m3fn in dtypes) == (quantize == "fp8")
         ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
         model(ids, None, labels=ids).backward()
         trained = [p for p in model.parameters() if p.requires_grad]
@@ -435,14 +442,48 @@ def test_one_gpu_offloads_what_it_cannot_hold():
     assert layout.fsdp and layout.needs_process_group and layout.estimate_gib <= FIT_FRACTION * H200
 
 
-def test_the_glm5_fp8_recipe_fits_two_nodes(capsys):
-    """configs/glm5-lora-fp8.yaml as `moetune inspect` sees it (the fp8 base counted from the meta model, which cannot be
-    offloaded): two nodes of 8 H200s, FSDP over 16 with 70 layers recomputed whole and the attention of 8 (131.2 GiB);
-    one node does not fit (the smallest estimate, 162 GiB, is FSDP over 8 with full recompute)."""
+def test_the_glm5_fp8_recipe_fits_one_node_offloaded(capsys):
+    """configs/glm5-lora-fp8.yaml as `moetune inspect` sees it (the fp8 base counted from the meta model): one node of 8
+    H200s, FSDP over 8 with the fp8 shards in host memory (87.1 GiB per rank, ~116 as pinned) and 43 layers
+    recomputed whole, the attention of the other 35 (131.5 GiB); without offload the smallest estimate on one node,
+    FSDP over 8 with every layer recomputed, is 162 GiB. Two nodes still fit without offload (70 layers whole, the
+    attention of 8). Until the fp8 base could be offloaded, the recipe needed the two nodes."""
     from moetune.cli import main
 
     recipe = str(CONFIGS / "glm5-lora-fp8.yaml")
+    assert main(["inspect", recipe, "--world-size", "8", "--gpu-mem-gib", "139.8"]) == 0
+    out = capsys.readouterr().out
+    assert ("layout (auto): FSDP over 8 GPUs (dp_shard 8), activation checkpointing full on 43 layers, attention on 35 "
+            "layers, cpu_offload true; estimated peak 131.54 GiB") in out
+    assert "FSDP over 8 GPUs (dp_shard 8), activation checkpointing full, cpu_offload false: 162.14 GiB — does not fit" in out
+    assert "live in host memory, 87.1 GiB per rank (8 shards, fp8 as stored)" in out and "~115.9 GiB per rank" in out
     assert main(["inspect", recipe, "--world-size", "16", "--gpu-mem-gib", "139.8"]) == 0
     assert ("layout (auto): FSDP over 16 GPUs (dp_shard 16), activation checkpointing full on 70 layers, attention on 8 "
             "layers, cpu_offload false") in capsys.readouterr().out
-    assert main(["inspect", recipe, "--world-size", "8", "--gpu-mem-gib", "139.8"]) != 0
+
+
+def test_offload_must_fit_the_nodes_ram():
+    """A GPU run knows its node's RAM (memory_limit: the share of each process the launcher starts there): what cpu_offload
+    keeps in host memory, as pinned, must fit 95 % of it. GLM-5's fp8 base on one node of 8 needs ~116 GiB per rank:
+    a node of 2 TiB holds it, one of 560 GiB (70 per rank) does not, and auto says so rather than choose it."""
+    from moetune.parallel.layout import MemoryLimit
+
+    recipe, over = str(CONFIGS / "glm5-lora-fp8.yaml"), ["--model.config", "glm5"]
+    cfg = load_config(recipe, over)
+    m = resolve_model_config(None, "glm5", None)
+    counts = count_params(build_meta_model(cfg, m))
+
+    def resolve(host_gib, *more):
+        return resolve_layout(load_config(recipe, over + list(more)), 8,
+                              MemoryLimit(H200, "GPU memory", host_gib=host_gib), model_config=m, counts=counts)
+
+    assert resolve(2048 / 8).cpu_offload
+    with pytest.raises(ConfigError, match=r"nothing fits 8 GPU\(s\) of 139.8 GiB and this node's RAM: FSDP over 8 GPUs "
+                                          r"\(dp_shard 8\), activation checkpointing full, cpu_offload true fits the "
+                                          r"GPU \(76.1 GiB\) but cpu_offload needs 115.9 GiB of host memory per "
+                                          r"process, over 66.5 GiB \(95% of this node's RAM per process, 70.0 GiB\)"):
+        resolve(560 / 8)
+    # written by hand, it is taken with a warning
+    manual = resolve(560 / 8, "--parallel.layout", "manual", "--parallel.cpu_offload", "true",
+                     "--train.activation_checkpointing", "full")
+    assert manual.cpu_offload and any("warning: cpu_offload needs 115.9 GiB of host memory" in r for r in manual.reasons)

@@ -89,9 +89,13 @@ def apply_fsdp(model, mesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype 
     tensors whatever its tokens route to, so uneven routing cannot desynchronise collectives.
     With expert parallelism the experts' unit shards over "dp_shard" only (they are already split over "ep"),
     everything else over the whole world ("dp").
-    cpu_offload keeps the sharded fp32 master weights, gradients and optimizer state in host memory (FSDP2
-    copies each unit to the GPU for its forward/backward), with a shard group of one process too (one GPU); pinned
-    host memory only where there is an accelerator to copy to."""
+    cpu_offload keeps the sharded parameters (full mode's fp32 master weights, or a LoRA run's frozen base),
+    gradients and optimizer state in host memory (FSDP2 copies each unit to the GPU for its forward/backward), with a
+    shard group of one process too (one GPU); pinned host memory only where there is an accelerator to copy to. An
+    fp8 base stays as stored there and on its way: FSDP2 keeps each parameter's dtype, copies the shard to the GPU
+    as it is, and casts the all-gather's input only to a param_dtype, which setup passes as None for an fp8 base.
+    Its scales are parameters (frozen), so they travel with their weights; buffers FSDP2 does not manage:
+    place_buffers."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

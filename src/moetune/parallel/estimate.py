@@ -23,7 +23,11 @@ P below means P - P_experts + P_experts/ep, and S = 1.
              (÷ ep) or the rest of a layer, in the compute dtype (full mode: + their unsharded b + fp32 gradients).
              On a shard group of one (cpu_offload with dp_shard 1) FSDP2 still copies a unit into its unsharded
              buffer, but only when it runs: one unit; the experts split by EP alone are not copied (measured).
-  cpu_offload moves weights, gradients and optimizer state to host memory: only "gathered" stays on the GPU.
+  cpu_offload moves weights, gradients and optimizer state to host memory (an fp8 base's shards as stored): only
+             "gathered" stays on the GPU, + on a shard group of several the shard each all-gather first copies in
+             from the host (1/S of a unit; not measured). What stays in host memory, per rank: host_bytes, with
+             torch's pinned allocator's rounding of each shard up to a power of two; a GPU run's layout checks it
+             against the node's RAM.
 Activations (what each layer saves for backward, per token, by the module that saves it, under each recompute mode
 and expert parallelism): activations.py, checked against a census of saved tensors.
 Working set on top of the saved activations, at the start of backward: one MoE layer's backward
@@ -152,6 +156,20 @@ class ParamCounts:
     root_frozen: Frozen = Frozen()
     expert_unit_frozen: Frozen = Frozen()
     layer_rest_frozen: Frozen = Frozen()
+    # every parameter as FSDP2 shards it (dim 0), for what CPU offload keeps in host memory (host_bytes)
+    tensors: tuple[TensorShape, ...] = ()
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """A parameter as host_bytes needs it: its rows (dim 0, what FSDP2 shards), elements, bytes per element when
+    its storage is fixed (an fp8 base's weights and scales; 0: the compute dtype, or fp32 when it trains)."""
+
+    rows: int
+    numel: int
+    stored_bytes: int
+    trainable: bool
+    expert: bool
 
 
 @dataclass
@@ -160,6 +178,7 @@ class Estimate:
     total_gib: float
     phase: str  # which phase is the peak
     notes: list[str] = field(default_factory=list)
+    host_gib: float = 0.0  # cpu_offload: host memory per rank as allocated (host_bytes), else 0
 
 
 def count_params(model) -> ParamCounts:
@@ -185,12 +204,40 @@ def count_params(model) -> ParamCounts:
         rests.append((sum(p.numel() for p in rest), Frozen.of(rest)))
     unit, rest = max(expert_units, key=lambda t: t[0]), max(rests, key=lambda t: t[0])
     params = dict(model.named_parameters())
+    tensors = tuple(TensorShape(p.shape[0] if p.dim() else 1, p.numel(),
+                                p.element_size() if is_fp8_storage(p) and not p.requires_grad else 0,
+                                p.requires_grad, ".mlp.experts." in n) for n, p in params.items())
     return ParamCounts(total, trainable, lora, root, unit[0], rest[0], model.lm_head.weight.requires_grad,
                        sum(e for e, _ in expert_units), experts_trainable, experts_lora,
                        frozen=Frozen.of(params.values()),
                        experts_frozen=Frozen.of(p for n, p in params.items() if ".mlp.experts." in n),
                        root_frozen=Frozen.of(p for n, p in params.items() if not n.startswith("model.layers.")),
-                       expert_unit_frozen=unit[1], layer_rest_frozen=rest[1])
+                       expert_unit_frozen=unit[1], layer_rest_frozen=rest[1], tensors=tensors)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def host_bytes(counts: ParamCounts, layout, b: int) -> tuple[float, float]:
+    """(bytes, bytes as allocated) per rank that CPU offload keeps in host memory: each parameter's shard as FSDP2
+    pads it (dim 0 rounded up to a multiple of the shard group; routed experts split by ep first), at its own bytes
+    (an fp8 base's weights 1, their scales 4, the rest of the frozen base b, what trains fp32), and for what trains
+    its fp32 gradient and AdamW's two fp32 moments. With a GPU FSDP2 pins the shards (and the gradients it copies
+    back), and torch's pinned allocator (CachingHostAllocator) rounds each allocation up to a power of two unless
+    PYTORCH_ALLOC_CONF sets pinned_max_round_threshold_mb: the second figure (GLM-5's expert shards over 8 ranks, 768
+    and 384 MiB, take 1024 and 512)."""
+    exact = allocated = 0
+    for t in counts.tensors:
+        rows, group = t.rows, layout.shard_size
+        if t.expert and layout.ep > 1:
+            rows, group = rows // layout.ep, layout.dp_shard
+        shard = -(-rows // group) * (t.numel // max(t.rows, 1))  # elements of the padded shard
+        nbytes = shard * (4 if t.trainable else t.stored_bytes or b)
+        exact, allocated = exact + nbytes, allocated + _pow2(nbytes)
+        if t.trainable:  # the gradient (pinned, as FSDP2 copies it back) and AdamW's moments (pageable)
+            exact, allocated = exact + 12 * shard, allocated + _pow2(4 * shard) + 8 * shard
+    return exact, allocated
 
 
 def build_meta_model(cfg, m):
@@ -255,10 +302,18 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         notes.append(f"the bad-step rollback copies the LoRA state to host memory, twice: "
                      f"~{24 * P_lora / GIB:.1f} GiB per rank (train/bad_steps.py)")
     static = sum(r[1] for r in rows) * GIB
+    host = 0.0
     if offload:
         static = 0
-        notes.append("parallel.cpu_offload: weights, gradients and optimizer state live in host memory "
-                     f"(~{(w + opt + grads) / GIB:.1f} GiB per rank)")
+        rows = [(name, gib, how + " — in host memory (cpu_offload), not on the GPU") for name, gib, how in rows]
+        exact, host = host_bytes(counts, layout, b)
+        notes.append(f"parallel.cpu_offload: weights, gradients and optimizer state live in host memory, "
+                     f"{exact / GIB:.1f} GiB per rank ({S} shards{'' if not counts.frozen.stored else ', fp8 as stored'}); "
+                     f"pinned by FSDP2, whose allocator rounds each shard up to a power of two: "
+                     f"~{host / GIB:.1f} GiB per rank allocated, × the ranks on a node")
+        notes.append(f"parallel.cpu_offload: each micro-batch every rank copies its shards to the GPU twice (forward, "
+                     f"backward: {2 * w / GIB:.1f} GiB over PCIe) and its gradients back "
+                     f"({(grads if full else 4 * P_lora) / GIB:.2f} GiB{'' if full else ', once per step'})")
     gathered = 0
     if fsdp:
         # Experts shard over dp_shard only under EP (ep already split them), else with the rest over S. On a group of
@@ -271,11 +326,24 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
 
         in_flight = 2 if S > 1 else 1
         expert_copies = 0 if ep > 1 and dp_shard == 1 else (2 if dp_shard > 1 else 1) / ep
-        units = max(expert_copies * unit_bytes(counts.max_expert_unit, counts.expert_unit_frozen),
-                    in_flight * unit_bytes(counts.max_layer_rest, counts.layer_rest_frozen))
+        if offload and ep > 1 and dp_shard == 1:  # offloaded, they are copied in like any unit (not measured)
+            expert_copies = in_flight / ep
+        expert_unit = unit_bytes(counts.max_expert_unit, counts.expert_unit_frozen)
+        rest_unit = unit_bytes(counts.max_layer_rest, counts.layer_rest_frozen)
+        units = max(expert_copies * expert_unit, in_flight * rest_unit)
         root = frozen_bytes(counts.root_frozen, b) + b * (counts.root - counts.root_frozen.numel)
-        gathered = add("FSDP gathered", root + units,
-                       "root unit (embeddings, lm_head) + the layer units in flight, unsharded")
+        how = "root unit (embeddings, lm_head) + the layer units in flight, unsharded"
+        if offload and S > 1:
+            # the all-gather's input is the host shard copied to the GPU first, as stored (an fp8 base's weights
+            # 1 byte, what trains fp32), alive until it is copied into the gather's buffer: 1/S of the largest unit
+            # (not measured; on a group of one the single unit above was measured, copy included)
+            def stored(numel, frozen_part):
+                return frozen_bytes(frozen_part, b) + 4 * (numel - frozen_part.numel)
+
+            units += max(stored(counts.max_expert_unit, counts.expert_unit_frozen) if expert_copies else 0,
+                         stored(counts.max_layer_rest, counts.layer_rest_frozen)) / S
+            how += " + the shard copied in from the host for the gather"
+        gathered = add("FSDP gathered", root + units, how)
     if full:
         add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
 
@@ -368,7 +436,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     total, phase = (forward, "start of backward") if forward >= end else (end, "end of backward (gradients)")
     if not full:
         rows = [r for r in rows if r[0] != "gradients"]
-    return Estimate(rows, total / GIB, phase, notes)
+    return Estimate(rows, total / GIB, phase, notes, host / GIB)
 
 
 def format_estimate(e: Estimate) -> str:

@@ -22,7 +22,9 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   {attention: n, none: L - n} (Megatron's recompute_num_layers: often only a few layers need recompute), then
   {full: n, attention: L - n}; recompute on a preferred structure is not assumed to beat a less preferred structure
   without it. CPU offload (FSDP; on one GPU FSDP over a
-  mesh of one process) only when nothing else fits, its modes in the same order. A layout fits when its estimate is under FIT_FRACTION (95 %) of the memory
+  mesh of one process) only when nothing else fits, its modes in the same order, for a bf16 or an fp8 base alike (an
+  fp8 base's shards stay fp8 in host memory); on a GPU run what it keeps in host memory must also fit the node's RAM
+  (MemoryLimit.host_gib). A layout fits when its estimate is under FIT_FRACTION (95 %) of the memory
   (`memory_limit`): `parallel.gpu_memory_gib` (or inspect's --gpu-mem-gib) when set, else torch.cuda's; a CPU run is
   held to the machine's RAM (or its cgroup's limit) shared by the processes on the node, and considers no CPU offload
   (its weights are already in host memory).
@@ -58,6 +60,9 @@ class MemoryLimit:
     what: str  # where the figure comes from, for the reasons and errors
     host: bool = False
     stated: bool = False  # the user's statement (parallel.gpu_memory_gib): the run's allocator is held to it (mesh.py)
+    # a GPU run's share of this node's RAM (memory_limit): what a cpu_offload layout keeps in host memory must fit it
+    # too. None (inspect, a GPU size given): not checked, the estimate's note says what offload needs
+    host_gib: float | None = None
 
     def __str__(self) -> str:
         return f"{self.what}: {self.gib:.1f} GiB"
@@ -220,10 +225,11 @@ def memory_limit(cfg, local_rank: int | None = None) -> MemoryLimit:
     """What one process of this run may use: its GPU's memory (gpu_memory_gib), or on a CPU run the machine's RAM
     divided among the processes the launcher starts on this node."""
     gpu = gpu_memory_gib(cfg, local_rank)
+    ram, procs = host_memory_gib(), launch_gpus_per_node() or 1
     if gpu is not None:
         stated = cfg.parallel.gpu_memory_gib is not None
-        return MemoryLimit(gpu, "parallel.gpu_memory_gib" if stated else "GPU memory", stated=stated)
-    ram, procs = host_memory_gib(), launch_gpus_per_node() or 1
+        return MemoryLimit(gpu, "parallel.gpu_memory_gib" if stated else "GPU memory", stated=stated,
+                           host_gib=ram / procs)
     share = f" shared by {procs} processes" if procs > 1 else ""
     return MemoryLimit(ram / procs, f"host RAM {ram:.1f} GiB{share} (a CPU run: no GPU)", host=True)
 
@@ -303,30 +309,38 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
     if host and pinned.get("cpu_offload"):
         raise ConfigError("parallel.cpu_offload true needs a GPU: on a CPU run the weights already live in host "
                           "memory (set it to false)")
-    fp8 = counts.frozen.stored > 0  # an fp8 base (model.quantize or an FP8 checkpoint): the meta model says
-    if fp8 and pinned.get("cpu_offload"):
-        raise ConfigError("parallel.cpu_offload true with an fp8 base (model.quantize or an FP8 checkpoint) is not "
-                          "supported in this version: the fp8 base already halves the weights' memory")
     limit = FIT_FRACTION * memory.gib if memory is not None else None
     common = dict(n_layers=n_layers, n_experts=n_experts, memory=memory)
 
-    def estimate(layout):
-        return estimate_memory(cfg, model_config, counts, layout).total_gib
+    # what cpu_offload keeps in host memory must fit this node's RAM too, where the run knows it (memory_limit)
+    host_limit = FIT_FRACTION * memory.host_gib if memory is not None and memory.host_gib is not None else None
 
-    def fits(gib):
-        return limit is None or gib <= limit  # False for NaN
+    def estimate(layout):
+        return estimate_memory(cfg, model_config, counts, layout)
+
+    def over_host(e) -> bool:
+        return host_limit is not None and e.host_gib > host_limit  # host_gib is 0 without offload
+
+    def fits(e):
+        return (limit is None or e.total_gib <= limit) and not over_host(e)  # False for NaN
+
+    def host_line(e) -> str:
+        return (f"cpu_offload needs {e.host_gib:.1f} GiB of host memory per process, over {host_limit:.1f} GiB "
+                f"({FIT_FRACTION:.0%} of this node's RAM per process, {memory.host_gib:.1f} GiB)")
 
     if len(pinned) == len(PINNABLE):
         layout = make_layout(world_size, pinned["ep"], pinned["dp_shard"], pinned["activation_checkpointing"],
                              pinned["cpu_offload"], auto=False, **common)
-        gib = estimate(layout)
+        e = estimate(layout)
         why = ("parallel.layout: manual: ep, dp_shard, cpu_offload and activation checkpointing as written"
                if cfg.parallel.layout == "manual" else "every layout key is set in the config: taken as written")
         reasons = [why, _limit_line(memory, limit)]
-        if not fits(gib):
-            reasons.append(f"warning: the estimate {gib:.1f} GiB is over {limit:.1f} GiB: the run may run out of "
-                           "memory (parallel.layout: auto would choose a layout that fits)")
-        return replace(layout, estimate_gib=gib, reasons=reasons)
+        if limit is not None and not e.total_gib <= limit:
+            reasons.append(f"warning: the estimate {e.total_gib:.1f} GiB is over {limit:.1f} GiB: the run may run out "
+                           "of memory (parallel.layout: auto would choose a layout that fits)")
+        if over_host(e):
+            reasons.append(f"warning: {host_line(e)}: the run may run out of host memory")
+        return replace(layout, estimate_gib=e.total_gib, reasons=reasons)
 
     if "ep" in pinned or "dp_shard" in pinned:  # a pinned value no layout can use: say which, not "nothing fits"
         make_layout(world_size, pinned.get("ep", 1), pinned.get("dp_shard", -1), **common)
@@ -334,8 +348,7 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
     structures = _structures(world_size, n_experts, experts_share > 0.5,
                              gpus_per_node or launch_gpus_per_node() or min(world_size, 8), pinned)
     # a CPU run's weights are in host memory already: offloading them saves nothing there
-    # (nor is CPU offload offered for an fp8 base, which this version does not offload)
-    candidates = [c for c in _candidates(structures, pinned, cfg.train.compile) if not ((host or fp8) and c[3])]
+    candidates = [c for c in _candidates(structures, pinned, cfg.train.compile) if not (host and c[3])]
     kept = ", ".join(f"{'.'.join(PINNABLE[k])} {describe(v) if k == 'activation_checkpointing' else _show(v)}"
                      for k, v in pinned.items())
     if not candidates:
@@ -357,26 +370,33 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
             n = (lo + hi) // 2
             layout = make_layout(world_size, ep, dp_shard, {ac: n, lighter: n_layers - n}, offload, auto=True,
                                  **common)
-            gib = estimate(layout)
-            if fits(gib):
-                best, hi = (layout, gib), n - 1
+            e = estimate(layout)
+            if fits(e):
+                best, hi = (layout, e), n - 1
             else:
                 lo = n + 1
         return best
 
     for ep, dp_shard, ac, offload in candidates:
         found = split(ep, dp_shard, offload, ac) if ac in ("attention", "full") else None
-        layout, gib = found or (make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common), None)
-        gib = estimate(layout) if gib is None else gib
-        tried.append((layout, gib))
-        if fits(gib):
+        layout, e = found or (make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common), None)
+        e = estimate(layout) if e is None else e
+        tried.append((layout, e))
+        if fits(e):
             break
     else:
-        best, gib = min(tried, key=lambda t: t[1])
         where = (f"{world_size} process(es) in {memory.what}" if host else
                  f"{world_size} GPU(s) of {memory.gib:.1f} GiB")
+        gpu_fits = [(t, x) for t, x in tried if x.total_gib <= limit]  # offloaded, and over this node's RAM
+        if gpu_fits:
+            best, e = min(gpu_fits, key=lambda t: t[1].host_gib)
+            raise ConfigError(
+                f"parallel.layout auto: nothing fits {where} and this node's RAM: {best.settings()} fits the GPU "
+                f"({e.total_gib:.1f} GiB) but {host_line(e)}" + (f"; kept from the config: {kept}" if kept else "")
+                + "; use more GPUs or nodes (each rank then holds a smaller shard), or nodes with more RAM")
+        best, e = min(tried, key=lambda t: t[1].total_gib)
         raise ConfigError(
-            f"parallel.layout auto: nothing fits {where}: the smallest estimate is {gib:.1f} GiB per "
+            f"parallel.layout auto: nothing fits {where}: the smallest estimate is {e.total_gib:.1f} GiB per "
             f"{'process' if host else 'GPU'} ({best.settings()}) over the limit {limit:.1f} GiB ({FIT_FRACTION:.0%})"
             + (f"; kept from the config: {kept}" if kept else "")
             + ("; use a GPU, a smaller model or data.seq_len or train.micro_batch_size" if host else
@@ -387,10 +407,11 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
     if world_size > 1 and n_experts:
         reasons.append(f"routed experts are {experts_share:.0%} of the parameters"
                        + ("" if experts_share > 0.5 else ": expert parallelism not considered"))
-    for t, g in tried:
-        reasons.append(f"{t.settings()}: {g:.2f} GiB — {'chosen' if t is layout else 'does not fit'}")
-    reasons += estimate_memory(cfg, model_config, counts, layout).notes
-    return replace(layout, estimate_gib=gib, reasons=reasons)
+    for t, x in tried:
+        host_note = f" ({host_line(x)})" if over_host(x) else ""
+        reasons.append(f"{t.settings()}: {x.total_gib:.2f} GiB{host_note} — {'chosen' if t is layout else 'does not fit'}")
+    reasons += e.notes
+    return replace(layout, estimate_gib=e.total_gib, reasons=reasons)
 
 
 def _show(v) -> str:

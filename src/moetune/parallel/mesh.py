@@ -107,5 +107,9 @@ def init_distributed(layout, device: str | None = None) -> Dist:
     if not dist.is_initialized():
         # one process without a launcher (FSDP for CPU offload): a group of itself, through an in-process store
         alone = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None, **alone)
+        # CPU offload leaves FSDP's sharded parameters and gradients in host memory, and what reduces them across
+        # ranks there (the gradient norm, full_tensor in an export) needs a CPU backend beside NCCL (as torchtitan's
+        # enable_cpu_backend): NCCL alone refuses CPU tensors
+        backend = ("cuda:nccl,cpu:gloo" if layout.cpu_offload else "nccl") if use_cuda else "gloo"
+        dist.init_process_group(backend=backend, device_id=dev if use_cuda else None, **alone)
     return Dist(rank, world, local, dev, layout.build_mesh(dev.type))

@@ -37,7 +37,7 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     if full and (cfg.model.quantize or (reader is not None and reader.fp8_scheme is not None)):
         raise ConfigError("finetune.mode full trains the base itself: it cannot be stored in fp8 (model.quantize, or "
                           f"the FP8 checkpoint at model.path {cfg.model.path}); use LoRA or a bf16 checkpoint")
-    fp8 = not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None  # (no offload: the layout)
+    fp8 = not full and prepare_fp8_base(model, reader, cfg.model.quantize) is not None
     prepare_trainable(model, cfg)  # the estimate's meta model is marked by the same function
     for moe in model.moe_layers():  # what the MoE layers compute beyond their output, for the loss and the metrics
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
@@ -48,7 +48,8 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
                 reshard_after_forward=cfg.parallel.reshard_after_forward)
     if full and not layout.fsdp and compute_dtype != torch.float32:
         cast_model(model, compute_dtype)  # no FSDP (one process, replicas): no separate master copy
-    # with CPU offload FSDP2 keeps the sharded parameters in host memory and moves each unit in for its compute
+    # with CPU offload FSDP2 keeps the sharded parameters in host memory and moves each unit in for its compute: each
+    # rank reads (an FP8 checkpoint: as stored) or quantises (model.quantize) its own slices there, never on the GPU
     model.to_empty(device="cpu" if layout.cpu_offload else dist.device)
     with torch.no_grad():
         if cfg.model.path:
