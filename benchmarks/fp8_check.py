@@ -236,11 +236,11 @@ def numerics():
 # CHAIN_SEED. Every predicted token's entropy given the previous one is log(successors) = log 4 = 1.386 nats: the floor.
 # Why 16 states. On a random-weight base the curve has two stages: first the chain's ids as a set (a "unigram" plateau
 # that a random lm_head caps at best near log(n + V e^(-0.02*hidden/sqrt n)): log 16 = 2.8 at AIR's width, but 7.1
-# for 256 ids), then the bigram, which LoRA q,k,v,o learns only once attention carries the current token's identity, and the
-# later the larger the chain. Measured on the CPU proxy (BENCH_CPU=wide: hidden 1024, 4 layers, vocabulary 2048,
+# for 256 ids), then the bigram, which LoRA q,k,v,o learns only once attention carries the current token's identity,
+# and the later the larger the chain. Measured on the CPU proxy (BENCH_CPU=wide: hidden 1024, 4 layers, vocabulary 2048,
 # 4 x 128 tokens a step, lr 1e-3), mean loss of steps 1-10, ..., 291-300:
-#   16 ids: 5.49 3.50 3.40 3.03 2.38 2.02 1.82 1.69 1.65 1.61 | 1.60 1.57 1.58 1.55 1.55 1.55 1.55 1.56 1.54 1.52 | .. 1.51
-#   32 ids: 5.91 4.23 4.15 3.83 3.13 2.64 2.43 2.15 2.05 1.91 | 1.87 1.80 1.77 1.75 1.72 1.70 1.68 1.66 1.65 1.64 | .. 1.59
+#   16 ids: 5.49 3.50 3.40 3.03 2.38 2.02 1.82 1.69 1.65 1.61 | 1.60 1.57 1.58 1.55 1.55 1.55 1.55 1.56 1.54 1.52|..1.51
+#   32 ids: 5.91 4.23 4.15 3.83 3.13 2.64 2.43 2.15 2.05 1.91 | 1.87 1.80 1.77 1.75 1.72 1.70 1.68 1.66 1.65 1.64|..1.59
 #   64 ids: plateau 5.2 until step 60, 3.30 at step 100, 1.92 at step 200, 1.80 at step 300 (still falling)
 #  256 ids: plateau 6.6 (its capped unigram) until step ~250, then the fall starts
 # (the tiny model, hidden 128, cannot sharpen its logits at all: 0.02*128 = 2.6 nats at most for one token.) 16 ids
@@ -329,7 +329,8 @@ def _curve_model(cfg, q, dequant):
         # one linear and one expert stack of the fp8 base, kept to check the dequantised model against
         lin = model.model.layers[0].self_attn.q_proj
         ex = next(m.experts for m in model.model.modules() if hasattr(m, "experts") and hasattr(m.experts, "quant"))
-        ref = {"linear": (lin, "weight", lin.weight.detach().clone(), getattr(lin, scale_name("weight", lin.quant)).detach().clone()),
+        ref = {"linear": (lin, "weight", lin.weight.detach().clone(),
+                          getattr(lin, scale_name("weight", lin.quant)).detach().clone()),
                "experts": (ex, "down_proj", ex.down_proj.detach().clone(),
                            getattr(ex, scale_name("down_proj", ex.quant)).detach().clone())}
         dequantize_model(model, torch.bfloat16)
