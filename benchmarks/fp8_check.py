@@ -1,17 +1,23 @@
 """The FP8 frozen base on one GPU: kernels against their torch references, their speed against bf16, the logits
-error against fp32 truth, and loss curves of a bf16 and an fp8 base.
+error against fp32 truth, and LoRA loss curves of bf16, dequantised-fp8 and fp8 bases of one random draw.
 
     python benchmarks/fp8_check.py kernels      # GPU kernels vs references (incl. unaligned expert groups)
     python benchmarks/fp8_check.py speed        # fp8 linear / grouped GEMM fwd+dgrad vs bf16 at Air's shapes
     python benchmarks/fp8_check.py numerics     # logits error vs fp32 truth, AIR shapes, 3 layers, same weights
-    python benchmarks/fp8_check.py curves       # 200 LoRA steps, bf16 vs fp8 base, AIR-8 shapes, fixed data
+    python benchmarks/fp8_check.py curves       # 200 LoRA steps per base, AIR-8 shapes, same data for each base
     python benchmarks/fp8_check.py transformers # whether transformers' own FP8 path can run here
-Each part writes $OUT/fp8_<part>.json. BENCH_CPU=1: the same code on tiny shapes (a rehearsal).
+    python benchmarks/fp8_check.py curves --task markov --steps 200 --bases bf16,fp8_dequant_bf16,fp8,fp8_dgrad_dequant
+        (--task markov, the default: fresh batches of a fixed random Markov chain, a curve that flattens at its entropy;
+         --task memorise: the 16 fixed sequences; --states N: the chain's size; bases: see CURVE_BASES)
+Each part writes $OUT/fp8_<part>.json. BENCH_CPU=1: the same code on tiny shapes (a rehearsal); BENCH_CPU=wide: curves
+on a wider CPU proxy (see _curve_cfg).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -22,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 CPU = bool(os.environ.get("BENCH_CPU"))
+WIDE = os.environ.get("BENCH_CPU") == "wide"  # curves on the CPU: a wider proxy whose logits can get sharp
 DEV = torch.device("cpu" if CPU else "cuda")
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -224,59 +231,212 @@ def numerics():
     save("numerics", res)
 
 
-def curves():
-    """200 LoRA (q,k,v,o) steps on 16 fixed packed sequences of random tokens (memorisation: the loss falls), AIR-8
-    shapes, bf16 and fp8 base of the same random draw; AdamW lr 1e-3."""
+# --------------------------------------------------------------------------------------------------- curves
+# The Markov task's chain: CHAIN_STATES token ids, each with CHAIN_SUCCESSORS allowed successors (uniform), fixed by
+# CHAIN_SEED. Every predicted token's entropy given the previous one is log(successors) = log 4 = 1.386 nats: the floor.
+# Why 16 states. On a random-weight base the curve has two stages: first the chain's ids as a set (a "unigram" plateau
+# that a random lm_head caps at best near log(n + V e^(-0.02*hidden/sqrt n)): log 16 = 2.8 at AIR's width, but 7.1
+# for 256 ids), then the bigram, which LoRA q,k,v,o learns only once attention carries the current token's identity,
+# and the later the larger the chain. Measured on the CPU proxy (BENCH_CPU=wide: hidden 1024, 4 layers, vocabulary 2048,
+# 4 x 128 tokens a step, lr 1e-3), mean loss of steps 1-10, ..., 291-300:
+#   16 ids: 5.49 3.50 3.40 3.03 2.38 2.02 1.82 1.69 1.65 1.61 | 1.60 1.57 1.58 1.55 1.55 1.55 1.55 1.56 1.54 1.52|..1.51
+#   32 ids: 5.91 4.23 4.15 3.83 3.13 2.64 2.43 2.15 2.05 1.91 | 1.87 1.80 1.77 1.75 1.72 1.70 1.68 1.66 1.65 1.64|..1.59
+#   64 ids: plateau 5.2 until step 60, 3.30 at step 100, 1.92 at step 200, 1.80 at step 300 (still falling)
+#  256 ids: plateau 6.6 (its capped unigram) until step ~250, then the fall starts
+# (the tiny model, hidden 128, cannot sharpen its logits at all: 0.02*128 = 2.6 nats at most for one token.) 16 ids
+# come within 0.05 nat of their 300-step loss by step ~130 there and move ~0.03 nat over steps 150-200; AIR-8 has
+# twice the layers carrying LoRA, a 4x larger logit range and 8x the tokens a step, so its 200-step curve should be at
+# least as flat: a lag of ten steps then moves the final loss by well under 1%, not the memorisation curve's 20%.
+# `--states` picks another size (32 and 64 are harder tasks that flatten later).
+CHAIN_STATES, CHAIN_SUCCESSORS, CHAIN_SEED = 16, 4, 7
+# base name: (model.quantize, DGRAD of moetune.model.quant.matmul, dequantise the fp8 weights into bf16 ones,
+#             GROUPED_DGRAD of moetune.model.quant.matmul or None)
+CURVE_BASES = {
+    "bf16": (None, None, False, None),                      # the bf16 draw
+    "fp8_dequant_bf16": ("fp8", None, True, None),          # the fp8 base's weights in a bf16 model: what a bf16
+                                                            # trainer trains when handed the FP8 release
+    "fp8": ("fp8", "fp8", False, None),                     # fp8 kernels forward and input gradient
+    "fp8_dgrad_dequant": ("fp8", "dequant", False, None),   # input gradient through the dequantised weight
+    "fp8_triton_dgrad": ("fp8", "fp8", False, "w8a16"),     # experts' input gradient: the Triton W8A16 kernel
+}
+DEFAULT_CURVE_BASES = ("bf16", "fp8_dequant_bf16", "fp8", "fp8_dgrad_dequant")
+
+
+def markov_chain(vocab: int, states: int, successors: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token id of each state [states], successor states of each state [states, successors]): a random first-order
+    chain whose every transition is uniform over `successors` distinct states, so a predicted token's entropy given
+    the previous one is exactly log(successors) nats."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=g)[:states]
+    nxt = torch.stack([torch.randperm(states, generator=g)[:successors] for _ in range(states)])
+    return ids, nxt
+
+
+def markov_batches(ids, nxt, steps: int, rows: int, seq: int, seed: int) -> torch.Tensor:
+    """[steps, rows, seq] token ids, fresh every step: each row starts at a uniform state and walks the chain. Step
+    i's rows come from a generator seeded by (seed, i) alone: the same batches whatever is run around them."""
+    states, k = nxt.shape
+    start, choice = [], []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        start.append(torch.randint(0, states, (rows,), generator=g))
+        choice.append(torch.randint(0, k, (rows, seq), generator=g))
+    start, choice = torch.stack(start).view(-1), torch.stack(choice).view(-1, seq)
+    walk = torch.empty(steps * rows, seq, dtype=torch.long)
+    walk[:, 0] = start
+    for t in range(1, seq):
+        walk[:, t] = nxt[walk[:, t - 1], choice[:, t]]
+    return ids[walk].view(steps, rows, seq)
+
+
+CPU_SEQ = 128 if WIDE else 64
+
+
+def _curve_cfg():
+    """AIR-8; on the CPU the tiny model (3 layers), or with BENCH_CPU=wide a proxy whose logits can be as sharp as a
+    trained model's (hidden 1024: 0.02 x hidden = 20 nats for one token, tiny's 2.6), 4 layers, vocabulary 2,048."""
+    if WIDE:
+        from moetune.model.config import BUILTIN
+
+        return dict(BUILTIN["tiny"], hidden_size=1024, num_hidden_layers=4, vocab_size=2048, num_attention_heads=8,
+                    head_dim=64, num_key_value_heads=2, intermediate_size=1024, moe_intermediate_size=256)
+    return _cfg(8)
+
+
+def _curve_model(cfg, q, dequant):
+    """AIR-8 (CPU: tiny) with LoRA q,k,v,o, bf16 compute, weights of seed 0; `q` "fp8": the fp8 base of the same
+    draw; `dequant`: that fp8 base's weights put back into a plain bf16 model (bf16 kernels). Returns (model, note)."""
+    from moetune.model.config import ModelConfig
+    from moetune.model.hf_io import build_model, cast_model, init_weights
     from moetune.model.lora import apply_lora
+    from moetune.model.quant.fp8 import scheme_named
+    from moetune.model.quant.modules import dequantize_model, quantize_model, scale_name
+    from moetune.parallel.apply import apply_compile
     from moetune.train.setup import init_lora
 
-    cfg = _cfg(8)
-    steps = 20 if CPU else 200
-    g = torch.Generator().manual_seed(1)
-    S = 64 if CPU else 1024
-    data = torch.randint(0, min(1000, cfg["vocab_size"]), (16, S), generator=g).to(DEV)
-    res = {}
-    for name, q, dgrad in (("bf16", None, None), ("fp8", "fp8", "fp8"), ("fp8_dgrad_dequant", "fp8", "dequant")):
-        from moetune.model.config import ModelConfig
-        from moetune.model.hf_io import build_model, cast_model, init_weights
-        from moetune.model.quant.fp8 import scheme_named
-        from moetune.model.quant.modules import quantize_model
-        from moetune.parallel.apply import apply_compile
-        import moetune.model.quant.matmul as fp8_matmul
+    model = build_model(ModelConfig.from_hf_dict(cfg), "meta")
+    cast_model(model, torch.bfloat16)
+    if q:
+        quantize_model(model, scheme_named(q))
+    apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], 16, 32)
+    if not CPU:
+        apply_compile(model)  # lazy: compiles at the first forward, after any dequantisation below
+    model.to_empty(device=DEV)
+    init_weights(model, 0.02, seed=0)
+    init_lora(model, seed=0)
+    note = None
+    if dequant:
+        # one linear and one expert stack of the fp8 base, kept to check the dequantised model against
+        lin = model.model.layers[0].self_attn.q_proj
+        ex = next(m.experts for m in model.model.modules() if hasattr(m, "experts") and hasattr(m.experts, "quant"))
+        ref = {"linear": (lin, "weight", lin.weight.detach().clone(),
+                          getattr(lin, scale_name("weight", lin.quant)).detach().clone()),
+               "experts": (ex, "down_proj", ex.down_proj.detach().clone(),
+                           getattr(ex, scale_name("down_proj", ex.quant)).detach().clone())}
+        dequantize_model(model, torch.bfloat16)
+        note = {}
+        for kind, (mod, name, w8, s) in ref.items():
+            w = getattr(mod, name)
+            exact = (w8.to(torch.float32) * s.to(torch.float32))  # the fp8 base's weight (its kernels' product)
+            assert getattr(mod, "quant", None) is None and w.dtype == torch.bfloat16, (kind, w.dtype)
+            assert torch.equal(w, exact.to(torch.bfloat16)), f"{kind}: dequantised bf16 weight != fp8 base's weight"
+            note[f"{kind}_rel_bf16_rounding_of_fp8_weight"] = rel(w, exact)
+        assert not any(p.dtype == torch.float8_e4m3fn for p in model.parameters()), "an fp8 weight is left"
+    return model, note
 
-        if dgrad:
-            fp8_matmul.DGRAD = dgrad
+
+def curves(task: str = "markov", steps: int | None = None, bases=DEFAULT_CURVE_BASES, states: int | None = None,
+           successors: int = CHAIN_SUCCESSORS):
+    """LoRA (q,k,v,o) loss curves of several bases of the same random draw, AIR-8 shapes (CPU: tiny, 3 layers),
+    AdamW lr 1e-3, 4 rows of 1,024 tokens (CPU: 64, wide 128) a step, the same batches for every base.
+    task "markov": fresh batches every step from a fixed random Markov chain (the curve flattens at the chain's
+    entropy, log(successors) nats a predicted token); "memorise": 16 fixed sequences of random tokens cycled four at
+    a time (the loss falls as long as it runs)."""
+    import moetune.model.quant.matmul as fp8_matmul
+
+    cfg = _curve_cfg()
+    steps = steps or (20 if CPU else 200)
+    S, B = (CPU_SEQ if CPU else 1024), 4
+    res = {"task": task, "steps": steps, "rows": B, "seq": S, "lr": 1e-3, "lora": "q,k,v,o r16 alpha32"}
+    if task == "markov":
+        vocab = cfg["vocab_size"]
+        states = states or CHAIN_STATES
+        assert successors <= states <= vocab, (successors, states, vocab)
+        ids, nxt = markov_chain(vocab, states, successors, CHAIN_SEED)
+        data = markov_batches(ids, nxt, steps, B, S, seed=1).to(DEV)
+        floor = math.log(successors)
+        res.update(chain_states=states, chain_successors=successors, entropy_floor_nats=floor,
+                   unigram_entropy_nats=math.log(states))
+        print(f"curves task=markov states={states} successors={successors} entropy_floor={floor:.4f} nats/token "
+              f"(log {successors}; the ids as a set, no order: log {states} = {math.log(states):.3f})", flush=True)
+    elif task == "memorise":
+        g = torch.Generator().manual_seed(1)
+        fixed = torch.randint(0, min(1000, cfg["vocab_size"]), (16, S), generator=g)
+        data = torch.stack([fixed[(i % 4) * 4:(i % 4) * 4 + 4] for i in range(steps)]).to(DEV)
+        res["entropy_floor_nats"] = 0.0  # memorisation: nothing stops it but the steps
+        print("curves task=memorise: 16 fixed sequences cycled four at a time (floor 0)", flush=True)
+    else:
+        raise ValueError(f"unknown task {task!r}: markov or memorise")
+    dgrad0, grouped0 = fp8_matmul.DGRAD, getattr(fp8_matmul, "GROUPED_DGRAD", None)
+    ran = []
+    for name in bases:
+        if name not in CURVE_BASES:
+            raise ValueError(f"unknown base {name!r}; choose from {list(CURVE_BASES)}")
+        q, dgrad, dequant, grouped = CURVE_BASES[name]
+        if grouped is not None and not hasattr(fp8_matmul, "GROUPED_DGRAD"):
+            print(f"curves {name} skipped: moetune.model.quant.matmul has no GROUPED_DGRAD switch", flush=True)
+            res[name] = {"skipped": "moetune.model.quant.matmul has no GROUPED_DGRAD"}
+            continue
+        fp8_matmul.DGRAD = dgrad or dgrad0
+        if hasattr(fp8_matmul, "GROUPED_DGRAD"):
+            fp8_matmul.GROUPED_DGRAD = grouped if grouped is not None else grouped0
         torch._dynamo.reset()
-        model = build_model(ModelConfig.from_hf_dict(cfg), "meta")
-        cast_model(model, torch.bfloat16)
-        if q:
-            quantize_model(model, scheme_named(q))
-        apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], 16, 32)
-        if not CPU:
-            apply_compile(model)
-        model.to_empty(device=DEV)
-        init_weights(model, 0.02, seed=0)
-        init_lora(model, seed=0)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        losses = []
-        t = time.perf_counter()
-        for step in range(steps):
-            ids = data[(step % 4) * 4:(step % 4) * 4 + 4]
-            labels = torch.roll(ids, -1, 1)
-            labels[:, -1] = -100
-            loss = model(ids, labels=labels) / (labels != -100).sum()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(round(float(loss), 5))
-        res[name] = {"losses": losses, "final_mean_last10": sum(losses[-10:]) / 10, "mean_last50": sum(losses[-50:]) / len(losses[-50:]), "s": round(time.perf_counter() - t, 1)}
-        del model, opt
-        if not CPU:
-            torch.cuda.empty_cache()
-    for k in ("fp8", "fp8_dgrad_dequant"):
-        res[f"final_ratio_{k}_over_bf16"] = res[k]["final_mean_last10"] / res["bf16"]["final_mean_last10"]
+        model = opt = params = None
+        try:
+            model, note = _curve_model(cfg, q, dequant)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-3)
+            losses = []
+            t = time.perf_counter()
+            for step in range(steps):
+                ids_ = data[step]
+                labels = torch.roll(ids_, -1, 1)
+                labels[:, -1] = -100
+                loss = model(ids_, labels=labels) / (labels != -100).sum()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(round(loss.item(), 5))
+            res[name] = {"losses": losses, "final_mean_last10": sum(losses[-10:]) / len(losses[-10:]),
+                         "mean_last50": sum(losses[-50:]) / len(losses[-50:]), "s": round(time.perf_counter() - t, 1)}
+            if note:
+                res[name]["dequant_check"] = note
+            ran.append(name)
+        except Exception as ex:  # noqa: BLE001  one base's failure keeps the others' curves
+            import traceback
+
+            traceback.print_exc()
+            res[name] = {"error": f"{type(ex).__name__}: {str(ex)[:500]}"}
+        finally:
+            del model, opt, params
+            fp8_matmul.DGRAD = dgrad0
+            if hasattr(fp8_matmul, "GROUPED_DGRAD"):
+                fp8_matmul.GROUPED_DGRAD = grouped0
+            if not CPU:
+                torch.cuda.empty_cache()
+    floor = res["entropy_floor_nats"]
+    for name in ran:
+        r = res[name]
+        for ref, key in (("bf16", "ratio_vs_bf16"), ("fp8_dequant_bf16", "ratio_vs_dequant")):
+            if ref in ran:
+                r[key] = r["final_mean_last10"] / res[ref]["final_mean_last10"]
+                res[f"final_ratio_{name}_over_{ref}"] = r[key]
+        r["excess_over_floor"] = r["final_mean_last10"] - floor
+        print(f"curves {name} final={r['final_mean_last10']:.4f} last50={r['mean_last50']:.4f} "
+              f"ratio_vs_bf16={r.get('ratio_vs_bf16', float('nan')):.4f} "
+              f"ratio_vs_dequant={r.get('ratio_vs_dequant', float('nan')):.4f} "
+              f"excess_over_floor={r['excess_over_floor']:.4f} s={r['s']} task={task} floor={floor:.4f}", flush=True)
     save("curves", res)
 
 
@@ -296,8 +456,22 @@ def transformers_fp8():
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["kernels", "speed", "numerics", "curves", "transformers"]
-    fns = {"kernels": kernels, "speed": speed, "numerics": numerics, "curves": curves, "transformers": transformers_fp8}
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("parts", nargs="*", help="kernels speed numerics curves transformers (default: all)")
+    ap.add_argument("--task", default="markov", choices=("markov", "memorise"), help="curves: the training task")
+    ap.add_argument("--steps", type=int, default=None, help="curves: steps per base (default 200; CPU 20)")
+    ap.add_argument("--bases", default=",".join(DEFAULT_CURVE_BASES),
+                    help=f"curves: comma-separated, of {','.join(CURVE_BASES)}")
+    ap.add_argument("--states", type=int, default=None, help=f"curves markov: chain states (default {CHAIN_STATES})")
+    ap.add_argument("--successors", type=int, default=CHAIN_SUCCESSORS, help="curves markov: successors a state")
+    args = ap.parse_args()
+    parts = args.parts or ["kernels", "speed", "numerics", "curves", "transformers"]
+    fns = {"kernels": kernels, "speed": speed, "numerics": numerics, "transformers": transformers_fp8,
+           "curves": lambda: curves(args.task, args.steps, [b for b in args.bases.split(",") if b], args.states,
+                                    args.successors)}
+    unknown = [p for p in parts if p not in fns]
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {list(fns)}")
     for p in parts:
         try:
             fns[p]()
