@@ -18,5 +18,5 @@ run() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$LOGS/$name.lo
 run air_qkvo 150 env OUT="$OUT/air_qkvo" QUANT=fp8 NPROC=1 AC=attention SPEED_ONLY=1 STEPS=12 bash benchmarks/air_full_size.sh
 run air_experts 150 env OUT="$OUT/air_experts" QUANT=fp8 NPROC=1 AC=full SPEED_ONLY=1 STEPS=12 \
   TARGETS="[q_proj,k_proj,v_proj,o_proj,shared_experts,experts]" bash benchmarks/air_full_size.sh
-run check 170 python3 benchmarks/fp8_check.py curves numerics
+run check 260 python3 benchmarks/fp8_check.py curves numerics --task markov --bases bf16,fp8_dequant_bf16,fp8
 run flash 115 python3 benchmarks/train_throughput.py --timeout 55 --variants ours_fp8_flash_mla_1x4096 ours_flash_mla_1x4096
