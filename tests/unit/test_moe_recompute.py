@@ -72,14 +72,16 @@ def test_full_recompute_of_a_moe_layer_keeps_its_input_only(case, monkeypatch):
     assert m.is_moe_layer(1) and saved["full"] < saved["none"] / 4, saved
 
 
-@pytest.mark.parametrize("ac", ["full", "selective"])
-def test_a_compiled_moe_layer_recomputed_whole_is_one_graph_and_keeps_its_side_outputs(ac):
-    """Under torch.compile a whole-layer recompute is a checkpoint inside the compiled layer. The MoE's side outputs
-    (expert counts, auxiliary loss, router entropy) leave the checkpoint as outputs: stored on the module inside it,
-    they were a side effect the checkpoint cannot trace, and Dynamo ran the recomputed layer eagerly (a graph break;
-    2.7x slower on full-size Air). fullgraph=True turns any graph break into an error; the side outputs equal those of
-    the same model without recompute, eager."""
-    config, mode, targets = CASES["gqa-lora-experts"]
+@pytest.mark.parametrize("ac", ["none", "attention", "selective", "full"])
+@pytest.mark.parametrize("case", ["gqa-lora-experts", "mla-lora-experts"])
+def test_a_compiled_moe_layer_is_one_graph_in_every_mode_and_keeps_its_side_outputs(case, ac):
+    """A compiled decoder layer (GQA or MLA, LoRA on the experts) is one graph in every recompute mode: a graph break
+    runs the rest of the layer eagerly, unfused. Under a whole-layer recompute (full, selective) the checkpoint is
+    inside the compiled layer; the MoE's side outputs (expert counts, auxiliary loss, router entropy) leave it as
+    outputs: stored on the module inside it, they were a side effect the checkpoint cannot trace, and Dynamo ran the
+    recomputed layer eagerly (2.7x slower on full-size Air). fullgraph=True turns any graph break into an error; the
+    side outputs equal those of the same model without recompute, eager."""
+    config, mode, targets = CASES[case]
     m = ModelConfig.from_hf_dict(config)
     ids = torch.randint(0, m.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     sides = {}
