@@ -51,30 +51,14 @@ def train(argv: list[str]) -> int:
         print(config_to_yaml(cfg), end="")
         return 0
     check_paths(cfg)  # a typo or a placeholder path: one line now, not a hub traceback after model building
+    from moetune.parallel.mesh import shutdown_distributed
     from moetune.train.loop import train as run_training
 
     try:
         run_training(cfg)
     except MoetuneError:
-        _shutdown_distributed(finished=False)
+        shutdown_distributed(finished=False)
         raise
-    _shutdown_distributed(finished=True)  # anything else keeps its traceback and exits: see there
+    shutdown_distributed(finished=True)  # anything else keeps its traceback and exits: see there
     return 0
 
-
-def _shutdown_distributed(finished: bool):
-    """Free the (sharded) model while its process groups still exist, then destroy them. FSDP/DTensor modules
-    sit in reference cycles, so without the collect they outlive the groups and gloo aborts at interpreter exit
-    ("terminate called without an active exception"), seen with expert parallelism.
-    The barrier only after a finished run: a rank that failed alone would wait in it for ranks that wait in the
-    collective it left, forever and before its error is printed (NCCL does not time out there) — how a failure on
-    2 × H200 looked like a hang. Exiting shows the error and lets the launcher stop the others."""
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if finished:
-            dist.barrier()
-        gc.collect()
-        dist.destroy_process_group()

@@ -113,3 +113,19 @@ def init_distributed(layout, device: str | None = None) -> Dist:
         backend = ("cuda:nccl,cpu:gloo" if layout.cpu_offload else "nccl") if use_cuda else "gloo"
         dist.init_process_group(backend=backend, device_id=dev if use_cuda else None, **alone)
     return Dist(rank, world, local, dev, layout.build_mesh(dev.type))
+
+
+def shutdown_distributed(finished: bool) -> None:
+    """Free the (sharded) model while its process groups still exist, then destroy them. FSDP/DTensor modules
+    sit in reference cycles, so without the collect they outlive the groups and gloo aborts at interpreter exit
+    ("terminate called without an active exception"), seen with expert parallelism.
+    The barrier only after a finished run: a rank that failed alone would wait in it for ranks that wait in the
+    collective it left, forever and before its error is printed (NCCL does not time out there) — how a failure on
+    2 × H200 looked like a hang. Exiting shows the error and lets the launcher stop the others."""
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
