@@ -230,8 +230,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moetune.model.grouped_gemm import _grouped_gemm_kernel as k
 out = {}
-for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False, False), ("fp8e4nv", 1, True, False),
-                                    ("fp8e4nv", 2, False, False), ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True),
+for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False, False),
+                                    ("fp8e4nv", 1, True, False), ("fp8e4nv", 2, False, False),
+                                    ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True),
                                     ("fp8e4nv", 3, True, False)]:
     ones = ["stride_ak", "stride_cn", "stride_ss", "stride_bk" if transpose else "stride_bn"]
     const = dict({n: 1 for n in ones}, E_POW2=128, SCALE=scale, DOT_FP32=False, BM=128, BN=128,

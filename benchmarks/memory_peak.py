@@ -73,7 +73,7 @@ def main():
     if CPU:
         print(json.dumps(tt.worker(a.variant))[:300])
         return
-    from moetune.model.config import BUILTIN  # noqa: F401 (the harness imports lazily)
+    from moetune.model.config import BUILTIN
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)

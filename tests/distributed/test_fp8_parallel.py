@@ -91,7 +91,8 @@ def test_fp8_base_with_cpu_offload_is_taken_and_offered():
     assert counts.frozen.stored > 0  # the base is fp8
 
     def peak(offload, ac):
-        return estimate_memory(cfg, m, counts, make_layout(1, 1, -1, ac, offload, n_layers=m.num_hidden_layers)).total_gib
+        layout = make_layout(1, 1, -1, ac, offload, n_layers=m.num_hidden_layers)
+        return estimate_memory(cfg, m, counts, layout).total_gib
 
     assert peak(True, "full") < peak(False, "full")
     between = MemoryLimit((peak(True, "full") + peak(False, "full")) / 2 / 0.95, "GPU memory")

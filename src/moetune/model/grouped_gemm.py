@@ -167,11 +167,11 @@ if triton is not None:
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
-                 transpose: bool = True, config: dict | None = None, x_scale: torch.Tensor | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 transpose: bool = True, config: dict | None = None,
+                 x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's launch: x [M, ·] (any strides) · op(W[e]) per group, W [E, out, in] bf16/fp16 (x's dtype) or fp8
     with `scale` [E, out(, 1)] fp32; op(W) = Wᵀ (`transpose`: y [M, out]) or W (y [M, in]). x fp8 too (W8A8, the
-    forward only): `x_scale` [M(, 1)] fp32 its row scales, y in `out_dtype`. `config`: a dict of BM, BN, BK, GROUP_M,
+    forward only): `x_scale` [M(, 1)] fp32 its row scales, y in bf16. `config`: a dict of BM, BN, BK, GROUP_M,
     SWAP, num_warps, num_stages (default: `CONFIG`, the interpreter's, or autotuned)."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
@@ -182,7 +182,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
         assert transpose and weight.dtype == x.dtype and scale is not None and x_scale is not None
     else:
         assert weight.dtype in (x.dtype, torch.float8_e4m3fn) and (scale is None) == (weight.dtype == x.dtype)
-    y = x.new_empty(M, N, dtype=out_dtype if w8a8 else x.dtype)
+    y = x.new_empty(M, N, dtype=torch.bfloat16 if w8a8 else x.dtype)
     if M == 0 or N == 0:
         return y
     if K == 0 or E == 0:

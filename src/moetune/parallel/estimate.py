@@ -307,8 +307,9 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         static = 0
         rows = [(name, gib, how + " — in host memory (cpu_offload), not on the GPU") for name, gib, how in rows]
         exact, host = host_bytes(counts, layout, b)
+        as_stored = ", fp8 as stored" if counts.frozen.stored else ""
         notes.append(f"parallel.cpu_offload: weights, gradients and optimizer state live in host memory, "
-                     f"{exact / GIB:.1f} GiB per rank ({S} shards{'' if not counts.frozen.stored else ', fp8 as stored'}); "
+                     f"{exact / GIB:.1f} GiB per rank ({S} shards{as_stored}); "
                      f"pinned by FSDP2, whose allocator rounds each shard up to a power of two: "
                      f"~{host / GIB:.1f} GiB per rank allocated, × the ranks on a node")
         notes.append(f"parallel.cpu_offload: each micro-batch every rank copies its shards to the GPU twice (forward, "

@@ -18,8 +18,8 @@ memory, in this order of preference (what a torchtitan/Megatron user would pick 
   each first without activation checkpointing, then with `selective` (not under torch.compile). Then every
   structure again with `attention` (the attention block's forward repeated in backward, the MLP/MoE activations
   kept: the middle ground), then with `full` (the whole layer; under EP a MoE layer's attention and expert work
-  apart, model/recompute.split_modes) — each as the per-layer split (ac_modes) that recomputes the fewest layers that fit:
-  {attention: n, none: L - n} (Megatron's recompute_num_layers: often only a few layers need recompute), then
+  apart, model/recompute.split_modes) — each as the per-layer split (ac_modes) that recomputes the fewest layers
+  that fit: {attention: n, none: L - n} (Megatron's recompute_num_layers: often only a few layers need recompute), then
   {full: n, attention: L - n}; recompute on a preferred structure is not assumed to beat a less preferred structure
   without it. CPU offload (FSDP; on one GPU FSDP over a
   mesh of one process) only when nothing else fits, its modes in the same order, for a bf16 or an fp8 base alike (an
@@ -409,7 +409,8 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
                        + ("" if experts_share > 0.5 else ": expert parallelism not considered"))
     for t, x in tried:
         host_note = f" ({host_line(x)})" if over_host(x) else ""
-        reasons.append(f"{t.settings()}: {x.total_gib:.2f} GiB{host_note} — {'chosen' if t is layout else 'does not fit'}")
+        verdict = "chosen" if t is layout else "does not fit"
+        reasons.append(f"{t.settings()}: {x.total_gib:.2f} GiB{host_note} — {verdict}")
     reasons += e.notes
     return replace(layout, estimate_gib=e.total_gib, reasons=reasons)
 

@@ -53,7 +53,8 @@ from moetune.train.bad_steps import StepGuard
 from moetune.train.checkpoint import Checkpointer, load_checkpoint
 from moetune.train.checkpoint_files import plan_resume, remove_debris
 from moetune.train.data_setup import setup_data
-from moetune.train.metrics import AllocatorPressure, ExpertMeter, MetricsWriter, Throughput, device_peak_flops, memory_gib, mfu
+from moetune.train.metrics import (AllocatorPressure, ExpertMeter, MetricsWriter, Throughput, device_peak_flops,
+                                   memory_gib, mfu)
 from moetune.train.optim import build_optimizer, build_scheduler
 from moetune.train.progress import progress
 from moetune.train.setup import setup_model
