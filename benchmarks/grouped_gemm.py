@@ -58,10 +58,11 @@ CPU_CONFIGS = [(16, 16, 16, 1, 1), (32, 16, 32, 1, 1)]
 SMEM_LIMIT = 227 * 1024  # an H100/H200's shared memory per block
 
 
-def configs(kind: str):
-    """kind: bf16 | fp8 (W8A16) | w8a8."""
+def configs(kind: str, transpose: bool = True):
+    """kind: bf16 | fp8 (W8A16) | w8a8; the W8A8 input gradient tries both operand orders (SWAP)."""
     fp8, w8a8 = kind == "fp8", kind == "w8a8"
-    base = CPU_CONFIGS if CPU else gg.AUTOTUNE_FP8 if w8a8 else {"quick": QUICK, "full": FULL}[SWEEP]
+    base = (CPU_CONFIGS if CPU else gg.AUTOTUNE_FP8[:4] if w8a8 and not transpose else gg.AUTOTUNE_FP8 if w8a8
+            else {"quick": QUICK, "full": FULL}[SWEEP])
     out = []
     for BM, BN, BK, stages, warps in base:
         # an fp8 weight tile is converted to bf16 in registers and staged again in shared memory for the MMA
@@ -69,9 +70,11 @@ def configs(kind: str):
         smem = stages * BK * (BM + BN) if w8a8 else gg.smem_bytes(BM, BN, BK, stages, 1 if fp8 else 2) + extra
         if smem > SMEM_LIMIT:
             continue
-        for swap in ((False, True) if fp8 else (False,)):
-            out.append(dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, SWAP=swap, num_warps=warps,
-                            num_stages=stages))
+        w8a8_dgrad = w8a8 and not transpose
+        for swap in ((False, True) if fp8 or w8a8_dgrad else (False,)):
+            for prefetch in ((False, True) if w8a8_dgrad else (False,)):
+                out.append(dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, SWAP=swap, PREFETCH=prefetch,
+                                num_warps=warps, num_stages=stages))
     return out
 
 
@@ -176,18 +179,23 @@ def run_shape(name, p, results):
                 record("torch_fp8", lambda: matmul._gmm_dgrad(a, w8, s8, offs), ref8)
         else:
             res["methods"]["torch_fp8"] = dict(error="no torch._scaled_grouped_mm / fp8 tensor cores here")
-        # Triton: the sweep, then the module's own (autotuned) path; "w8a8": fp8 activations × the fp8 stack (the
-        # forward only; the activation quantised beforehand, as torch_fp8_gemm_only)
+        # Triton: the sweep, then the module's own (autotuned) path; "w8a8": fp8 activations × the fp8 stack, the
+        # activation quantised beforehand (as torch_fp8_gemm_only); for the input gradient dy with the weight's
+        # scales folded in, then quantised (as model/quant/matmul.py does), the stack read as stored
         kinds = [("bf16", (W, None, ref)), ("fp8", (w8, s8, ref8))]
         if transpose:
             aq, sa = quantize_rows(a)
             kinds.append(("w8a8", (w8, s8, ref8)))
+        else:
+            aq, sa = matmul._gmm_dgrad_operand(a, s8, offs)
+            kinds.append(("w8a8", (w8, None, ref8)))
         for kind, (w, s, reference) in [k for k in kinds if k[0] in KINDS]:
             best = None
             w8a8 = dict(x_scale=sa) if kind == "w8a8" else {}
             x_in = aq if kind == "w8a8" else a
-            for cfg in configs(kind):
-                tag = "{BM}x{BN}x{BK}_s{num_stages}_w{num_warps}".format(**cfg) + ("_swap" if cfg["SWAP"] else "")
+            for cfg in configs(kind, transpose):
+                tag = "{BM}x{BN}x{BK}_s{num_stages}_w{num_warps}".format(**cfg) + ("_swap" if cfg["SWAP"] else "") \
+                    + ("_pf" if cfg["PREFETCH"] else "")
                 r = record(f"triton_{kind}[{tag}]", lambda: gg.grouped_gemm(x_in, w, offs, s, transpose, config=cfg,
                                                                              **w8a8),
                            reference, config=cfg)
@@ -233,13 +241,15 @@ out = {}
 for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False, False),
                                     ("fp8e4nv", 1, True, False), ("fp8e4nv", 2, False, False),
                                     ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True),
-                                    ("fp8e4nv", 3, True, False)]:
+                                    ("fp8e4nv", 3, True, False), ("fp8e4nv", 4, False, False),
+                                    ("fp8e4nv", 4, False, True), ("fp8e4nv", 4, False, "pf")]:
     ones = ["stride_ak", "stride_cn", "stride_ss", "stride_bk" if transpose else "stride_bn"]
     const = dict({n: 1 for n in ones}, E_POW2=128, SCALE=scale, DOT_FP32=False, BM=128, BN=128,
-                 BK=128 if scale == 3 else 64, GROUP_M=8, SWAP=swap)
+                 BK=128 if scale >= 3 else 64, GROUP_M=8, SWAP=swap is True,
+                 PREFETCH=swap == "pf")
     sig = {}
     for n in k.arg_names:
-        sig[n] = ("constexpr" if n in const else {"a_ptr": "*fp8e4nv" if scale == 3 else "*bf16", "b_ptr": "*" + wdt,
+        sig[n] = ("constexpr" if n in const else {"a_ptr": "*fp8e4nv" if scale >= 3 else "*bf16", "b_ptr": "*" + wdt,
                   "c_ptr": "*bf16", "scale_ptr": "*fp32", "ascale_ptr": "*fp32", "offs_ptr": "*i32"}.get(n, "i32"))
     div16 = ["a_ptr", "b_ptr", "c_ptr", "scale_ptr", "ascale_ptr", "offs_ptr", "N", "K", "stride_am", "stride_be",
              "stride_bk", "stride_bn", "stride_cm", "stride_se"]
@@ -247,7 +257,7 @@ for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False,
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in const})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4))
     ttgir = c.asm["ttgir"]
-    out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' swap' if swap else ''}"] = dict(
+    out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' ' + str(swap) if swap else ''}"] = dict(
         shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
         async_copies=ttgir.count("async_copy_global_to_local"))
 print("RESULT" + json.dumps(out))

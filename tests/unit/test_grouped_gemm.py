@@ -141,7 +141,25 @@ def test_w8a8_forward_matches_the_scaled_reference(pad):
     _close(op, want)
 
 
-@pytest.mark.parametrize("switch", [("GROUPED_FORWARD", "triton"), ("GROUPED_DGRAD", "w8a16")])
+@pytest.mark.parametrize("swap,prefetch", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_w8a8_input_gradient_matches_the_scaled_reference(pad, swap, prefetch):
+    """fp8 gradient rows (the weight's scales folded in, row scales) × the fp8 stack read as stored: the input
+    gradient of the fp8 base's expert stacks without a transposed copy; the weight tile is the MMA's first operand
+    with SWAP; PREFETCH loads the next weight tile ahead."""
+    rows, offs, w8, _ = _case(fp8=True, pad=pad, seed=5)
+    g8, sg = quantize_rows(torch.randn(rows, OUT))
+    config = dict(gg._INTERPRETER_CONFIG, SWAP=swap, PREFETCH=prefetch)
+    dx = grouped_gemm(g8, w8, offs, None, transpose=False, config=config, x_scale=sg)
+    want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
+    assert dx.dtype == torch.bfloat16 and dx.shape == (rows, IN)
+    _close(dx, want)
+    assert (dx[sum(COUNTS):] == 0).all()
+    _close(torch.ops.moetune.grouped_mm_fp8_dgrad(g8, sg, w8, offs), want)  # the custom op's CPU path
+
+
+@pytest.mark.parametrize("switch", [("GROUPED_FORWARD", "triton"), ("GROUPED_DGRAD", "w8a16"),
+                                    ("GROUPED_DGRAD", "w8a8")])
 def test_fp8_grouped_linear_through_the_triton_kernels(switch, monkeypatch):
     """model/quant/matmul.py's fp8 grouped path with a Triton kernel switched in (forward W8A8, or the input
     gradient W8A16 from the stack as stored): the output and the input gradient equal that path's torch references
@@ -170,5 +188,10 @@ def test_fp8_grouped_linear_through_the_triton_kernels(switch, monkeypatch):
     monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
     y = matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
     y.backward(g)
-    assert calls == [False]  # the backward ran the W8A16 kernel
-    _close(x.grad, grouped_mm_reference(g, w8, offs, scale, transpose=False))
+    if switch[1] == "w8a16":
+        assert calls == [False]  # the backward ran the W8A16 kernel
+        _close(x.grad, grouped_mm_reference(g, w8, offs, scale, transpose=False))
+    else:  # W8A8: the "fp8" path's numerics (dy with the scales folded in, quantised per row) without the copy
+        assert calls == [True]
+        gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
+        _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))

@@ -69,10 +69,13 @@ if triton is not None:
                              stride_se, stride_ss,
                              E, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                             SWAP: tl.constexpr):
+                             SWAP: tl.constexpr, PREFETCH: tl.constexpr = False):
         """C[rows of g] = A[rows of g] · B[g] with B[g][k, n] at b_ptr + g·stride_be + k·stride_bk + n·stride_bn.
         SCALE 0: none; 1: C[:, n] *= s[g, n] (forward); 2: A[:, k] *= s[g, k] as loaded (input gradient);
-        3: A and B both fp8 (an fp8 × fp8 MMA), C[m, n] *= a_s[m] · s[g, n] (the forward, W8A8)."""
+        3: A and B both fp8 (an fp8 × fp8 MMA), C[m, n] *= a_s[m] · s[g, n] (the forward, W8A8);
+        4: A and B both fp8, C[m, n] *= a_s[m] (the input gradient, W8A8: the weight's scales are in A already).
+        PREFETCH: B's next tile is loaded into registers while this one multiplies — for a B the MMA needs
+        transposed (fp8 read as stored), which Triton stages through registers and does not pipeline itself."""
         pid = tl.program_id(0)
         num_m = M // BM + E + 1  # virtual row tiles (see the module's docstring)
         num_n = tl.cdiv(N, BN)
@@ -109,10 +112,17 @@ if triton is not None:
         else:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
         k_end = tl.where(g < E, K, 0)  # the padding group E has nothing to sum
+        if PREFETCH:
+            b_next = tl.load(b_ptrs, mask=(rk < k_end)[:, None] & n_mask[None, :], other=0.0)
         for k0 in range(0, k_end, BK):
             k_mask = rk < K - k0
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if PREFETCH:
+                b = b_next
+                b_next = tl.load(b_ptrs + BK * stride_bk, mask=(rk < K - k0 - BK)[:, None] & n_mask[None, :],
+                                 other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if SCALE == 2:
                 s = tl.load(s_ptrs, mask=k_mask, other=0.0)
                 a = (a.to(tl.float32) * s[None, :]).to(a_ptr.dtype.element_ty)
@@ -133,14 +143,15 @@ if triton is not None:
             # the padding group's zeros read expert E − 1's scales (in bounds, finite)
             s = tl.load(scale_ptr + tl.minimum(g64, E - 1) * stride_se + rn * stride_ss, mask=n_mask, other=0.0)
             acc = acc * s[None, :]
-        if SCALE == 3:
+        if SCALE == 3 or SCALE == 4:
             acc = acc * tl.load(ascale_ptr + rm, mask=m_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False):
-    return triton.Config(dict(BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, SWAP=SWAP), num_warps=warps, num_stages=stages)
+def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
+    return triton.Config(dict(BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, SWAP=SWAP, PREFETCH=PREFETCH), num_warps=warps,
+                         num_stages=stages)
 
 
 def smem_bytes(BM, BN, BK, stages, weight_bytes=2) -> int:
@@ -157,7 +168,14 @@ AUTOTUNE = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64
 AUTOTUNE_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4, 4), (64, 256, 128, 4, 8),
                 (128, 128, 64, 4, 8), (128, 64, 128, 4, 4), (256, 128, 128, 3, 8), (64, 64, 128, 4, 4)]
 
+# fp8 × fp8 input gradient: the stack is read as stored, so the weight tile is N-major (the reduction runs over the
+# stack's rows) and the MMA needs it transposed; SWAP makes it the first operand, which the MMA may take from registers
+AUTOTUNE_FP8_DGRAD = [(128, 128, 128, 4, 8, 8, False, True), (128, 128, 128, 4, 8, 8, True, True),
+                      (64, 128, 128, 4, 4, 8, False, True), (128, 128, 128, 4, 8, 8, False, False)]
+
 if triton is not None:
+    _grouped_gemm_fp8_dgrad_autotuned = triton.autotune(
+        configs=[_config(*c) for c in AUTOTUNE_FP8_DGRAD], key=["N", "K", "E", "SCALE"])(_grouped_gemm_kernel)
     _grouped_gemm_autotuned = triton.autotune(
         configs=[_config(*c) for c in AUTOTUNE] + [_config(128, 128, 64, 4, 8, SWAP=True),
                                                     _config(64, 128, 64, 4, 4, SWAP=True)],
@@ -171,15 +189,16 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
                  x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's launch: x [M, ·] (any strides) · op(W[e]) per group, W [E, out, in] bf16/fp16 (x's dtype) or fp8
     with `scale` [E, out(, 1)] fp32; op(W) = Wᵀ (`transpose`: y [M, out]) or W (y [M, in]). x fp8 too (W8A8, the
-    forward only): `x_scale` [M(, 1)] fp32 its row scales, y in bf16. `config`: a dict of BM, BN, BK, GROUP_M,
-    SWAP, num_warps, num_stages (default: `CONFIG`, the interpreter's, or autotuned)."""
+    forward, and the input gradient with `scale` None: the weight's scales folded into x before it was quantised):
+    `x_scale` [M(, 1)] fp32 its row scales, y in bf16. `config`: a dict of BM, BN, BK, GROUP_M, SWAP, num_warps,
+    num_stages (default: `CONFIG`, the interpreter's, or autotuned)."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
     w8a8 = x.dtype == torch.float8_e4m3fn
     assert x.shape[1] == K and offs.shape == (E,), (x.shape, weight.shape, offs.shape)
     if w8a8:
-        assert transpose and weight.dtype == x.dtype and scale is not None and x_scale is not None
+        assert weight.dtype == x.dtype and (scale is not None) == transpose and x_scale is not None
     else:
         assert weight.dtype in (x.dtype, torch.float8_e4m3fn) and (scale is None) == (weight.dtype == x.dtype)
     y = x.new_empty(M, N, dtype=torch.bfloat16 if w8a8 else x.dtype)
@@ -190,7 +209,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
     stride_we, stride_wo, stride_wi = weight.stride()
     stride_bk, stride_bn = (stride_wi, stride_wo) if transpose else (stride_wo, stride_wi)
     if scale is None:
-        scale_t, stride_se, stride_ss, mode = offs, 0, 0, 0  # an unread placeholder pointer
+        scale_t, stride_se, stride_ss, mode = offs, 0, 0, 4 if w8a8 else 0  # an unread placeholder pointer
     else:
         scale_t = scale.reshape(E, n_out)
         stride_se, stride_ss = scale_t.stride()
@@ -206,7 +225,9 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
         return ((M // m["BM"] + E + 1) * triton.cdiv(N, m["BN"]),)
 
     if config is None:
-        (_grouped_gemm_fp8_autotuned if w8a8 else _grouped_gemm_autotuned)[grid](*args, **meta)
+        tuned = (_grouped_gemm_fp8_autotuned if transpose else _grouped_gemm_fp8_dgrad_autotuned) if w8a8 \
+            else _grouped_gemm_autotuned
+        tuned[grid](*args, **meta)
     else:
         _grouped_gemm_kernel[grid(config)](*args, **meta, **config)
     return y
@@ -256,6 +277,23 @@ def grouped_mm_fp8(x8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
         return grouped_gemm(x8, weight, offs, scale, True, x_scale=x_scale)
     return grouped_mm_reference(x8.float() * x_scale.reshape(-1, 1).float(), weight, offs, scale,
                                 True).to(torch.bfloat16)
+
+
+@torch.library.custom_op("moetune::grouped_mm_fp8_dgrad", mutates_args=())
+def grouped_mm_fp8_dgrad(g8: torch.Tensor, g_scale: torch.Tensor, weight: torch.Tensor,
+                         offs: torch.Tensor) -> torch.Tensor:
+    """The fp8 × fp8 input gradient (W8A8): rows g8 [N, out] e4m3 — the incoming gradient with each row's expert's
+    weight scales folded in, then quantised per row (`g_scale` [N, 1]) — × each expert's e4m3 weight [E, out, in]
+    read as stored: dx [N, in] bf16, fp32 accumulation. The numerics of model/quant/matmul.py's `_gmm_dgrad`."""
+    if (g8.is_cuda or KERNEL_ON_CPU) and kernel_supported_w8a8(g8, weight):
+        return grouped_gemm(g8, weight, offs, None, False, x_scale=g_scale)
+    return grouped_mm_reference(g8.float() * g_scale.reshape(-1, 1).float(), weight, offs, None,
+                                False).to(torch.bfloat16)
+
+
+@grouped_mm_fp8_dgrad.register_fake
+def _(g8, g_scale, weight, offs):
+    return g8.new_empty(g8.shape[0], weight.shape[2], dtype=torch.bfloat16)
 
 
 @grouped_mm_fp8.register_fake
