@@ -45,6 +45,7 @@ t1=$(date +%s.%N)
 if [ -n "${SPEED_ONLY:-}" ]; then
   mkdir -p "$OUTDIR"
   cp "$RUN/air/metrics.jsonl" "$OUTDIR/"
+  cp "$RUN"/air/memory_snapshot/*.json "$OUTDIR/" 2>/dev/null || true  # logging.memory_snapshot_step's summary
   python3 - "$RUN/air/metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

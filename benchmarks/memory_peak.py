@@ -12,9 +12,7 @@ own); results to $OUT/memory_peak_<variant>.json. BENCH_CPU=1: the code path on 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import linecache
 import os
 import sys
 
@@ -25,35 +23,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 import train_throughput as tt  # noqa: E402
+from moetune.train.memory_snapshot import summarize  # noqa: E402
 
 CPU = tt.CPU_DRY_RUN
-
-
-def _frame_key(frames) -> str:
-    """The innermost frame that says something: our source, or Inductor's generated code (with its line)."""
-    for f in frames:
-        name = f.get("filename", "")
-        if "/moetune/" in name or "torchinductor" in name or "/benchmarks/" in name:
-            line = linecache.getline(name, f.get("line", 0)).strip()[:140]
-            return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')} | {line}"
-    f = frames[0] if frames else {}
-    return f"{os.path.basename(f.get('filename', '?'))}:{f.get('line')} {f.get('name')}"
-
-
-def live_at_peak(snapshot) -> tuple[int, list]:
-    """Replay the allocator's trace: (peak bytes, [(size, frames)] live at the peak)."""
-    live, cur, peak, at_peak = {}, 0, 0, []
-    for trace in snapshot["device_traces"]:
-        for ev in trace:
-            a, size = ev.get("addr"), ev.get("size", 0)
-            if ev["action"] == "alloc":
-                live[a] = (size, ev.get("frames", []))
-                cur += size
-                if cur > peak:
-                    peak, at_peak = cur, list(live.values())
-            elif ev["action"] == "free_requested" and a in live:  # as memory_allocated counts a free
-                cur -= live.pop(a)[0]
-    return peak, at_peak
 
 
 def main():
@@ -94,22 +66,12 @@ def main():
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak_step = torch.cuda.max_memory_allocated()
-    peak_trace, blocks = live_at_peak(snap)
-    groups = collections.defaultdict(lambda: [0, 0])
-    for size, frames in blocks:
-        g = groups[_frame_key(frames)]
-        g[0] += size
-        g[1] += 1
-    top = sorted(groups.items(), key=lambda kv: -kv[1][0])[:a.top]
-    big = sorted(blocks, key=lambda b: -b[0])[:a.top]
     res = dict(variant=a.variant, layers=cfg["num_hidden_layers"], compiled=bool(extra.get("compile")),
                resident_before_step_gib=round(base / 2**30, 3), peak_allocated_gib=round(peak_step / 2**30, 3),
-               traced_above_resident_gib=round(peak_trace / 2**30, 3),
-               groups=[dict(gib=round(v[0] / 2**30, 3), blocks=v[1], where=k) for k, v in top],
-               largest=[dict(mib=round(s / 2**20, 1), bytes=s, where=_frame_key(f)) for s, f in big])
+               **summarize(snap, a.top))
     print(f"{a.variant} layers={res['layers']} compiled={res['compiled']}: resident {res['resident_before_step_gib']} "
           f"GiB, step peak {res['peak_allocated_gib']} GiB, allocated during the step and live at its peak "
-          f"{res['traced_above_resident_gib']} GiB")
+          f"{res['traced_above_start_gib']} GiB")
     for g in res["groups"]:
         print(f"  {g['gib']:8.3f} GiB {g['blocks']:5d} blocks  {g['where']}")
     print("  largest blocks:")

@@ -235,6 +235,9 @@ _Trackers = Annotated[
 class LoggingConfig(_Section):
     every: int = Field(1, ge=1)
     expert_stats_every: int = Field(10, ge=0)  # 0 = off
+    # The CUDA allocator's history over this step (0 = off), written to the run directory's memory_snapshot/ with
+    # what was live at the step's peak (train/memory_snapshot.py)
+    memory_snapshot_step: int = Field(0, ge=0)
     # "auto": TensorBoard when it is installed, else nothing; or a list: [], [tensorboard], [tensorboard, wandb]
     report_to: _Trackers = "auto"
     progress_bar: bool = True

@@ -53,6 +53,7 @@ from moetune.train.bad_steps import StepGuard
 from moetune.train.checkpoint import Checkpointer, load_checkpoint
 from moetune.train.checkpoint_files import plan_resume, remove_debris
 from moetune.train.data_setup import setup_data
+from moetune.train.memory_snapshot import MemorySnapshot
 from moetune.train.metrics import (AllocatorPressure, ExpertMeter, MetricsWriter, Throughput, device_peak_flops,
                                    memory_gib, mfu)
 from moetune.train.optim import build_optimizer, build_scheduler
@@ -160,6 +161,8 @@ class Trainer:
         self.bar = progress(cfg, dist.is_main, self.state.step)
         self.timer = Throughput()
         self.pressure = AllocatorPressure(dist.device)
+        self.snapshot = MemorySnapshot(dist.device, cfg.logging.memory_snapshot_step,
+                                       os.path.join(cfg.run_dir, "memory_snapshot"), dist.rank)
         self.t_start = time.time()
         self.stopped = False
 
@@ -176,7 +179,9 @@ class Trainer:
         cfg, dist, state = self.cfg, self.dist, self.state
         batches = [to_device(b, dist.device) for b in check_batches(batch, self.model.config.vocab_size)]
         step = state.step + 1
+        self.snapshot.begin(step)
         loss, grad_norm, aux, user, logprobs, good = self._compute(batches, step, loss_fn)
+        self.snapshot.end(step)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         tokens = sum(b["input_ids"].numel() for b in batches) * dist.dp_size

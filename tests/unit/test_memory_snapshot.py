@@ -1,0 +1,43 @@
+"""train/memory_snapshot.py: replaying the CUDA allocator's history to its peak (what `logging.memory_snapshot_step`
+writes beside the snapshot), on a synthetic history in the allocator's own format."""
+
+from moetune.train.memory_snapshot import MemorySnapshot, live_at_peak, summarize
+
+
+def _alloc(addr, size, where):
+    return {"action": "alloc", "addr": addr, "size": size,
+            "frames": [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                       {"filename": f"/src/moetune/model/{where}.py", "line": 7, "name": "forward"}]}
+
+
+def _free(addr):
+    return {"action": "free_requested", "addr": addr}
+
+
+def test_the_peak_and_what_is_live_there():
+    # 100 + 50 = 150 live, 100 freed, then 30 + 40 + 20 → 140, 30 freed → peak 150 with blocks 100 and 50; a free of
+    # a block allocated before the history began (addr 9) is ignored
+    trace = [_alloc(1, 100, "a"), _alloc(2, 50, "b"), _free(9), _free(1), _alloc(3, 30, "c"), _alloc(4, 40, "c"),
+             _alloc(5, 20, "a"), _free(3)]
+    peak, blocks = live_at_peak({"device_traces": [trace]})
+    assert peak == 150
+    assert sorted(size for size, _ in blocks) == [50, 100]
+    s = summarize({"device_traces": [trace]})
+    assert [g["blocks"] for g in s["groups"]] == [1, 1]
+    assert s["groups"][0]["where"].startswith("a.py:7 forward") and s["largest"][0]["bytes"] == 100
+
+
+def test_a_later_higher_peak_wins_and_frees_before_it_count():
+    trace = [_alloc(1, 100, "a"), _free(1), _alloc(2, 60, "b"), _alloc(3, 70, "c"), _free(2), _alloc(4, 200, "d")]
+    peak, blocks = live_at_peak({"device_traces": [trace]})
+    assert peak == 270 and sorted(size for size, _ in blocks) == [70, 200]
+
+
+def test_off_the_gpu_or_at_step_zero_it_records_nothing(tmp_path):
+    import torch
+
+    snap = MemorySnapshot(torch.device("cpu"), 3, str(tmp_path / "m"), 0)
+    snap.begin(3)
+    snap.end(3)
+    assert not (tmp_path / "m").exists()
+    assert not MemorySnapshot(torch.device("cuda", 0), 0, str(tmp_path), 0).on
