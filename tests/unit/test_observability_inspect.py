@@ -582,3 +582,28 @@ def test_compiled_activation_formula_matches_what_inductor_saves(name, ac):
         measured = (big[i] - small[i]) / 64 - (2 * 2 * m.rotary_dim if i == 0 else 0)  # RoPE's cos/sin: estimate_memory's
         formula = activation_bytes_per_token(m, m.is_moe_layer(i), "compiled", 2, set(targets), full, i == 0, 4, 128, ac)
         assert formula == pytest.approx(measured, rel=CENSUS_MARGIN, abs=32), (i, formula, measured)
+
+
+@pytest.mark.parametrize("name, ac", [("gqa-lora-attn", "full"), ("lite-lora-attn", "attention")])
+def test_compiled_recompute_over_an_fp8_base_keeps_what_the_formula_says(name, ac):
+    """The fp8 base's matmuls are custom autograd.Functions (model/quant/matmul.py). Torch before 2.12 did not tag
+    the ops inside one as recomputed under a plain checkpoint in a compiled region (pytorch#177396): the partitioner
+    kept their outputs, 11.7 GiB on full-size Air with expert LoRA. Recomputed layers must keep what the bf16 base's
+    do, which the estimate counts (model/recompute.full_checkpoint_context)."""
+    from moetune.model.quant.fp8 import scheme_named
+    from moetune.model.quant.modules import quantize_model
+    from moetune.parallel.apply import apply_compile
+
+    config, mode, targets = COMPILED_CASES[name]
+    m = ModelConfig.from_hf_dict(config)
+    torch._dynamo.reset()
+    model, full = _census_model(m, mode, targets)
+    quantize_model(model, scheme_named("fp8"))
+    apply_ac(model, ac)
+    apply_compile(model)
+    small, big = saved_bytes_by_layer(model, 64, compiled=True), saved_bytes_by_layer(model, 128, compiled=True)
+    torch._dynamo.reset()
+    for i in range(m.num_hidden_layers):
+        measured = (big[i] - small[i]) / 64 - (2 * 2 * m.rotary_dim if i == 0 else 0)
+        formula = activation_bytes_per_token(m, m.is_moe_layer(i), "compiled", 2, set(targets), full, i == 0, 4, 128, ac)
+        assert formula == pytest.approx(measured, rel=CENSUS_MARGIN, abs=32), (i, formula, measured)

@@ -21,8 +21,8 @@ from moetune.names import SELECTIVE_RECOMPUTE_MAX_K
 @functools.cache
 def _saved_ops() -> frozenset:
     aten = torch.ops.aten
-    return frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default,
-                      aten._scaled_dot_product_flash_attention.default,
+    return frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default, aten._scaled_mm.default,
+                      aten._scaled_grouped_mm.default, aten._scaled_dot_product_flash_attention.default,
                       aten._scaled_dot_product_efficient_attention.default,
                       aten._scaled_dot_product_cudnn_attention.default})
 
@@ -60,11 +60,27 @@ def selective_checkpoint_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+def _recompute_every_op(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def full_checkpoint_context():
+    """`full` under torch.compile, said op by op: recompute everything. The plain checkpoint tags the nodes Dynamo
+    traced, and before torch 2.12 (pytorch#177396) not the ops inside a custom autograd.Function's forward — the fp8
+    base's matmuls (model/quant/matmul.py) — so the partitioner kept their outputs (full-size Air with expert LoRA,
+    torch 2.11: every MoE layer's gate_up output and q projection, 11.7 GiB in all). The selective path tags ops as
+    they dispatch, inside autograd.Functions too; the tag is the plain checkpoint's."""
+    return create_selective_checkpoint_contexts(_recompute_every_op)
+
+
 def recompute(fn, mode: str, *args):
     """fn(*args), with its activations recomputed in backward as `mode` ("none", "full", "selective") says."""
     if mode == "none":
         return fn(*args)
-    kw = {"context_fn": selective_checkpoint_context} if mode == "selective" else {}
+    if mode == "selective":
+        kw = {"context_fn": selective_checkpoint_context}
+    else:  # eager, the plain checkpoint reruns fn as it is (no dispatch mode in the way)
+        kw = {"context_fn": full_checkpoint_context} if torch.compiler.is_compiling() else {}
     return checkpoint(fn, *args, use_reentrant=False, **kw)
 
 
