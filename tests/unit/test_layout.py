@@ -489,3 +489,26 @@ def test_offload_must_fit_the_nodes_ram():
                      "--train.activation_checkpointing", "full")
     assert manual.cpu_offload
     assert any("warning: cpu_offload needs 115.9 GiB of host memory" in r for r in manual.reasons)
+
+
+@pytest.mark.parametrize("accum, ep", [(1, 1), (2, 1), (1, 2)])
+def test_lora_gradients_live_through_the_forward_only_when_micro_batches_accumulate(accum, ep):
+    """zero_grad sets the adapter's gradients to None after each update: a step of one micro-batch starts its backward
+    without them (the estimate counted them there until 2026-12: 4.4 GiB too much for expert LoRA of full-size Air on
+    an fp8 base, whose layout auto then recomputed more than it needed); with grad_accum > 1 they exist while the
+    later micro-batches run forward. The gradients are the fp32 adapter's size (4·P_lora, experts split by ep)."""
+    over = ["--parallel.layout", "manual", "--parallel.ep", str(ep), "--parallel.dp_shard", "1",
+            "--train.activation_checkpointing", "full", "--train.grad_accum", str(accum)]
+    from moetune.parallel.estimate import estimate_memory
+
+    layout = layout_for(AIR_EXPERTS, ep, None, *over)
+    cfg = load_config(AIR_EXPERTS, over)
+    m, counts = _model("glm45-air", "lora", "[" + ",".join(cfg.lora.targets) + "]")
+    rows = {name: gib for name, gib, _ in estimate_memory(cfg, m, counts, layout).rows}
+    p_lora = counts.lora - counts.experts_lora + counts.experts_lora / ep
+    assert rows["gradients"] == pytest.approx(4 * p_lora / 2**30) == pytest.approx(rows["LoRA"])
+    static = rows["weights"] + rows["LoRA"] + rows["optimizer"]
+    forward = static + rows["activations"] + max(rows["logits / loss"], rows["backward working set"])
+    end = static + rows["gradients"]  # the last layer's backward done
+    want = forward + rows["gradients"] if accum > 1 else max(forward, end)
+    assert layout.estimate_gib == pytest.approx(want, abs=1e-6)

@@ -49,6 +49,11 @@ GLM-4.7-Flash (full size, 1 H200, torch 2.11, LoRA r16 on every MLA projection, 
 measured 75.50 GiB (moetune train, packed; 75.51 benchmarks/train_throughput.py), estimated 75.47; attention on 29
 layers, none on 18: measured 68.59, estimated 68.82 (74.48 and 68.28 before the compiled attention's normed input and
 the loss's third chunk were counted).
+Full-size GLM-4.5-Air on an fp8 base, 1 H200, torch 2.11, compiled, 1 × 4096 packed, moetune train: LoRA q,k,v,o,
+layout auto (no recompute) measured 126.0 GiB, estimated 126.9; LoRA also on the shared and routed experts, auto's
+{full: 23, attention: 23} measured 131.9, estimated 132.5 (before the compiled `full` tagged the ops inside the fp8
+autograd.Functions, model/recompute.full_checkpoint_context, the same run kept 11.7 GiB more; before the LoRA
+gradients were counted from backward on, the estimate was 4.4 GiB higher and auto chose {full: 31, attention: 15}).
 Weights are 33.3 of the 39.2 GiB (LoRA) and 21.4 of the 29.5 GiB (full, with the optimizer), so these figures test
 the activation terms much less than the totals suggest: the activation + working-set part alone is 5.9 GiB measured
 vs 5.9 estimated (compiled) and 10.0 vs 8.5 (eager, -15 %, before 82752e3a). The compiled formula was written
@@ -296,8 +301,10 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         frozen = counts.frozen / S if fsdp else counts.frozen - counts.experts_frozen + counts.experts_frozen / ep
         stored = f"{b}·P" if not frozen.stored else f"fp8 base: 1 byte per weight + fp32 scales, the rest {b}·P"
         w = add("weights", frozen_bytes(frozen, b), f"frozen base: {stored}{per}")
-        add("LoRA", 8 * P_lora, f"fp32 adapter weights + gradients: 8·P_lora{per}")
-        grads = 0
+        add("LoRA", 4 * P_lora, f"fp32 adapter weights: 4·P_lora{per}")
+        # set to None after each update (zero_grad): none at the start of a step's backward unless micro-batches
+        # accumulate; expert LoRA of full-size Air: 4.4 GiB counted at the start of backward until 2026-12
+        grads = 0 if offload else 4 * P_lora
         opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
         notes.append(f"the bad-step rollback copies the LoRA state to host memory, twice: "
                      f"~{24 * P_lora / GIB:.1f} GiB per rank (train/bad_steps.py)")
@@ -347,6 +354,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         gathered = add("FSDP gathered", root + units, how)
     if full:
         add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
+    elif grads:
+        add("gradients", grads, f"LoRA, fp32: 4·P_lora{per}, from backward on (in the forward too with grad_accum > 1)")
 
     # ---- activations of one micro-batch
     mode = "compiled" if cfg.train.compile else "eager"
@@ -435,8 +444,6 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     forward = static + gathered + saved + transient + (grads if cfg.train.grad_accum > 1 else 0)
     end = static + gathered + grads
     total, phase = (forward, "start of backward") if forward >= end else (end, "end of backward (gradients)")
-    if not full:
-        rows = [r for r in rows if r[0] != "gradients"]
     return Estimate(rows, total / GIB, phase, notes, host / GIB)
 
 
