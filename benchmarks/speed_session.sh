@@ -13,7 +13,7 @@
 # air_auto:    the same with layout auto choosing the recompute
 # curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
 # offload:     benchmarks/fp8_offload_check.py (an fp8 base with parallel.cpu_offload against without)
-# mempeak:     benchmarks/memory_peak.py on $MEMPEAK_VARIANTS ($MEMPEAK_ARGS, default --layers 4): what is live at the peak
+# mempeak:     benchmarks/memory_peak.py on $MEMPEAK_VARIANTS ($MEMPEAK_ARGS, default --layers 4): live at the peak
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/speed_session}
@@ -52,7 +52,8 @@ for stage in ${STAGES:-attention trace variants}; do
       EXTRA="${AIR_EXTRA:-}" bash benchmarks/air_full_size.sh ;;
     curves) run curves ${CURVES_LIMIT:-200} env OUT="$OUT" python3 benchmarks/fp8_check.py curves ${CURVES_ARGS:-} ;;
     mempeak) for v in ${MEMPEAK_VARIANTS:-ours_fp8_air_experts_1x4096_packed_ac}; do
-        run "mempeak_$v" ${MEMPEAK_LIMIT:-150} env OUT="$OUT" python3 benchmarks/memory_peak.py $v ${MEMPEAK_ARGS:---layers 4}
+        run "mempeak_$v" ${MEMPEAK_LIMIT:-150} env OUT="$OUT" python3 benchmarks/memory_peak.py $v \
+          ${MEMPEAK_ARGS:---layers 4}
       done ;;
     offload) run offload ${OFFLOAD_LIMIT:-90} env OUT="$OUT" python3 benchmarks/fp8_offload_check.py ;;
     variants2) run variants2 ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} \

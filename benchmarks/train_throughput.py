@@ -145,12 +145,9 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     VARIANTS[f"{_base}_gd"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a16"})
     VARIANTS[f"{_base}_gdf"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a16", "grouped_forward": "triton"})
     VARIANTS[f"{_base}_gf"] = (_s, _b, _t, _tg, {**_x, "grouped_forward": "triton"})
-    # the input gradient fp8 x fp8 from the stack as stored (_g8), and with the forward's Triton kernel (_g8f);
-    # dense weights under 2048 features on the dequantised path (_md)
+    # the input gradient fp8 x fp8 from the stack as stored (_g8), and with the forward's Triton kernel (_g8f)
     VARIANTS[f"{_base}_g8"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"})
     VARIANTS[f"{_base}_g8f"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "triton"})
-    VARIANTS[f"{_base}_md"] = (_s, _b, _t, _tg, {**_x, "dense_min": 2048})
-    VARIANTS[f"{_base}_g8md"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "dense_min": 2048})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -228,7 +225,6 @@ def build_ours(cfg: dict, targets, extra, device):
 
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
-        fp8_matmul.DENSE_MIN_FEATURES = extra.get("dense_min", fp8_matmul.DENSE_MIN_FEATURES)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

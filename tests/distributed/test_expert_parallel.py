@@ -58,9 +58,16 @@ def _ep_mesh(rank, port, world):
 
 
 def _dispatch_combine_worker(rank, port, world):
+    from moetune.parallel.mesh import shutdown_distributed
+
+    _dispatch_combine_checks(rank, _ep_mesh(rank, port, world), world)
+    # the EP modules are gone with the checks' frame: destroyed with them alive, gloo can abort at exit
+    shutdown_distributed(finished=True)
+
+
+def _dispatch_combine_checks(rank, mesh, world):
     from moetune.parallel.apply import shard_experts
 
-    mesh = _ep_mesh(rank, port, world)
     # skewed: rank 0 routes anywhere, the others only to rank 0's experts; then everything to rank 0 (the others
     # receive no rows: their grouped GEMMs run on zero rows, they still join every collective)
     first = list(range(E // world))
@@ -109,7 +116,6 @@ def _dispatch_combine_worker(rank, port, world):
         for name, p in ep.named_parameters():
             assert p.placements[0].is_shard(0), name
             torch.testing.assert_close(p.grad.to_local(), ref_params[name].grad[mine], msg=name)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -118,6 +124,13 @@ def test_dispatch_combine_equals_non_ep(world):
 
 
 def _buffers_worker(rank, port):
+    from moetune.parallel.mesh import shutdown_distributed
+
+    _buffers_checks(rank, port)
+    shutdown_distributed(finished=True)  # after the EP module's frame is gone
+
+
+def _buffers_checks(rank, port):
     import gc
     import weakref
 
@@ -177,7 +190,6 @@ def _buffers_worker(rank, port):
         gc.enable()
         ep_module._ExchangeAndCompute.apply, ep_module._plan_received = exchange, plan
         moe_module.weighted_swiglu, ep_module.Rebuilt = swiglu, rebuilt
-        dist.destroy_process_group()
 
 
 def test_a_finished_step_leaves_no_exchange_buffer_allocated():

@@ -605,5 +605,6 @@ def test_compiled_recompute_over_an_fp8_base_keeps_what_the_formula_says(name, a
     torch._dynamo.reset()
     for i in range(m.num_hidden_layers):
         measured = (big[i] - small[i]) / 64 - (2 * 2 * m.rotary_dim if i == 0 else 0)
-        formula = activation_bytes_per_token(m, m.is_moe_layer(i), "compiled", 2, set(targets), full, i == 0, 4, 128, ac)
+        formula = activation_bytes_per_token(m, m.is_moe_layer(i), "compiled", 2, set(targets), full, i == 0, 4, 128,
+                                             ac)
         assert formula == pytest.approx(measured, rel=CENSUS_MARGIN, abs=32), (i, formula, measured)

@@ -355,7 +355,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     if full:
         add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
     elif grads:
-        add("gradients", grads, f"LoRA, fp32: 4·P_lora{per}, from backward on (in the forward too with grad_accum > 1)")
+        add("gradients", grads, f"LoRA, fp32: 4·P_lora{per}, from backward on (with grad_accum > 1 the forward too)")
 
     # ---- activations of one micro-batch
     mode = "compiled" if cfg.train.compile else "eager"

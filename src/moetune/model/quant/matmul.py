@@ -50,10 +50,6 @@ DGRAD = "fp8"
 # "w8a16" (the Triton kernel reads the stack as stored and converts it to bf16 in registers: no copy, no
 # quantisation of the gradient) or "w8a8" (the Triton kernel, fp8 × fp8 on the stack as stored: the "fp8" numerics
 # without the copy).
-# A dense weight with fewer input or output features than this runs on the just-in-time dequantised path: on small
-# products the activation's quantisation and the scaled GEMM's launch cost more than the fp8 MMA saves (Air's
-# shared expert: 0.18 ms fp8 against 0.06 bf16); the weight's bf16 transient is small there by the same token.
-DENSE_MIN_FEATURES = 0
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
 
@@ -75,17 +71,13 @@ def _mm_dgrad(g2, w8, scale, fast_accum=None):
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
-def _dense_fp8(x2, w8, scheme) -> bool:
-    return _fp8_kernels(x2, w8, scheme) and min(w8.shape) >= DENSE_MIN_FEATURES
-
-
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w8, scale, bias, scheme):
         ctx.save_for_backward(w8, scale)
         ctx.scheme = scheme
         x2 = x.reshape(-1, x.shape[-1])
-        if _dense_fp8(x2, w8, scheme):
+        if _fp8_kernels(x2, w8, scheme):
             y = _mm_fwd(x2, w8, scale, bias)
         else:
             y = F.linear(x2, scheme.dequantize(w8, scale, x.dtype), None if bias is None else bias.to(x.dtype))
@@ -97,7 +89,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            if DGRAD == "fp8" and _dense_fp8(g2, w8, ctx.scheme):
+            if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
                 dx = _mm_dgrad(g2, w8, scale)
             else:
                 dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
