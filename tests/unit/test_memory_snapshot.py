@@ -41,3 +41,22 @@ def test_off_the_gpu_or_at_step_zero_it_records_nothing(tmp_path):
     snap.end(3)
     assert not (tmp_path / "m").exists()
     assert not MemorySnapshot(torch.device("cuda", 0), 0, str(tmp_path), 0).on
+
+
+def test_a_profiled_step_writes_its_trace_and_changes_nothing(tmp_path):
+    """logging.profile_step: the step's Chrome trace and its top operators land in the run directory's profile/;
+    the run's losses equal those of the same run unprofiled (the profiler observes, it does not change the step)."""
+    import gzip
+    import json
+
+    from helpers import run_inprocess, small_run_args, step_losses
+
+    plain = run_inprocess(small_run_args(tmp_path, "plain", **{"train.steps": 3}))
+    profiled = run_inprocess(small_run_args(tmp_path, "profiled", **{"train.steps": 3, "logging.profile_step": 2}))
+    assert step_losses(profiled) == step_losses(plain)
+    files = sorted(p.name for p in (profiled / "profile").iterdir())
+    assert files == ["step2_rank0.json.gz", "step2_rank0_top.txt"]
+    with gzip.open(profiled / "profile" / "step2_rank0.json.gz") as f:
+        events = json.load(f)["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events)  # the step's operators, not an empty trace
+    assert "Self CPU" in (profiled / "profile" / "step2_rank0_top.txt").read_text()

@@ -238,6 +238,8 @@ class LoggingConfig(_Section):
     # The CUDA allocator's history over this step (0 = off), written to the run directory's memory_snapshot/ with
     # what was live at the step's peak (train/memory_snapshot.py)
     memory_snapshot_step: int = Field(0, ge=0)
+    # A torch.profiler trace of this step (0 = off), to the run directory's profile/ (train/step_profile.py)
+    profile_step: int = Field(0, ge=0)
     # "auto": TensorBoard when it is installed, else nothing; or a list: [], [tensorboard], [tensorboard, wandb]
     report_to: _Trackers = "auto"
     progress_bar: bool = True

@@ -61,6 +61,7 @@ from moetune.train.progress import progress
 from moetune.train.setup import setup_model
 from moetune.train.signals import StopSignals
 from moetune.train.states import JsonState, ModelState, OptimizerState, RngState, SchedulerState
+from moetune.train.step_profile import StepProfile
 from moetune.train.trackers import check_trackers
 from moetune.version import __version__
 
@@ -163,6 +164,8 @@ class Trainer:
         self.pressure = AllocatorPressure(dist.device)
         self.snapshot = MemorySnapshot(dist.device, cfg.logging.memory_snapshot_step,
                                        os.path.join(cfg.run_dir, "memory_snapshot"), dist.rank)
+        self.profile = StepProfile(dist.device, cfg.logging.profile_step, os.path.join(cfg.run_dir, "profile"),
+                                   dist.rank)
         self.t_start = time.time()
         self.stopped = False
 
@@ -180,7 +183,9 @@ class Trainer:
         batches = [to_device(b, dist.device) for b in check_batches(batch, self.model.config.vocab_size)]
         step = state.step + 1
         self.snapshot.begin(step)
+        self.profile.begin(step)
         loss, grad_norm, aux, user, logprobs, good = self._compute(batches, step, loss_fn)
+        self.profile.end(step)
         self.snapshot.end(step)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
