@@ -32,6 +32,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                     grad_h[s : s + chunk] = g @ weight
                 if need_w:
                     grad_w += (g.t() @ hs).float()
+            # unbound before the next chunk's logits and gradient are made: else three [chunk, vocab] tensors
+            # live at once, not two (0.58 GiB more at the loss on GLM-4.5-Air's vocabulary)
+            del g
         ctx.w_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total

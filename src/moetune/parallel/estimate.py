@@ -37,7 +37,9 @@ Working set on top of the saved activations, at the start of backward: one MoE l
   of that plus its fp32 gradient kept from the forward (4VH) and, at the start of backward, that gradient with the
   backward's fp32 product and bf16 cast (10VH). The loss's chunks are gone when backward starts: the larger of the
   two counts (until 2026-12, both were added as a margin, and the loss counted 2b·c·V; GLM-4.7-Flash on an H200
-  showed the loss's third chunk: 75.50 GiB measured without recompute).
+  showed the loss's third chunk: 75.50 GiB measured without recompute). model/loss.py's loop now unbinds the previous
+  chunk's gradient first (tests/unit/test_loss_memory.py: two [c, V] tensors at once); the estimate keeps 3b·c·V
+  until a GPU run confirms the third chunk gone (GLM-4.7-Flash: 74.9 GiB expected).
 Peak = static + max(saved activations + working set [+ gradients when grad_accum > 1], gradients).
 
 Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1 H200, torch max_memory_allocated):
@@ -418,8 +420,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         stack = 2 * Im * H * m.n_routed_experts / ep
         layer_ws += stack + T * k * 2 * Im * 4
         ws_how += "; fp8 base: + the gate_up stack transposed (1 byte) + the folded gradient rows (4·k·2Im per token)"
-    # model/loss.py's loop: from the second chunk on, the previous chunk's logit gradient is still bound while the next
-    # chunk's logits and gradient are made: three [c, V] tensors at once
+    # model/loss.py's loop held the previous chunk's logit gradient while the next chunk's logits and gradient were
+    # made (three [c, V] tensors at once, measured); it now unbinds it first: two, not yet measured on a GPU
     chunks = 3 if T > c else 2
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
         logits = max(chunks * b * c * V + 4 * V * H, 10 * V * H)
