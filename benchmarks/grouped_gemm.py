@@ -238,15 +238,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moetune.model.grouped_gemm import _grouped_gemm_kernel as k
 out = {}
-for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False, False),
-                                    ("fp8e4nv", 1, True, False), ("fp8e4nv", 2, False, False),
-                                    ("fp8e4nv", 1, True, True), ("fp8e4nv", 2, False, True),
-                                    ("fp8e4nv", 3, True, False), ("fp8e4nv", 4, False, False),
-                                    ("fp8e4nv", 4, False, True), ("fp8e4nv", 4, False, "pf")]:
+for wdt, scale, transpose, swap, prefetch in [
+        ("bf16", 0, True, False, False), ("bf16", 0, False, False, False), ("fp8e4nv", 1, True, False, False),
+        ("fp8e4nv", 2, False, False, False), ("fp8e4nv", 1, True, True, False), ("fp8e4nv", 2, False, True, False),
+        ("fp8e4nv", 3, True, False, False), ("fp8e4nv", 4, False, False, False), ("fp8e4nv", 4, False, True, False),
+        ("fp8e4nv", 4, False, False, True)]:
     ones = ["stride_ak", "stride_cn", "stride_ss", "stride_bk" if transpose else "stride_bn"]
     const = dict({n: 1 for n in ones}, E_POW2=128, SCALE=scale, DOT_FP32=False, BM=128, BN=128,
-                 BK=128 if scale >= 3 else 64, GROUP_M=8, SWAP=swap is True,
-                 PREFETCH=swap == "pf")
+                 BK=128 if scale >= 3 else 64, GROUP_M=8, SWAP=swap,
+                 PREFETCH=prefetch)
     sig = {}
     for n in k.arg_names:
         sig[n] = ("constexpr" if n in const else {"a_ptr": "*fp8e4nv" if scale >= 3 else "*bf16", "b_ptr": "*" + wdt,
@@ -257,7 +257,7 @@ for wdt, scale, transpose, swap in [("bf16", 0, True, False), ("bf16", 0, False,
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in const})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4))
     ttgir = c.asm["ttgir"]
-    out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' ' + str(swap) if swap else ''}"] = dict(
+    out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' swap' if swap else ''}{' prefetch' if prefetch else ''}"] = dict(
         shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
         async_copies=ttgir.count("async_copy_global_to_local"))
 print("RESULT" + json.dumps(out))

@@ -355,7 +355,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
             how += " + the shard copied in from the host for the gather"
         gathered = add("FSDP gathered", root + units, how)
     if full:
-        add("gradients", grads, "full mode: present at the end of backward" + ("" if offload else ""))
+        add("gradients", grads, "full mode: present at the end of backward")
     elif grads:
         add("gradients", grads, f"LoRA, fp32: 4·P_lora{per}, from backward on (with grad_accum > 1 the forward too)")
 

@@ -4,10 +4,8 @@
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import shutil
 
 import torch
 
@@ -40,10 +38,7 @@ class StepProfile:
         prof, self.prof = self.prof, None
         os.makedirs(self.folder, exist_ok=True)
         base = os.path.join(self.folder, f"step{step}_rank{self.rank}")
-        prof.export_chrome_trace(base + ".json")
-        with open(base + ".json", "rb") as src, gzip.open(base + ".json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.remove(base + ".json")
+        prof.export_chrome_trace(base + ".json.gz")  # torch gzips a .gz path itself
         by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         with open(base + "_top.txt", "w") as f:
             f.write(prof.key_averages().table(sort_by=by, row_limit=60, max_name_column_width=100))
