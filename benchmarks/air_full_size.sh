@@ -46,6 +46,7 @@ if [ -n "${SPEED_ONLY:-}" ]; then
   mkdir -p "$OUTDIR"
   cp "$RUN/air/metrics.jsonl" "$OUTDIR/"
   cp "$RUN"/air/memory_snapshot/*.json "$OUTDIR/" 2>/dev/null || true  # logging.memory_snapshot_step's summary
+  cp -r "$RUN/air/profile" "$OUTDIR/" 2>/dev/null || true  # logging.profile_step's trace and tables
   python3 - "$RUN/air/metrics.jsonl" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

@@ -59,4 +59,11 @@ def test_a_profiled_step_writes_its_trace_and_changes_nothing(tmp_path):
     with gzip.open(profiled / "profile" / "step2_rank0.json.gz") as f:
         events = json.load(f)["traceEvents"]
     assert any("aten::" in e.get("name", "") for e in events)  # the step's operators, not an empty trace
-    assert "Self CPU" in (profiled / "profile" / "step2_rank0_top.txt").read_text()
+    top = (profiled / "profile" / "step2_rank0_top.txt").read_text()
+    assert "Self CPU" in top
+    # the step's phases, each once (one micro-batch), forward and backward first by their host time on the CPU
+    phases = {line.split()[0]: line.split()[1:] for line in top.split("\n\n")[0].splitlines()[1:]}
+    assert set(phases) == {"forward", "backward", "grad_norm", "guard_snapshot", "optimizer", "guard_check",
+                           "guard_record"}
+    assert all(calls == "1" for calls, _, _ in phases.values())
+    assert float(phases["backward"][1]) > float(phases["guard_record"][1])

@@ -61,7 +61,7 @@ from moetune.train.progress import progress
 from moetune.train.setup import setup_model
 from moetune.train.signals import StopSignals
 from moetune.train.states import JsonState, ModelState, OptimizerState, RngState, SchedulerState
-from moetune.train.step_profile import StepProfile
+from moetune.train.step_profile import StepProfile, phase
 from moetune.train.trackers import check_trackers
 from moetune.version import __version__
 
@@ -310,9 +310,11 @@ class Trainer:
             fsdp_micro_batch(model, last=i == len(batches) - 1, defer_reduce=cfg.finetune.mode != "full",
                              keep_gathered=not cfg.parallel.reshard_after_forward)
             if fused:
-                summed = model(b["input_ids"], b.get("position_ids"), labels=b["labels"])
+                with phase("forward"):
+                    summed = model(b["input_ids"], b.get("position_ids"), labels=b["labels"])
             else:
-                lp = token_logprobs(model(b["input_ids"], b.get("position_ids")), b["labels"])
+                with phase("forward"):
+                    lp = token_logprobs(model(b["input_ids"], b.get("position_ids")), b["labels"])
                 per_token, user = -lp, {}
                 if loss_fn is not None:
                     per_token, user = _loss_output(loss_fn(lp, w, b), lp.shape)
@@ -327,23 +329,29 @@ class Trainer:
                 aux = torch.stack([m.last_aux_loss for m in moe_layers]).mean() / len(batches)
                 loss = loss + cfg.train.aux_loss_coef * aux
                 aux_total += aux.detach()
-            loss.backward()
+            with phase("backward"):
+                loss.backward()
             loss_sum += summed.detach()
             self.meter.add()
-        sync_replicated_grads(self.params, dist)
-        grad_norm = clip_grad_norm(self.params, cfg.train.max_grad_norm)
-        loss_val = (dist.all_reduce_sum(loss_sum) / denom).item()
+        with phase("grad_norm"):
+            sync_replicated_grads(self.params, dist)
+            grad_norm = clip_grad_norm(self.params, cfg.train.max_grad_norm)
+            loss_val = (dist.all_reduce_sum(loss_sum) / denom).item()
         good, applied, reason = math.isfinite(loss_val) and math.isfinite(grad_norm), False, ""
         if good:
-            self.guard.before_update(step)
-            self.optimizer.step()
+            with phase("guard_snapshot"):
+                self.guard.before_update(step)
+            with phase("optimizer"):
+                self.optimizer.step()
             applied = True
-            good = self.guard.weights_finite()
+            with phase("guard_check"):
+                good = self.guard.weights_finite()
             reason = "" if good else "the update made a trainable weight non-finite"
         else:
             reason = f"non-finite loss {loss_val} / grad norm {grad_norm}"
         self.optimizer.zero_grad(set_to_none=True)
-        self.guard.record(step, good, applied, reason)
+        with phase("guard_record"):
+            self.guard.record(step, good, applied, reason)
         aux = dist.all_reduce_sum(aux_total).item() / dist.world_size if cfg.train.aux_loss_coef > 0 else None
         user = {k: (dist.all_reduce_sum(v) / denom).item() for k, v in sorted(user_sums.items())}
         return loss_val, grad_norm, aux, user, logprobs, good
