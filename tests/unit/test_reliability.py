@@ -372,3 +372,43 @@ def test_the_rollback_copy_is_the_state_before_the_last_applied_update(device):
     guard.record(5, True, True)
     update(6)
     assert {id(t) for t in guard._snapshot[0] + guard._next[0]} == buffers  # no new copy per step
+
+
+def test_the_rollback_copy_is_made_off_the_training_thread():
+    """After a good update, record() returns while the copy of the new state is still being made (on a worker
+    thread: on a GPU its launches, 3,300 for expert LoRA of full-size Air, would otherwise keep the host from
+    queuing the next forward); the next update waits for it, and a rollback restores exactly that state."""
+    import threading
+    from types import SimpleNamespace
+
+    from moetune.train.bad_steps import StepGuard
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    guard = StepGuard([p], opt, SimpleNamespace(device=torch.device("cpu"), all_reduce_sum=lambda t: t),
+                      rollback=True)
+
+    def update(step):
+        guard.before_update(step)
+        p.grad = torch.tensor([0.5, -1.0, 2.0]) * step
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    update(1)
+    started, release = threading.Event(), threading.Event()
+    real = guard._copy_state
+
+    def held_copy(*args, **kwargs):
+        started.set()
+        assert release.wait(20), "the copy was made on the calling thread: record() waited for it"
+        return real(*args, **kwargs)
+
+    guard._copy_state = held_copy
+    guard.record(1, True, True)  # returns although the copy cannot finish yet
+    assert started.wait(20) and not release.is_set()
+    after_1 = (p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+    release.set()
+    update(2)  # waits for the copy before changing the state it copies
+    guard.record(3, False, False, "non-finite loss")
+    for got, want in zip((p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]), after_1):
+        assert torch.equal(got.detach(), want)

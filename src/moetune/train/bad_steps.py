@@ -18,6 +18,7 @@ followed by the same blow-up would otherwise alternate forever). `checkpoint.max
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -37,11 +38,16 @@ class StepGuard:
         # The copy lives in host memory, twice: `_snapshot` holds the state before the last applied update (what a
         # bad step restores) while `_next` receives the state after it, copied on a side stream under the next
         # step's forward and backward; the next update swaps them. On the GPU it then costs neither memory (for
-        # expert LoRA of full-size Air on 2 GPUs, 6.9 GiB per rank on the device) nor time.
+        # expert LoRA of full-size Air on 2 GPUs, 6.9 GiB per rank on the device) nor time. The copies are launched
+        # from a worker thread: one per tensor (weights and both moments: 3,300 for expert LoRA of full-size Air),
+        # their launches took the host ~0.1-0.2 s a step in which the GPU, its queue empty after the update's
+        # finiteness check, waited for the next forward.
         self._snapshot: tuple[list, dict] | None = None
         self._next: tuple[list, dict] | None = None
         self._next_step: int | None = None  # the update whose result `_next` holds (None: nothing usable)
         self._copied = None  # CUDA event: the copy into `_next` has finished
+        self._pending: Future | None = None  # the worker's launch of that copy
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-rollback-copy")
         cuda = any(local_tensor(p).is_cuda for p in params)
         self._stream = torch.cuda.Stream() if cuda else None
         self._previous_good = True
@@ -52,9 +58,8 @@ class StepGuard:
         step-1."""
         if not self.rollback:
             return
+        self._settle()
         if self._next_step == step - 1:  # copied after the previous update, while this step ran
-            if self._copied is not None:
-                self._copied.synchronize()
             self._snapshot, self._next = self._next, self._snapshot
         else:  # the first update, or after a bad step: copy now
             self._snapshot = self._copy_state(self._snapshot, asynchronous=False)
@@ -62,9 +67,28 @@ class StepGuard:
         self.good_step = step - 1
 
     def _after_good_update(self, step: int) -> None:
-        """Start copying the state the update of `step` produced into `_next`: the next update's snapshot."""
-        self._next = self._copy_state(self._next, asynchronous=self._stream is not None)
+        """Start copying the state the update of `step` produced into `_next`: the next update's snapshot. Nothing
+        changes that state until the next update, which waits for the copy (`_settle`)."""
+        self._settle()
+        if self._stream is not None:  # the side stream's copies follow what this thread queued so far: the update
+            self._stream.wait_stream(torch.cuda.current_stream())
+        self._pending = self._worker.submit(self._copy_on_worker, self._next)
         self._next_step = step
+
+    def _copy_on_worker(self, into: tuple[list, dict] | None) -> tuple[list, dict]:
+        if self._stream is None:
+            return self._copy_state(into, asynchronous=False)
+        with torch.cuda.device(self._stream.device):  # a new thread's current device is 0, not this rank's
+            return self._copy_state(into, asynchronous=True)
+
+    def _settle(self) -> None:
+        """Wait for the copy into `_next`: its launch on the worker thread, then (GPU) the copies themselves."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._next = pending.result()
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def weights_finite(self) -> bool:
         """Every trainable weight finite on every rank: one fused check and one all-reduce of one number."""
@@ -98,7 +122,8 @@ class StepGuard:
                                      "checkpoint (resume: auto) with a lower optim.lr or train.max_grad_norm")
             return False
         params, opt_state = self._snapshot
-        self._next_step = None  # a copy in flight holds weights that are being undone
+        self._settle()
+        self._next_step = None  # the copy just made holds weights that are being undone
         with torch.no_grad():
             for p, saved in zip(self.params, params):
                 local_tensor(p).copy_(saved)
@@ -107,12 +132,11 @@ class StepGuard:
 
     def _copy_state(self, into: tuple[list, dict] | None, asynchronous: bool) -> tuple[list, dict]:
         """The trainable weights and the optimizer state, copied into host tensors (`into`'s where it has them:
-        no new memory per step). Asynchronous: on the side stream, after what the current stream queued so far."""
+        no new memory per step). Asynchronous: queued on the side stream (which the caller made wait for the
+        update), finished when `_copied` is."""
         live = [local_tensor(p).detach() for p in self.params]
         params = into[0] if into is not None else [self._host_like(t) for t in live]
         opt_into = into[1] if into is not None else {}
-        if asynchronous:
-            self._stream.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), (torch.cuda.stream(self._stream) if asynchronous else nullcontext()):
             for dst, src in zip(params, live):
                 dst.copy_(src, non_blocking=asynchronous)
