@@ -133,14 +133,15 @@ class StepGuard:
     def _copy_state(self, into: tuple[list, dict] | None, asynchronous: bool) -> tuple[list, dict]:
         """The trainable weights and the optimizer state, copied into host tensors (`into`'s where it has them:
         no new memory per step). Asynchronous: queued on the side stream (which the caller made wait for the
-        update), finished when `_copied` is."""
+        update), finished when `_copied` is. One `_foreach_copy_` for all of them: its per-tensor launches run
+        without the GIL, which the training thread needs meanwhile."""
         live = [local_tensor(p).detach() for p in self.params]
         params = into[0] if into is not None else [self._host_like(t) for t in live]
-        opt_into = into[1] if into is not None else {}
+        dsts, srcs = list(params), list(live)
+        opt = self._optimizer_state_buffers(into[1] if into is not None else {}, dsts, srcs)
         with torch.no_grad(), (torch.cuda.stream(self._stream) if asynchronous else nullcontext()):
-            for dst, src in zip(params, live):
-                dst.copy_(src, non_blocking=asynchronous)
-            opt = self._copy_optimizer_state(opt_into, asynchronous)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs, non_blocking=asynchronous)
             if asynchronous:
                 self._copied = torch.cuda.Event()
                 self._copied.record(self._stream)
@@ -149,7 +150,9 @@ class StepGuard:
     def _host_like(self, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._stream is not None)
 
-    def _copy_optimizer_state(self, into: dict, asynchronous: bool) -> dict:
+    def _optimizer_state_buffers(self, into: dict, dsts: list, srcs: list) -> dict:
+        """The host copy of the optimizer state: `into`'s buffers where their shapes hold, the values not tensors
+        as they are; each (buffer, tensor) pair to copy is appended to `dsts`, `srcs`."""
         out = {}
         for p in self.params:
             st = self.optimizer.state.get(p)
@@ -165,7 +168,9 @@ class StepGuard:
                 buf = old.get(k)
                 if not (torch.is_tensor(buf) and buf.shape == v.shape and buf.dtype == v.dtype):
                     buf = self._host_like(v)
-                out[p][k] = buf.copy_(v, non_blocking=asynchronous)
+                out[p][k] = buf
+                dsts.append(buf)
+                srcs.append(v)
         return out
 
     def _restore_optimizer_state(self, saved: dict) -> None:
