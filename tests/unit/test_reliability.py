@@ -375,9 +375,10 @@ def test_the_rollback_copy_is_the_state_before_the_last_applied_update(device):
 
 
 def test_the_rollback_copy_is_made_off_the_training_thread():
-    """After a good update, record() returns while the copy of the new state is still being made (on a worker
-    thread: on a GPU its launches, 3,300 for expert LoRA of full-size Air, would otherwise keep the host from
-    queuing the next forward); the next update waits for it, and a rollback restores exactly that state."""
+    """The copy of a good update's result starts when the next step's backward does (start_copy) and is made on a
+    worker thread: on a GPU its launches (3,300 for expert LoRA of full-size Air) would otherwise keep the host
+    from queuing work, and its transfer slows the host-bound forward; the next update waits for it, and a rollback
+    restores exactly that state."""
     import threading
     from types import SimpleNamespace
 
@@ -404,7 +405,9 @@ def test_the_rollback_copy_is_made_off_the_training_thread():
         return real(*args, **kwargs)
 
     guard._copy_state = held_copy
-    guard.record(1, True, True)  # returns although the copy cannot finish yet
+    guard.record(1, True, True)
+    assert not started.wait(0.2)  # the copy waits for the next step's backward to begin
+    guard.start_copy()  # returns although the copy cannot finish yet
     assert started.wait(20) and not release.is_set()
     after_1 = (p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
     release.set()

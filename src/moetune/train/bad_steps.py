@@ -37,16 +37,18 @@ class StepGuard:
         self.good_step: int | None = None  # the step whose weights the snapshot (or, full: the model) holds
         # The copy lives in host memory, twice: `_snapshot` holds the state before the last applied update (what a
         # bad step restores) while `_next` receives the state after it, copied on a side stream under the next
-        # step's forward and backward; the next update swaps them. On the GPU it then costs neither memory (for
-        # expert LoRA of full-size Air on 2 GPUs, 6.9 GiB per rank on the device) nor time. The copies are launched
-        # from a worker thread: one per tensor (weights and both moments: 3,300 for expert LoRA of full-size Air),
-        # their launches took the host ~0.1-0.2 s a step in which the GPU, its queue empty after the update's
-        # finiteness check, waited for the next forward.
+        # step's backward (`start_copy`); the next update swaps them. On the GPU it then costs neither memory (for
+        # expert LoRA of full-size Air on 2 GPUs, 6.9 GiB per rank on the device) nor time. Measured on full-size
+        # Air with expert LoRA (13.7 GB copied a step, ~0.27 s of PCIe): launched by the training thread after the
+        # update, 3,300 copies kept the host, and the GPU with it, from the next forward (0.92 s a step); from a
+        # worker thread, the transfer under the next forward (which is bound by the host's launches) still cost it
+        # ~0.15 s (0.88 s a step). The backward is bound by the GPU and longer than the transfer.
         self._snapshot: tuple[list, dict] | None = None
         self._next: tuple[list, dict] | None = None
         self._next_step: int | None = None  # the update whose result `_next` holds (None: nothing usable)
         self._copied = None  # CUDA event: the copy into `_next` has finished
         self._pending: Future | None = None  # the worker's launch of that copy
+        self._due: int | None = None  # the good update whose result is still to be copied (by start_copy)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetune-rollback-copy")
         cuda = any(local_tensor(p).is_cuda for p in params)
         self._stream = torch.cuda.Stream() if cuda else None
@@ -58,6 +60,7 @@ class StepGuard:
         step-1."""
         if not self.rollback:
             return
+        self.start_copy()  # where no backward came since the last update (a caller's own step), now
         self._settle()
         if self._next_step == step - 1:  # copied after the previous update, while this step ran
             self._snapshot, self._next = self._next, self._snapshot
@@ -66,14 +69,17 @@ class StepGuard:
         self._next_step = None
         self.good_step = step - 1
 
-    def _after_good_update(self, step: int) -> None:
-        """Start copying the state the update of `step` produced into `_next`: the next update's snapshot. Nothing
-        changes that state until the next update, which waits for the copy (`_settle`)."""
+    def start_copy(self) -> None:
+        """Start copying the state the last good update produced into `_next` (the next update's snapshot), if not
+        yet begun: called before a step's backward, so that on the GPU the transfer runs under it, after the
+        forward queued so far. Nothing changes that state until the next update, which waits for the copy."""
+        if self._due is None:
+            return
         self._settle()
-        if self._stream is not None:  # the side stream's copies follow what this thread queued so far: the update
+        if self._stream is not None:  # the side stream's copies follow what this thread has queued so far
             self._stream.wait_stream(torch.cuda.current_stream())
         self._pending = self._worker.submit(self._copy_on_worker, self._next)
-        self._next_step = step
+        self._next_step, self._due = self._due, None
 
     def _copy_on_worker(self, into: tuple[list, dict] | None) -> tuple[list, dict]:
         if self._stream is None:
@@ -99,7 +105,7 @@ class StepGuard:
     def record(self, step: int, good: bool, update_applied: bool, reason: str = "") -> None:
         if good:
             if update_applied and self.rollback:
-                self._after_good_update(step)
+                self._due = step
             if self._previous_good:
                 self.streak = 0
             self._previous_good = True
@@ -123,6 +129,7 @@ class StepGuard:
             return False
         params, opt_state = self._snapshot
         self._settle()
+        self._due = None
         self._next_step = None  # the copy just made holds weights that are being undone
         with torch.no_grad():
             for p, saved in zip(self.params, params):

@@ -330,6 +330,8 @@ class Trainer:
                 loss = loss + cfg.train.aux_loss_coef * aux
                 aux_total += aux.detach()
             with phase("backward"):
+                if i == 0:
+                    self.guard.start_copy()  # the rollback copy's transfer runs under the backward
                 loss.backward()
             loss_sum += summed.detach()
             self.meter.add()
