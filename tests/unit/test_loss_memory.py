@@ -1,6 +1,6 @@
 """model/loss.py's chunked linear + cross-entropy holds one chunk's logits and gradient at a time: the previous
 chunk's gradient is gone before the next chunk's logits are made: two [chunk, vocab] tensors at once, not three
-(0.58 GiB at GLM-4.5-Air's vocabulary; parallel/estimate.py counts three until a GPU run confirms it)."""
+(0.58 GiB at GLM-4.5-Air's vocabulary; parallel/estimate.py counts two since GLM-4.7-Flash on an H200 confirmed it)."""
 
 import weakref
 

@@ -62,19 +62,19 @@ def test_inspect_placeholders_are_skipped_not_fatal(capsys):
 
 def test_inspect_prints_the_layout_and_estimates_that_layout(capsys):
     air = str(CONFIGS / "glm45-air-lora.yaml")
-    # 132 GiB: Air's ep 2 without recompute (132.6 GiB estimated; 132.1 measured) is over 95 %, ep 2 with the attention of 32 of the
-    # 46 layers recomputed fits (of all: 122.5)
+    # 132 GiB: Air's ep 2 without recompute (132.0 GiB estimated; 132.1 measured) is over 95 %, ep 2 with the attention
+    # of 30 of the 46 layers recomputed fits
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "132"]) == 0
     out = capsys.readouterr().out
     layout = out.split("=== parallel layout, world size 2")[1].split("=== memory estimate")[0]
     assert "layout (auto): expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing attention " \
-           "on 32 layers, none on 14 layers, cpu_offload false; estimated peak 125.29 GiB" in layout
+           "on 30 layers, none on 16 layers, cpu_offload false; estimated peak 125.18 GiB" in layout
     assert "expert parallel (ep 2; the rest replicated, no FSDP), activation checkpointing none, cpu_offload false: " \
-           "132.58 GiB — does not fit" in layout
+           "132.00 GiB — does not fit" in layout
     estimate = out.split("=== memory estimate per GPU")[1]
     assert "ep 2, dp_shard 1, replicas 1" in estimate
-    assert "activation checkpointing: attention on 32 layers, none on 14 layers," in estimate
-    assert "125.29  at the start of backward" in estimate  # the chosen layout's, as the layout line says
+    assert "activation checkpointing: attention on 30 layers, none on 16 layers," in estimate
+    assert "125.18  at the start of backward" in estimate  # the chosen layout's, as the layout line says
     # nothing fits: said on one line, exit status 1
     assert main(["inspect", air, "--world-size", "2", "--gpu-mem-gib", "139.8", "--finetune.mode", "full"]) == 1
     assert "error: parallel.layout auto: nothing fits 2 GPU(s) of 139.8 GiB" in capsys.readouterr().out

@@ -32,14 +32,12 @@ Activations (what each layer saves for backward, per token, by the module that s
 and expert parallelism): activations.py, checked against a census of saved tensors.
 Working set on top of the saved activations, at the start of backward: one MoE layer's backward
   (2b·k·H + 10·k·Im per token: gradients of the permuted rows, of the expert output and of the fp32 SwiGLU), or the
-  loss's forward: 3b·c·V when T > c (a chunk's logits and their gradient, and the previous chunk's gradient, which
-  model/loss.py's loop still holds while it makes the next: 2b·c·V for one chunk); when lm_head trains, the larger
-  of that plus its fp32 gradient kept from the forward (4VH) and, at the start of backward, that gradient with the
-  backward's fp32 product and bf16 cast (10VH). The loss's chunks are gone when backward starts: the larger of the
-  two counts (until 2026-12, both were added as a margin, and the loss counted 2b·c·V; GLM-4.7-Flash on an H200
-  showed the loss's third chunk: 75.50 GiB measured without recompute). model/loss.py's loop now unbinds the previous
-  chunk's gradient first (tests/unit/test_loss_memory.py: two [c, V] tensors at once); the estimate keeps 3b·c·V
-  until a GPU run confirms the third chunk gone (GLM-4.7-Flash: 74.9 GiB expected).
+  loss's forward: 2b·c·V (a chunk's logits and their gradient; model/loss.py's loop unbinds the previous chunk's
+  gradient before making the next: tests/unit/test_loss_memory.py); when lm_head trains, the larger of that plus its
+  fp32 gradient kept from the forward (4VH) and, at the start of backward, that gradient with the backward's fp32
+  product and bf16 cast (10VH). The loss's chunks are gone when backward starts: the larger of the two counts (until
+  2026-12, both were added as a margin; the loop then held a third chunk, seen on GLM-4.7-Flash on an H200: 75.50 GiB
+  measured without recompute, 74.89 once it was unbound).
 Peak = static + max(saved activations + working set [+ gradients when grad_accum > 1], gradients).
 
 Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1 H200, torch max_memory_allocated):
@@ -48,9 +46,9 @@ Calibration (AIR-8 proxy, 4 × 1024 tokens, bf16, no activation checkpointing, 1
                                  row), estimated 40.1 GiB for today's code: not re-measured
   full fine-tuning, 2 layers:    measured 29.5 GiB, estimated 29.6 GiB compiled (+0.4 %), 30.3 GiB eager (+2.6 %)
 GLM-4.7-Flash (full size, 1 H200, torch 2.11, LoRA r16 on every MLA projection, 1 × 4096, compiled): no recompute
-measured 75.50 GiB (moetune train, packed; 75.51 benchmarks/train_throughput.py), estimated 75.47; attention on 29
-layers, none on 18: measured 68.59, estimated 68.82 (74.48 and 68.28 before the compiled attention's normed input and
-the loss's third chunk were counted).
+measured 74.89 GiB (moetune train, packed, 2026-12-02, two loss chunks), estimated 74.90; with the loss loop's third
+chunk, 75.50 measured and 75.47 estimated; attention on 29 layers, none on 18: measured 68.59, estimated 68.82 (with
+the third chunk; 74.48 and 68.28 before the compiled attention's normed input and that chunk were counted).
 Full-size GLM-4.5-Air on an fp8 base, 1 H200, torch 2.11, compiled, 1 × 4096 packed, moetune train: LoRA q,k,v,o,
 layout auto (no recompute) measured 126.0 GiB, estimated 126.9; LoRA also on the shared and routed experts, auto's
 {full: 23, attention: 23} measured 131.9, estimated 132.5 (before the compiled `full` tagged the ops inside the fp8
@@ -420,16 +418,12 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         stack = 2 * Im * H * m.n_routed_experts / ep
         layer_ws += stack + T * k * 2 * Im * 4
         ws_how += "; fp8 base: + the gate_up stack transposed (1 byte) + the folded gradient rows (4·k·2Im per token)"
-    # model/loss.py's loop held the previous chunk's logit gradient while the next chunk's logits and gradient were
-    # made (three [c, V] tensors at once, measured); it now unbinds it first: two, not yet measured on a GPU
-    chunks = 3 if T > c else 2
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
-        logits = max(chunks * b * c * V + 4 * V * H, 10 * V * H)
-        how = f"lm_head trains: max(chunks {chunks}·{b}·c·V + fp32 gradient 4VH, backward 10VH)"
+        logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
+        how = f"lm_head trains: max(a chunk's logits + their gradient 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"
     else:
-        logits = chunks * b * c * V
-        how = (f"{c}-token chunks: logits + their gradient, + the previous chunk's gradient: 3·{b}·c·V" if chunks == 3
-               else f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V")
+        logits = 2 * b * c * V
+        how = f"a {c}-token chunk of logits + their gradient: 2·{b}·c·V"
     add("logits / loss", logits, how)
     add("backward working set", layer_ws, ws_how)
     # The loss's chunks are freed when its forward returns, before backward starts: the larger of the two
