@@ -67,3 +67,47 @@ def test_a_profiled_step_writes_its_trace_and_changes_nothing(tmp_path):
                            "guard_record"}
     assert all(calls == "1" for calls, _, _ in phases.values())
     assert float(phases["backward"][1]) > float(phases["guard_record"][1])
+
+
+def test_a_recorded_step_past_the_last_is_refused_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    """logging.profile_step / memory_snapshot_step past train.steps would record nothing: a ConfigError naming the key
+    before the model is built (no minutes of loading for a silent no-op); a step a resumed run has already taken is
+    a warning, and the run goes on."""
+    import pytest
+    from helpers import run_inprocess, small_run_args
+
+    import moetune.train.trainer as trainer
+    from moetune.errors import ConfigError
+
+    built = []
+    real_setup = trainer.setup_model
+    monkeypatch.setattr(trainer, "setup_model", lambda *a, **k: built.append(1) or real_setup(*a, **k))
+    for key in ("profile_step", "memory_snapshot_step"):
+        with pytest.raises(ConfigError, match=rf"logging.{key}: step 4 is past the run's last step \(train.steps 3\)"):
+            run_inprocess(small_run_args(tmp_path, key, **{"train.steps": 3, f"logging.{key}": 4}))
+    assert not built
+    run_inprocess(small_run_args(tmp_path, "resumed", **{"train.steps": 2}))
+    capsys.readouterr()
+    run = run_inprocess(small_run_args(tmp_path, "resumed", **{"train.steps": 3, "resume": "auto",
+                                                                "logging.profile_step": 1}))
+    assert "logging.profile_step: step 1 was taken before this run resumed at step 2" in capsys.readouterr().err
+    assert not (run / "profile").exists()
+
+
+def test_a_failing_profiled_step_still_ends_the_profiler(tmp_path, monkeypatch):
+    """The profiler and the memory recorder end with their step even when it raises (an out-of-memory step's history
+    is the one to look at): the trace is written and no profiler stays on after the run."""
+    import pytest
+    import torch
+    from helpers import run_inprocess, small_run_args
+
+    import moetune.train.trainer as trainer
+
+    def boom(self, *a, **k):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(trainer.Trainer, "_compute", boom)
+    with pytest.raises(RuntimeError, match="step failed"):
+        run_inprocess(small_run_args(tmp_path, "failing", **{"train.steps": 3, "logging.profile_step": 1}))
+    assert (tmp_path / "runs" / "failing" / "profile" / "step1_rank0_top.txt").exists()
+    assert torch.autograd.profiler._is_profiler_enabled is False

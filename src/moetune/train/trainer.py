@@ -126,6 +126,7 @@ class Trainer:
             plan = plan_resume(cfg, dist.world_size, dist.dp_size)  # files only: nothing built yet
             check_trackers(cfg)  # a missing tracker package fails now, not after minutes of model building
             self.data = setup_data(cfg, dist) if with_data else None
+            check_recorded_steps(cfg, plan.trainer_state.get("step", 0) if plan is not None else 0)
             self.model = model = setup_model(cfg, dist, self.layout)
             self.params = [p for p in model.parameters() if p.requires_grad]
             self.optimizer = build_optimizer(self.params, cfg.optim, dist.device)
@@ -184,9 +185,11 @@ class Trainer:
         step = state.step + 1
         self.snapshot.begin(step)
         self.profile.begin(step)
-        loss, grad_norm, aux, user, logprobs, good = self._compute(batches, step, loss_fn)
-        self.profile.end(step)
-        self.snapshot.end(step)
+        try:
+            loss, grad_norm, aux, user, logprobs, good = self._compute(batches, step, loss_fn)
+        finally:  # also when the step fails: an out-of-memory step's allocator history is the one to look at
+            self.profile.end(step)
+            self.snapshot.end(step)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         tokens = sum(b["input_ids"].numel() for b in batches) * dist.dp_size
@@ -357,6 +360,19 @@ class Trainer:
         aux = dist.all_reduce_sum(aux_total).item() / dist.world_size if cfg.train.aux_loss_coef > 0 else None
         user = {k: (dist.all_reduce_sum(v) / denom).item() for k, v in sorted(user_sums.items())}
         return loss_val, grad_norm, aux, user, logprobs, good
+
+
+def check_recorded_steps(cfg: Config, resumed_step: int) -> None:
+    """A step chosen for a profile or memory snapshot is one this run will take: past train.steps is an error
+    (before the model is built), one a resumed run has already taken a warning."""
+    for key in ("profile_step", "memory_snapshot_step"):
+        at = getattr(cfg.logging, key)
+        if at > cfg.train.steps:
+            raise ConfigError(f"logging.{key}: step {at} is past the run's last step (train.steps {cfg.train.steps}); "
+                              f"nothing would be recorded")
+        if 0 < at <= resumed_step:
+            log.warning("logging.%s: step %d was taken before this run resumed at step %d; nothing is recorded",
+                        key, at, resumed_step)
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
