@@ -126,6 +126,13 @@ FP8_VARIANTS = {
                                          {"model": "glm47-flash", "quantize": "fp8"}),
 }
 VARIANTS.update(FP8_VARIANTS)
+# packed rows through FlashAttention-2's variable-length kernel (model.attn_implementation varlen) instead of
+# FlexAttention's document mask: each against the row it derives from, same call
+for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_flash_mla_1x4096_packed",
+              "ours_flash_mla_1x4096_demo", "ours_fp8_air_qkvo_1x4096_packed", "ours_fp8_air_experts_1x4096_packed_ac",
+              "ours_fp8_qkvo_1x4096_packed"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_varlen"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen"})
 # candidates of issue 21, each against the row it derives from (same call): SDPA forced to one kernel
 # ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
@@ -235,6 +242,7 @@ def build_ours(cfg: dict, targets, extra, device):
         experts_module.GROUPED_GEMM = extra["ggemm"]
     if not full:
         apply_lora(model, targets, 16, 32)
+    model.attn_implementation = extra.get("attn", "auto")  # model.attn_implementation (packed rows: flex, varlen)
     apply_ac(model, extra.get("ac", "none"))
     if extra.get("compile"):
         if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode

@@ -72,6 +72,56 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn's contract (FlashAttention-2 varlen: [tokens, heads, D], one sequence per
+    cu_seqlens interval, causal for window (-1, 0), GQA by head groups), one SDPA per sequence: the CPU's stand-in."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    bounds = cu_q.tolist()
+    assert max(b - a for a, b in zip(bounds, bounds[1:])) <= max_q
+    outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           is_causal=True, enable_gqa=True).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:]) if b > a]  # empty sequences (padding) contribute nothing
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_varlen_attention_over_packed_rows_matches_the_dense_document_mask(device, monkeypatch):
+    """model.attn_implementation varlen: FlashAttention-2's variable-length kernel over the documents of the flattened
+    rows, forward and gradients equal to the dense document-causal mask's; GQA; a row that starts inside a
+    document starts a sequence of its own. On the CPU the kernel is its torch reference (the plumbing is what is
+    tested: flattening, cu_seqlens, the layout back); on a GPU, the kernel itself in bf16."""
+    from moetune.model.attention import (AttnMeta, attend, build_attn_meta, dense_document_mask, document_starts,
+                                         padded_document_starts)
+
+    torch.manual_seed(3)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        import torch.nn.attention.varlen as varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn", varlen_reference)
+    B, H, Hkv, S, D = 2, 4, 2, 128, 64
+    pos = torch.stack([torch.cat([torch.arange(7, 57), torch.arange(78)]),  # the first document began a row before
+                       torch.cat([torch.arange(10), torch.arange(100), torch.arange(18)])]).to(device)
+    assert document_starts(pos).tolist() == [0, 50, 128, 138, 238, 256]
+    # padded to 8 documents, the 3 empty ones at the end: one compiled shape for up to 8 documents
+    assert padded_document_starts(pos).tolist() == [0, 50, 128, 138, 238, 256, 256, 256, 256]
+    meta = (build_attn_meta(pos, "varlen") if device == "cuda"
+            else AttnMeta(cu_seqlens=padded_document_starts(pos), max_len=S))
+    assert meta.cu_seqlens is not None
+    leaves = [torch.randn(B, h, S, D, device=device, dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv)]
+    # the callers' layout: q, k, v made [B, S, heads, D] by the projections, transposed to [B, heads, S, D]
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in leaves)
+    got = attend(q, k, v, meta)
+    grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = attend(q2, k2, v2, AttnMeta(dense_mask=dense_document_mask(pos)))
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q2, k2, v2))
+    tol = dict(rtol=2e-2, atol=2e-2) if device == "cuda" else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, **tol)
+
+
 def test_expert_lora_any_rank_matches_per_expert_products():
     """grouped_mm needs 16-byte strides; odd ranks are padded inside, which must change nothing."""
     from moetune.model.lora import ExpertLoRA

@@ -61,7 +61,7 @@ class ModelSection(_Section):
     # store the frozen base in fp8 e4m3 (LoRA only): "fp8" one scale per output row, "fp8_block" one per 128×128
     # block. An FP8 checkpoint (compressed-tensors or `quant_method: fp8`) is read as stored without this key.
     quantize: Optional[Literal["fp8", "fp8_block"]] = None
-    attn_implementation: Literal["auto", "sdpa", "flex", "eager"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "flex", "varlen", "eager"] = "auto"
     # random init when there is no checkpoint. 0.1 is the demo's: at 0.02 the tiny model's frozen random lm_head
     # cannot produce logits large enough for the loss to fall far (proxies for speed set 0.02, as HF's init)
     init_std: float = Field(0.1, gt=0)

@@ -2,7 +2,9 @@
 
 One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
 position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
-diagonal of each document are computed), SDPA with a dense boolean mask elsewhere (its CPU-testable twin).
+diagonal of each document are computed), or (`varlen`) FlashAttention-2's variable-length kernel over the
+documents of the flattened rows (torch.nn.attention.varlen); SDPA with a dense boolean mask elsewhere (their
+CPU-testable twin).
 Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
 """
 
@@ -19,6 +21,8 @@ import torch.nn.functional as F
 class AttnMeta:
     dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
     block_mask: object | None = None  # FlexAttention BlockMask
+    cu_seqlens: torch.Tensor | None = None  # varlen path: int32 [documents + 1], their starts in the flattened rows
+    max_len: int = 0  # varlen path: a bound on a document's length (the row's: one compiled graph for all batches)
 
 
 def document_ids(position_ids):
@@ -30,6 +34,25 @@ def dense_document_mask(position_ids):
     S = position_ids.shape[-1]
     causal = torch.ones(S, S, dtype=torch.bool, device=position_ids.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+
+
+def document_starts(position_ids) -> torch.Tensor:
+    """FlashAttention's cu_seqlens for the rows flattened to [B·S]: int32 [documents + 1], each document's first
+    position (where position_ids restart at 0, and every row's first), then B·S. One host sync (nonzero)."""
+    B, S = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    first = starts.reshape(-1).nonzero().reshape(-1)
+    return torch.cat([first, first.new_full((1,), B * S)]).to(torch.int32)
+
+
+def padded_document_starts(position_ids) -> torch.Tensor:
+    """document_starts padded with empty documents (B·S repeated) to a power of two of them, at least 8: the layers
+    are compiled with static shapes, and a batch's number of documents would otherwise recompile them for every
+    new count (then fall back to eager at Dynamo's recompile limit); this way a few sizes serve every batch."""
+    starts = document_starts(position_ids)
+    documents = max(8, 1 << (starts.numel() - 2).bit_length())
+    return torch.cat([starts, starts[-1:].expand(documents + 1 - starts.numel())])
 
 
 def is_packed(position_ids) -> bool:
@@ -47,6 +70,8 @@ def _compiled_flex():
 def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
     if impl == "eager" or not is_packed(position_ids):
         return AttnMeta(dense_mask=dense_document_mask(position_ids) if impl == "eager" else None)
+    if impl == "varlen" and position_ids.is_cuda:
+        return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1])
     use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
     if not use_flex:
         return AttnMeta(dense_mask=dense_document_mask(position_ids))
@@ -98,6 +123,24 @@ def attend(q, k, v, meta: AttnMeta):
     """q [B, Hq, S, D], k/v [B, Hkv, T, D] -> [B, Hq, S, D] (T > S only with a dense mask: a decoding step)."""
     if meta.block_mask is not None:
         return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
+    if meta.cu_seqlens is not None:
+        return attend_varlen(q, k, v, meta)
     if meta.dense_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def attend_varlen(q, k, v, meta: AttnMeta):
+    """Document-causal attention over packed rows by FlashAttention-2's variable-length kernel: the rows flattened
+    to [B·S, heads, D] (the layout the projections wrote: the transposes undo the callers'), one causal sequence per
+    document. GQA as the kernel takes it: fewer key/value heads, each shared by a group of query heads."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, Hq, S, _ = q.shape
+
+    def flat(t):
+        return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
+
+    o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
+                    window_size=(-1, 0))
+    return o.view(B, S, Hq, -1).transpose(1, 2)
