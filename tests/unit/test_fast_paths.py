@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetune.model.loss import linear_cross_entropy
+from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.experts import grouped_linear, permute, unpermute
 
 
@@ -35,6 +35,32 @@ def test_fused_linear_cross_entropy_frozen_weight_and_no_grad():
     with torch.no_grad():
         v = linear_cross_entropy(h, w, labels)
     torch.testing.assert_close(v, F.cross_entropy(h @ w.t(), labels, reduction="sum"))
+
+
+def test_fused_linear_logprobs_match_plain():
+    """Per-token log-probabilities without [T, V] logits (a custom loss's input): values and the gradients of h and
+    W under an upstream gradient that differs per token (a policy-gradient weight), ignored labels 0 and gradient-free."""
+    torch.manual_seed(1)
+    T, H, V = 37, 16, 50
+    h = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (T,))
+    labels[::5] = -100
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    got = linear_logprobs(h, w, labels, chunk=8)
+    picked = (h2 @ w2.t()).log_softmax(-1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    want = torch.where(labels != -100, picked, 0.0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert got.dtype == torch.float32 and bool((got[::5] == 0).all())
+    advantage = torch.randn(T, dtype=torch.float64)
+    (got.double() * advantage).sum().backward()
+    (want * advantage).sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-6)
+    frozen = torch.randn(V, H)
+    hf = torch.randn(T, H, requires_grad=True)
+    linear_logprobs(hf, frozen, labels, chunk=8).sum().backward()
+    assert hf.grad is not None and bool(torch.isfinite(hf.grad).all())
 
 
 def test_grouped_experts_match_a_per_expert_loop():

@@ -20,7 +20,7 @@ from torch import nn
 
 from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
-from moetune.model.loss import linear_cross_entropy
+from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.experts import experts_forward, permute, unpermute
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name
@@ -310,9 +310,10 @@ class Glm4MoeForCausalLM(nn.Module):
         self.attn_implementation = "auto"  # "auto" | "sdpa" | "flex" | "varlen" | "eager" (model.attn_implementation)
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
 
-    def forward(self, input_ids, position_ids=None, labels=None, cache: KVCache | None = None):
+    def forward(self, input_ids, position_ids=None, labels=None, cache: KVCache | None = None, per_token=False):
         """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32
-        cross-entropy over the target tokens (the trainer divides by the global token count).
+        cross-entropy over the target tokens (the trainer divides by the global token count), or with per_token
+        each target's fp32 log-probability [B, S] (0 where ignored); neither makes the [B, S, V] logits.
         cache (decoding: model/generation.py): input_ids continue the cache.length positions the cache holds, which
         each attention extends; the logits are the last position's only, [B, 1, V] (the next token's)."""
         B, S = input_ids.shape
@@ -329,7 +330,10 @@ class Glm4MoeForCausalLM(nn.Module):
         x = self.model.norm(x)
         if labels is None:
             return self.lm_head(x)
-        return linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1), self.loss_chunk_tokens)
+        h, w, targets = x.reshape(-1, x.shape[-1]), self.lm_head.weight, labels.reshape(-1)
+        if per_token:
+            return linear_logprobs(h, w, targets, self.loss_chunk_tokens).view(labels.shape)
+        return linear_cross_entropy(h, w, targets, self.loss_chunk_tokens)
 
     def attn_meta(self, position_ids) -> AttnMeta:
         return build_attn_meta(position_ids, self.attn_implementation)

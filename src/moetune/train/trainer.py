@@ -247,7 +247,7 @@ class Trainer:
         self.model.eval()
         try:
             with lora_disabled(self.model) if not adapter else nullcontext():
-                return token_logprobs(self.model(b["input_ids"], b.get("position_ids")), b["labels"])
+                return self.model(b["input_ids"], b.get("position_ids"), labels=b["labels"], per_token=True)
         finally:
             self.model.train(was_training)
 
@@ -317,7 +317,7 @@ class Trainer:
                     summed = model(b["input_ids"], b.get("position_ids"), labels=b["labels"])
             else:
                 with phase("forward"):
-                    lp = token_logprobs(model(b["input_ids"], b.get("position_ids")), b["labels"])
+                    lp = model(b["input_ids"], b.get("position_ids"), labels=b["labels"], per_token=True)
                 per_token, user = -lp, {}
                 if loss_fn is not None:
                     per_token, user = _loss_output(loss_fn(lp, w, b), lp.shape)
@@ -378,14 +378,6 @@ def check_recorded_steps(cfg: Config, resumed_step: int) -> None:
 def clip_grad_norm(params, max_norm: float) -> float:
     """Global gradient norm (DTensor-aware, expert parallelism included), clipped when max_norm > 0."""
     return clip_global_grad_norm(params, max_norm)
-
-
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels) [B, T] in fp32 from logits [B, T, V]; 0 where labels is -100."""
-    valid = labels != IGNORE_INDEX
-    logits = logits.float()
-    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, picked - torch.logsumexp(logits, dim=-1), 0.0)
 
 
 def _loss_output(out, shape) -> tuple[torch.Tensor, dict]:
