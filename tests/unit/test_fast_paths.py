@@ -39,7 +39,8 @@ def test_fused_linear_cross_entropy_frozen_weight_and_no_grad():
 
 def test_fused_linear_logprobs_match_plain():
     """Per-token log-probabilities without [T, V] logits (a custom loss's input): values and the gradients of h and
-    W under an upstream gradient that differs per token (a policy-gradient weight), ignored labels 0 and gradient-free."""
+    W under an upstream gradient that differs per token (a policy-gradient weight); ignored labels give 0 and no
+    gradient."""
     torch.manual_seed(1)
     T, H, V = 37, 16, 50
     h = torch.randn(T, H, dtype=torch.float64, requires_grad=True)

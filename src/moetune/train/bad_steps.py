@@ -36,13 +36,13 @@ class StepGuard:
         self.skipped = 0  # bad steps, for the summary
         self.good_step: int | None = None  # the step whose weights the snapshot (or, full: the model) holds
         # The copy lives in host memory, twice: `_snapshot` holds the state before the last applied update (what a
-        # bad step restores) while `_next` receives the state after it, copied on a side stream under the next
-        # step's backward (`start_copy`); the next update swaps them. On the GPU it then costs neither memory (for
-        # expert LoRA of full-size Air on 2 GPUs, 6.9 GiB per rank on the device) nor time. Measured on full-size
-        # Air with expert LoRA (13.7 GB copied a step, ~0.27 s of PCIe): launched by the training thread after the
-        # update, 3,300 copies kept the host, and the GPU with it, from the next forward (0.92 s a step); from a
-        # worker thread, the transfer under the next forward (which is bound by the host's launches) still cost it
-        # ~0.15 s (0.88 s a step). The backward is bound by the GPU and longer than the transfer.
+        # bad step restores) while `_next` receives the state after it, copied on a side stream while the next
+        # step's backward runs (`start_copy`); the next update swaps them. It costs no GPU memory (for expert LoRA
+        # of full-size Air on 2 GPUs, 6.9 GiB per rank). Where it runs matters once it is large (expert LoRA of
+        # full-size Air on one GPU: 13.7 GB in 3,300 tensors, ~0.27 s over PCIe): launched by the training thread
+        # after the update, it kept the GPU waiting for the next forward (0.92 s a step); launched from a worker
+        # thread under the next forward, which is bound by the host's launches, 0.88 s; under the backward, which
+        # is bound by the GPU and longer than the transfer, 0.85 s (BENCHMARKS.md, seventh session).
         self._snapshot: tuple[list, dict] | None = None
         self._next: tuple[list, dict] | None = None
         self._next_step: int | None = None  # the update whose result `_next` holds (None: nothing usable)
