@@ -14,6 +14,8 @@
 # curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
 # offload:     benchmarks/fp8_offload_check.py (an fp8 base with parallel.cpu_offload against without)
 # mempeak:     benchmarks/memory_peak.py on $MEMPEAK_VARIANTS ($MEMPEAK_ARGS, default --layers 4): live at the peak
+# gpu_tests:   the CUDA twins of the CPU tests in $GPU_TESTS ($GPU_TESTS_K selects; default: varlen attention and the
+#              rollback copy), run where their kernels exist
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/speed_session}
@@ -56,6 +58,9 @@ for stage in ${STAGES:-attention trace variants}; do
           ${MEMPEAK_ARGS:---layers 4}
       done ;;
     offload) run offload ${OFFLOAD_LIMIT:-90} env OUT="$OUT" python3 benchmarks/fp8_offload_check.py ;;
+    gpu_tests) run gpu_tests ${GPU_TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider \
+      ${GPU_TESTS:-tests/unit/test_fast_paths.py tests/unit/test_reliability.py} -k "${GPU_TESTS_K:-varlen or rollback_copy}"
+      tail -n 5 "$LOGS/gpu_tests.log" | tee -a "$OUT/summary.txt" ;;
     variants2) run variants2 ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} \
       --variants $VARIANTS2 --out "$OUT/v2" ;;
   esac
