@@ -123,9 +123,9 @@ def test_varlen_attention_over_packed_rows_matches_the_dense_document_mask(devic
     torch.manual_seed(3)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if device == "cpu":
-        import torch.nn.attention.varlen as varlen
+        import moetune.model.attention as attention
 
-        monkeypatch.setattr(varlen, "varlen_attn", varlen_reference)
+        monkeypatch.setattr(attention, "varlen_attn", varlen_reference)
     B, H, Hkv, S, D = 2, 4, 2, 128, 64
     pos = torch.stack([torch.cat([torch.arange(7, 57), torch.arange(78)]),  # the first document began a row before
                        torch.cat([torch.arange(10), torch.arange(100), torch.arange(18)])]).to(device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 
 @dataclass
@@ -134,8 +135,6 @@ def attend_varlen(q, k, v, meta: AttnMeta):
     """Document-causal attention over packed rows by FlashAttention-2's variable-length kernel: the rows flattened
     to [B·S, heads, D] (the layout the projections wrote: the transposes undo the callers'), one causal sequence per
     document. GQA as the kernel takes it: fewer key/value heads, each shared by a group of query heads."""
-    from torch.nn.attention.varlen import varlen_attn
-
     B, Hq, S, _ = q.shape
 
     def flat(t):
