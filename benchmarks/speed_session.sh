@@ -8,6 +8,7 @@
 # flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data)
 # flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB); flash_72g
 #              at 72 GiB, where auto recomputes the attention of some layers
+# flash_varlen: flash_train with the packed documents through FlashAttention-2's varlen kernel
 # variants2:   a second list ($VARIANTS2), results in $OUT/v2
 # air_train:   full-size GLM-4.5-Air through `moetune train` on one GPU: QUANT (fp8), AIR_TARGETS, AIR_AC, AIR_EXTRA
 # air_auto:    the same with layout auto choosing the recompute
@@ -45,6 +46,7 @@ for stage in ${STAGES:-attention trace variants}; do
     ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train ;;
     flash_80g) flash_train flash_80g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" ;;
+    flash_varlen) flash_train flash_varlen EXTRA="--model.attn_implementation varlen" ;;
     flash_72g) flash_train flash_72g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 72" ;;
     air_train) run air_train ${TRAIN_LIMIT:-200} env OUT="$OUT/air_train" QUANT=${QUANT:-fp8} NPROC=1 SPEED_ONLY=1 \
       STEPS=${AIR_STEPS:-12} TARGETS="${AIR_TARGETS:-[q_proj,k_proj,v_proj,o_proj]}" AC="${AIR_AC-attention}" \

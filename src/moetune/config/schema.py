@@ -305,6 +305,9 @@ class Config(_Section):
     def _cross_field_checks(self):
         if self.finetune.train_router and self.finetune.mode != "full":
             raise ValueError("finetune.train_router only applies to finetune.mode: full")
+        if self.model.attn_implementation == "varlen" and self.model.dtype != "bfloat16":
+            raise ValueError("model.attn_implementation: varlen (FlashAttention-2) computes in bf16 only: set "
+                             f"model.dtype: bfloat16 (it is {self.model.dtype})")
         return self
 
     @property
