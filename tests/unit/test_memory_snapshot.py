@@ -65,7 +65,7 @@ def test_a_profiled_step_writes_its_trace_and_changes_nothing(tmp_path):
     phases = {line.split()[0]: line.split()[1:] for line in top.split("\n\n")[0].splitlines()[1:]}
     assert set(phases) == {"forward", "backward", "grad_norm", "guard_snapshot", "optimizer", "guard_check",
                            "guard_record"}
-    assert all(calls == "1" for calls, _, _ in phases.values())
+    assert all(calls == "1" for calls, *_ in phases.values())
     assert float(phases["backward"][1]) > float(phases["guard_record"][1])
 
 
@@ -111,3 +111,19 @@ def test_a_failing_profiled_step_still_ends_the_profiler(tmp_path, monkeypatch):
         run_inprocess(small_run_args(tmp_path, "failing", **{"train.steps": 3, "logging.profile_step": 1}))
     assert (tmp_path / "runs" / "failing" / "profile" / "step1_rank0_top.txt").exists()
     assert torch.autograd.profiler._is_profiler_enabled is False
+
+
+def test_the_phase_table_merges_a_phases_host_and_device_ranges():
+    """On a GPU a phase appears twice among torch.profiler's averages: its host range (host time, the kernels it
+    launched) and its range on the device's timeline (no host time; the span, idle time included). One row each."""
+    from types import SimpleNamespace as E
+
+    from moetune.train.step_profile import phase_table
+
+    events = [E(key="moetune.forward", cpu_time_total=359_800.0, device_time_total=207_200.0, count=1),
+              E(key="moetune.forward", cpu_time_total=0.0, device_time_total=370_400.0, count=1),
+              E(key="moetune.guard_record", cpu_time_total=202_900.0, device_time_total=296_400.0, count=1),
+              E(key="aten::mm", cpu_time_total=5.0, device_time_total=9.0, count=3)]
+    rows = [line.split() for line in phase_table(events).splitlines()]
+    assert rows[0] == ["phase", "calls", "host", "ms", "kernels", "ms", "GPU", "span", "ms"]
+    assert rows[1:] == [["forward", "1", "359.8", "207.2", "370.4"], ["guard_record", "1", "202.9", "296.4", "0.0"]]

@@ -55,11 +55,21 @@ class StepProfile:
 
 
 def phase_table(events) -> str:
-    """The step's phases: host time (where the host waits, e.g. on a copy or a `.item()`, it is the wall time) and
-    the device time of the kernels each launched."""
-    rows = [e for e in events if e.key.startswith(PHASE)]
-    lines = [f"{'phase':<24}{'calls':>6}{'host ms':>10}{'device ms':>11}"]
-    for e in sorted(rows, key=lambda e: -e.cpu_time_total):
+    """The step's phases: host time (where the host waits, e.g. on a copy or a `.item()`, it is the wall time), the
+    time of the kernels each launched, and on a GPU the span of its range on the device's timeline (kernels and the
+    idle time between them; a torch.profiler trace has both a host and a device range per phase)."""
+    host, kernels, span, calls = {}, {}, {}, {}
+    for e in events:
+        if not e.key.startswith(PHASE):
+            continue
+        name = e.key[len(PHASE):]
         device_us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0))
-        lines.append(f"{e.key[len(PHASE):]:<24}{e.count:>6}{e.cpu_time_total / 1e3:>10.1f}{device_us / 1e3:>11.1f}")
+        if e.cpu_time_total > 0 or name not in host:  # the host range (a device range has no host time)
+            host[name], kernels[name], calls[name] = e.cpu_time_total, device_us, e.count
+        if e.cpu_time_total == 0 and device_us > 0:
+            span[name] = device_us
+    lines = [f"{'phase':<24}{'calls':>6}{'host ms':>10}{'kernels ms':>12}{'GPU span ms':>13}"]
+    for name in sorted(host, key=lambda n: -host[n]):
+        lines.append(f"{name:<24}{calls[name]:>6}{host[name] / 1e3:>10.1f}{kernels[name] / 1e3:>12.1f}"
+                     f"{span.get(name, 0.0) / 1e3:>13.1f}")
     return "\n".join(lines)
