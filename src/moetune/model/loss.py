@@ -32,10 +32,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss, g = ce_chunk(hs @ weight.t(), ls, need_h or need_w)
             total += loss
             if g is not None:
-                if need_h:
-                    grad_h[s : s + chunk] = g @ weight
-                if need_w:
-                    grad_w += (g.t() @ hs).float()
+                _add_chunk_grads(g, hs, weight, s, grad_h, grad_w)
             # unbound before the next chunk's logits and gradient are made: else three [chunk, vocab] tensors
             # live at once, not two (0.58 GiB more at the loss on GLM-4.5-Air's vocabulary)
             del g
@@ -49,6 +46,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         gh = grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None
         gw = (grad_w * grad_out).to(ctx.w_dtype) if grad_w is not None else None
         return gh, gw, None, None
+
+
+def _add_chunk_grads(g, hs, weight, start: int, grad_h, grad_w):
+    """A chunk's d/dlogits g [c, V] into d/dh (rows start..start+c, set) and d/dW (fp32, summed); None: not wanted."""
+    if grad_h is not None:
+        grad_h[start : start + g.shape[0]] = g @ weight
+    if grad_w is not None:
+        grad_w += (g.t() @ hs).float()
 
 
 def _logprobs(logits, labels):
@@ -72,7 +77,7 @@ def _ce_and_grad(logits, labels, want_grad: bool):
     logprobs, lse = _logprobs(logits, labels)
     if not want_grad:
         return -logprobs.sum(), None
-    return -logprobs.sum(), _logprobs_grad(logits, labels, lse, -torch.ones_like(lse))
+    return -logprobs.sum(), _logprobs_grad(logits, labels, lse, -1.0)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = LOSS_CHUNK_TOKENS):
@@ -103,10 +108,7 @@ class LinearLogprobs(torch.autograd.Function):
             hs = h[s : s + ctx.chunk]
             g = grad_fn(hs @ weight.t(), labels[s : s + ctx.chunk], lse[s : s + ctx.chunk],
                         grad_out[s : s + ctx.chunk].float())
-            if need_h:
-                grad_h[s : s + ctx.chunk] = g @ weight
-            if need_w:
-                grad_w += (g.t() @ hs).float()
+            _add_chunk_grads(g, hs, weight, s, grad_h, grad_w)
             del g  # before the next chunk's logits: two [chunk, vocab] tensors at once, not three
         return grad_h, grad_w.to(weight.dtype) if grad_w is not None else None, None, None
 
