@@ -113,3 +113,18 @@ def test_the_runs_adapter_follows_the_rule(tmp_path):
     save_adapter({}, str(out), dict(meta, rank=3))  # an earlier adapter is replaced whole
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert '"rank": 3' in (out / "adapter_config.json").read_text()
+
+
+@pytest.mark.parametrize("fmt", ["peft", "vllm"])
+def test_an_adapter_export_on_a_full_disk_is_an_output_error_and_writes_nothing(tmp_path, adapter, fmt):
+    import resource
+
+    out = tmp_path / "out"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # writes past 4 KiB fail as on a full disk
+    try:
+        with pytest.raises(OutputError, match=rf"{out}: cannot write the export"):
+            export_adapter(adapter, out, format=fmt)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not out.exists() and hidden(tmp_path, "out") == []

@@ -8,14 +8,19 @@ from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.experts import grouped_linear, permute, unpermute
 
 
-def test_fused_linear_cross_entropy_matches_plain():
-    torch.manual_seed(0)
+def _lm_head_inputs(seed):
+    """h [37, 16] and W [50, 16] in fp64 (with twins for the plain computation), labels with every 5th ignored."""
+    torch.manual_seed(seed)
     T, H, V = 37, 16, 50
     h = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
     w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (T,))
     labels[::5] = -100
-    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    return h, w, labels, h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+
+
+def test_fused_linear_cross_entropy_matches_plain():
+    h, w, labels, h2, w2 = _lm_head_inputs(0)
     got = linear_cross_entropy(h, w, labels, chunk=8)
     want = F.cross_entropy(h2 @ w2.t(), labels, ignore_index=-100, reduction="sum")
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
@@ -41,25 +46,19 @@ def test_fused_linear_logprobs_match_plain():
     """Per-token log-probabilities without [T, V] logits (a custom loss's input): values and the gradients of h and
     W under an upstream gradient that differs per token (a policy-gradient weight); ignored labels give 0 and no
     gradient."""
-    torch.manual_seed(1)
-    T, H, V = 37, 16, 50
-    h = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, V, (T,))
-    labels[::5] = -100
-    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    h, w, labels, h2, w2 = _lm_head_inputs(1)
     got = linear_logprobs(h, w, labels, chunk=8)
     picked = (h2 @ w2.t()).log_softmax(-1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
     want = torch.where(labels != -100, picked, 0.0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert got.dtype == torch.float32 and bool((got[::5] == 0).all())
-    advantage = torch.randn(T, dtype=torch.float64)
+    advantage = torch.randn(len(labels), dtype=torch.float64)
     (got.double() * advantage).sum().backward()
     (want * advantage).sum().backward()
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-6)
-    frozen = torch.randn(V, H)
-    hf = torch.randn(T, H, requires_grad=True)
+    frozen = torch.randn(w.shape)
+    hf = torch.randn(h.shape, requires_grad=True)
     linear_logprobs(hf, frozen, labels, chunk=8).sum().backward()
     assert hf.grad is not None and bool(torch.isfinite(hf.grad).all())
 

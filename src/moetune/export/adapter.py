@@ -16,11 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from moetune.errors import ExportError, OutputError  # noqa: F401  (ExportError re-exported)
 from moetune.export.verify import verify_peft_adapter, verify_vllm_adapter
-from moetune.model.adapter_io import ADAPTER_FILES, ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter
+from moetune.model.adapter_io import (ADAPTER_FILES, ADAPTER_FORMAT, read_adapter, read_adapter_config, save_adapter,
+                                      write_adapter_files)
 from moetune.model.config import ModelConfig
 from moetune.output_dir import atomic_output_dir, check_replaceable
 from moetune.run_dir import latest_checkpoint, load_model_state
@@ -123,17 +123,6 @@ def output_errors(out_dir: str | os.PathLike, what: str = "the export"):
         raise OutputError(f"{e.filename or out_dir}: cannot write {what} ({e.strerror})") from None
 
 
-def _write_adapter(out_dir: str, state: dict, config: dict) -> None:
-    try:
-        save_file(state, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-        # safetensors creates its file 0600; exports are for other users and servers too
-        os.chmod(os.path.join(out_dir, "adapter_model.safetensors"), 0o644)
-        with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-    except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error
-        raise ExportError(f"could not write the export: {e}") from None
-
-
 def convert_adapter(state: dict, meta: dict, format: str = "peft", base_model: str | None = None) -> tuple[dict, dict]:
     """(tensors, adapter_config) of `format` for our LoRA `state` and its meta, without touching the disk."""
     if format == "peft":
@@ -173,7 +162,10 @@ def export_adapter(adapter_dir_or_checkpoint: str, out_dir: str, format: str = "
         raise ExportError(f"{src}: cannot export as {format}: {e}") from None
     report = {"out_dir": os.fspath(out_dir), "format": format, "tensors": len(tensors), "verify": None}
     with output_errors(out_dir), atomic_output_dir(out_dir, ADAPTER_FILES, label=f"--out {out_dir}") as tmp:
-        _write_adapter(tmp, tensors, config)
+        try:
+            write_adapter_files(tmp, tensors, config)
+        except SafetensorError as e:  # safetensors' own error for a failed write (disk full); OSError: output_errors
+            raise OutputError(f"{out_dir}: cannot write the export ({e})") from None
         if verify:
             fn = verify_peft_adapter if format == "peft" else verify_vllm_adapter
             report["verify"] = fn(src, tmp, base)  # a failed verify raises: the export is not kept

@@ -35,6 +35,16 @@ def gather_lora_state(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_adapter_files(folder: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """adapter_model.safetensors and adapter_config.json into `folder` (ours, PEFT's and vLLM's layout alike).
+    A failed write raises OSError or, from safetensors, SafetensorError."""
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    # safetensors creates its file 0600; an adapter is read by other users and servers too
+    os.chmod(os.path.join(folder, "adapter_model.safetensors"), 0o644)
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def save_adapter(state: dict[str, torch.Tensor], out_dir: str, lora_cfg: dict, base_model: str | None = None) -> None:
     """Write a native adapter; refuses (NumericalFault) a tensor that is not finite, so no adapter ever holds one.
     Each file is written under a temporary name and renamed; a failed write (disk full) raises OutputError."""
@@ -44,11 +54,7 @@ def save_adapter(state: dict[str, torch.Tensor], out_dir: str, lora_cfg: dict, b
     meta = {"format": ADAPTER_FORMAT, "base_model": base_model, **lora_cfg}
     try:  # the folder appears complete or not at all, and replaces only an earlier adapter (moetune/output_dir.py)
         with atomic_output_dir(out_dir, ADAPTER_FILES, label=f"adapter {out_dir}") as tmp:
-            save_file(state, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-            # safetensors creates its file 0600; the adapter is read by other users and servers too
-            os.chmod(os.path.join(tmp, "adapter_model.safetensors"), 0o644)
-            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-                json.dump(meta, f, indent=2)
+            write_adapter_files(tmp, state, meta)
     except (OSError, SafetensorError) as e:  # safetensors reports a failed write (disk full) as its own error
         raise OutputError(f"could not write the adapter to {out_dir}: {e}") from None
 
