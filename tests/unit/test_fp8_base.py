@@ -116,7 +116,7 @@ def _is_quantised(key: str) -> bool:
     DSA's indexer (kept bf16 in GLM-5-FP8's indexer? here: quantised, to check a bf16 module reading fp8)."""
     if not key.endswith(".weight") or not key.startswith("model.layers.") or "norm" in key:
         return False
-    return key.endswith("_proj.weight") or key.endswith(".wq_b.weight") or key.endswith(".wk.weight")
+    return key.endswith(("_proj.weight", "_proj_with_mqa.weight", ".wq_b.weight", ".wk.weight"))
 
 
 def write_fp8_checkpoint(hf, path, layout: str, block=(16, 16)):
@@ -144,7 +144,10 @@ def write_fp8_checkpoint(hf, path, layout: str, block=(16, 16)):
         os.makedirs(d, exist_ok=True)
         save_file(tensors, str(d / "model.safetensors"))
     if layout == "compressed-tensors":
-        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+        # as llm-compressor writes it: without quantization_status transformers takes the weights for uncompressed
+        # ones and fake-quantises with zero points the file does not hold (NaN logits)
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+              "ignore": ["lm_head", "re:.*mlp.gate$"],
               "config_groups": {"group_0": {"targets": ["Linear"],
                                             "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
                                                         "symmetric": True, "dynamic": False},
@@ -461,3 +464,78 @@ def test_lora_over_an_fp8_checkpoint_equals_peft_on_the_dequantised_model(tmp_pa
     assert set(mine) == set(theirs) and len(mine) > 20
     for k in mine:
         assert rel_err(mine[k], theirs[k]) < 1e-4, k
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch):
+    """The merged export in the checkpoint's own FP8 format (compressed-tensors) loaded by transformers through the
+    compressed-tensors package: every weight it ends with is our dequantised one (its routed experts come out in
+    bf16: equal to bf16 rounding), and its logits, with the activations quantised as the format says (dynamic,
+    per token), equal ours with the same quantisation."""
+    from compressed_tensors import __version__  # noqa: F401  (a test dependency: pyproject's [test] extra)
+    from helpers import random_adapter
+    from moetune.export.merged import export_merged
+    from moetune.model.quant.modules import dequantize_model
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    hf = ARCHS[arch]()
+    fp8_dir, _ = write_fp8_checkpoint(hf, tmp_path, "compressed-tensors")
+    mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
+    random_adapter(fp8_dir, tmp_path / "adapter", ALL_TARGETS if arch == "glm4_moe" else mla)
+    out = str(tmp_path / "export")
+    export_merged(fp8_dir, str(tmp_path / "adapter"), out, dtype="fp8")
+    ours = dequantize_model(load_model(out, dtype="float32"))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                  quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    mine, got = ours.state_dict(), theirs.state_dict()
+    fp8_in_file = {k for k, v in load_file(os.path.join(out, "model.safetensors")).items() if v.dtype == FP8}
+    assert len(fp8_in_file) > 10
+    checked = 0
+    for k, w in mine.items():
+        assert k in got, k
+        if got[k].dtype == torch.bfloat16:  # transformers dequantises fp8 expert stacks to bf16
+            assert ".experts." in k, k
+            torch.testing.assert_close(got[k].float(), w.to(torch.bfloat16).float(), rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(got[k], w, rtol=1e-6, atol=1e-7)
+        checked += 1
+    assert checked == len(mine)
+    # their bf16 expert stacks replaced by our fp32 ones (equal to bf16 rounding, above): that rounding alone moves
+    # the logits of the DSA model by ~6% here (its indexer's top-k is discrete), and the rest is held tightly
+    with torch.no_grad():
+        for k, v in got.items():
+            if v.dtype == torch.bfloat16:
+                theirs.get_parameter(k).data = mine[k].clone()
+    # The format's dynamic activations: transformers quantises the input of every linear the file stores in fp8 (its
+    # expert stacks, dequantised at load, see bf16 inputs); ours the same, by hooks. compressed-tensors' "token"
+    # scales reduce all dims but the first two: per token for [B, T, in], but per sequence for the [B, 1, T, r]
+    # input transformers' MLA attention gives kv_b_proj (3.1% off per-token scales on one product): mirrored.
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    their_inputs = {}
+
+    def record(name):
+        def hook(module, args):
+            their_inputs[name] = args[0].shape
+        return hook
+
+    for name, module in theirs.named_modules():
+        if f"{name}.weight" in fp8_in_file:
+            module.register_forward_pre_hook(record(name))
+    with torch.no_grad():
+        theirs(input_ids=ids)
+
+    def quantised_input(per_sequence):
+        def hook(module, args):
+            x = args[0]
+            q, s = quantize_rows(x.reshape(x.shape[0], -1) if per_sequence else x.reshape(-1, x.shape[-1]))
+            return ((q.float() * s).view(x.shape).to(x.dtype),) + args[1:]
+        return hook
+
+    for name, module in ours.named_modules():
+        if f"{name}.weight" in fp8_in_file:
+            shape = their_inputs[name]
+            assert len(shape) == 3 or (len(shape) == 4 and shape[1] == 1), (name, shape)
+            module.register_forward_pre_hook(quantised_input(len(shape) == 4))
+    with torch.no_grad():
+        assert _rel(theirs(input_ids=ids).logits, ours(ids)) < 0.02

@@ -72,9 +72,11 @@ class _Merger:
 
     def requantised(self, out: str, source: str) -> bool:
         """Is the output weight `out` (read from the base tensor `source`) written in fp8?"""
-        if self.requantise is None or not _fp8_in_training(out):
+        if self.requantise is None:
             return False
-        return self.stored is None or self.base.entries[source].dtype == FP8
+        if self.stored is not None:  # what an FP8 base stores in fp8 (its quantization_config says which) stays so
+            return self.base.entries[source].dtype == FP8
+        return _fp8_in_training(out)
 
     def out_dtype(self, name: str, stored: torch.dtype) -> torch.dtype:
         if not stored.is_floating_point or name.endswith(_KEEP_DTYPE):
