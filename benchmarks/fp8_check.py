@@ -16,6 +16,7 @@ on a wider CPU proxy (see _curve_cfg).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -229,6 +230,159 @@ def numerics():
                 torch.cuda.empty_cache()
     res["nan"] = any(v != v for v in res.values())
     save("numerics", res)
+
+
+def _scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype, **_):
+    """torch._scaled_grouped_mm's product in fp32 torch (no CPU kernel exists): rows of a [N, K] fp8 sorted by group
+    (ends `offs`) × each group's b [E, K, O] fp8, with row scales scale_a [N] and column scales scale_b [E, O]."""
+    x = a.float() * scale_a.float()[:, None]
+    out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float32)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ (b[g].float() * scale_b[g].float()[None, :])
+        start = end
+    return out.to(out_dtype)
+
+
+@contextlib.contextmanager
+def _fp8_kernels_on_cpu():
+    """Our fp8 tensor-core path taken on the CPU too: torch._scaled_mm has a CPU kernel, the grouped one its fp32
+    reference (on a GPU: nothing changes)."""
+    from moetune.model.quant import matmul
+
+    chooser, grouped = matmul._fp8_kernels, torch._scaled_grouped_mm
+    if CPU:
+        matmul._fp8_kernels = lambda x, w8, scheme: (scheme.block is None and x.dtype == torch.bfloat16
+                                                     and w8.shape[-1] % 16 == 0 and w8.shape[-2] % 16 == 0)
+        torch._scaled_grouped_mm = _scaled_grouped_mm_reference
+    try:
+        yield
+    finally:
+        matmul._fp8_kernels, torch._scaled_grouped_mm = chooser, grouped
+
+
+@contextlib.contextmanager
+def _fp8_kernels_off():
+    """The just-in-time dequantised path (what GPUs without fp8 and the CPU run)."""
+    from moetune.model.quant import matmul
+
+    chooser = matmul._fp8_kernels
+    matmul._fp8_kernels = lambda x, w8, scheme: False
+    try:
+        yield
+    finally:
+        matmul._fp8_kernels = chooser
+
+
+def numerics_transformers():
+    """Logits error against fp32 truth on one random draw, for transformers' own FP8 path and ours, reading the same
+    compressed-tensors FP8 checkpoint (the GLM-4.5-Air FP8 release's format: per-row weight scales, dynamic
+    per-token activations). AIR's widths, 3 layers (1 dense, 2 MoE); on the CPU 16 experts (top 8) and a 32k
+    vocabulary, so that every model fits 24 GiB: the per-product error depends on the widths, not the expert count.
+    transformers' paths: its compressed-tensors route (weights dequantised at load, activations fake-quantised per
+    token; routed experts dequantised to bf16) and `use_optimized_inference` (row-wise fp8 F.scaled_mm for the
+    linears, as on a Hopper GPU; F.scaled_mm runs on the CPU, so the capability check is passed over). Ours: the
+    fp8 tensor-core path (torch._scaled_mm; the grouped GEMM's fp32 reference on the CPU, where torch has no kernel)
+    and the just-in-time dequantised path."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+    from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from moetune.model.hf_io import load_model
+    from moetune.model.quant.checkpoint import fp8_config
+    from moetune.model.quant.fp8 import ROWWISE
+    from moetune.names import FP8_WEIGHT_RE
+
+    d = dict(_cfg(3), first_k_dense_replace=1)
+    if CPU and not WIDE:
+        d.update(n_routed_experts=8, num_experts_per_tok=2)
+    elif CPU:
+        from moetune.model.config import BUILTIN
+
+        d = dict(BUILTIN["glm45-air"], num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16,
+                 num_experts_per_tok=8, vocab_size=32768)
+    tmp = tempfile.mkdtemp(prefix="fp8_numerics_")
+    res = {"config": {k: d[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts",
+                                        "num_experts_per_tok", "moe_intermediate_size", "vocab_size")}}
+    try:
+        torch.manual_seed(0)
+        truth_model = AutoModelForCausalLM.from_config(Glm4MoeConfig(**d), dtype=torch.float32)
+        with torch.no_grad():
+            for n, p in truth_model.named_parameters():
+                p.normal_(0.0, 0.02) if "norm" not in n else p.fill_(1.0)
+        plain, fp8 = os.path.join(tmp, "plain"), os.path.join(tmp, "fp8")
+        truth_model.save_pretrained(plain)
+        ids = torch.randint(0, d["vocab_size"], (2, 128 if CPU else 2048), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            truth = truth_model(input_ids=ids.to(DEV) if not CPU else ids).logits.float().cpu()
+        del truth_model
+        # the FP8 checkpoint: every weight the releases store in fp8 quantised per row, the rest as they are
+        sd = {}
+        for f in sorted(os.listdir(plain)):
+            if f.endswith(".safetensors"):
+                sd.update(load_file(os.path.join(plain, f)))
+        out = {}
+        for k, v in sd.items():
+            if FP8_WEIGHT_RE.match(k):
+                out[k], out[k[: -len("weight")] + "weight_scale"] = ROWWISE.quantize(v)
+            else:
+                out[k] = v.to(torch.bfloat16)
+        os.makedirs(fp8)
+        save_file(out, os.path.join(fp8, "model.safetensors"))
+        del sd, out
+        cfg = json.load(open(os.path.join(plain, "config.json")))
+        json.dump(dict(cfg, quantization_config=fp8_config(ROWWISE)), open(os.path.join(fp8, "config.json"), "w"))
+
+        def measure(name, make, context=contextlib.nullcontext):
+            t = time.time()
+            try:
+                m = make()
+                with torch.no_grad(), context():
+                    y = m(ids.to(DEV) if not CPU else ids)
+                y = (y.logits if hasattr(y, "logits") else y).float().cpu()
+                res[name] = rel(y, truth)
+            except Exception as ex:  # noqa: BLE001  (one path that cannot run is a finding)
+                res[name] = f"{type(ex).__name__}: {str(ex)[:300]}"
+            print(f"numerics_transformers {name}: {res[name]} ({time.time() - t:.0f}s)", flush=True)
+
+        bf = torch.bfloat16
+        measure("ours_bf16", lambda: load_model(plain, device=DEV, dtype="bfloat16"))
+        measure("transformers_bf16", lambda: AutoModelForCausalLM.from_pretrained(plain, dtype=bf).to(DEV))
+        measure("ours_fp8", lambda: load_model(fp8, device=DEV, dtype="bfloat16"), _fp8_kernels_on_cpu)
+        measure("ours_fp8_dequantised_just_in_time", lambda: load_model(fp8, device=DEV, dtype="bfloat16"),
+                _fp8_kernels_off)
+        measure("transformers_fp8_compressed_tensors",
+                lambda: AutoModelForCausalLM.from_pretrained(fp8, dtype=bf).to(DEV))
+        validate = CompressedTensorsHfQuantizer.validate_environment
+        try:
+            if CPU:  # F.scaled_mm runs on the CPU: let transformers' kernel path run there
+                def keep_kernel(self, *a, **k):
+                    validate(self, *a, **k)
+                    self.use_fp8_kernel = True
+                CompressedTensorsHfQuantizer.validate_environment = keep_kernel
+            def kernel_model():
+                from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+
+                m = AutoModelForCausalLM.from_pretrained(
+                    fp8, dtype=bf, quantization_config=CompressedTensorsConfig(use_optimized_inference=True)).to(DEV)
+                res["transformers_fp8_scaled_mm_linears"] = sum(isinstance(x, CompressedTensorsFP8Linear)
+                                                                for x in m.modules())
+                return m
+
+            measure("transformers_fp8_scaled_mm", kernel_model)
+        finally:
+            CompressedTensorsHfQuantizer.validate_environment = validate
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for ours, theirs in (("ours_fp8", "transformers_fp8_scaled_mm"), ("ours_fp8", "transformers_fp8_compressed_tensors")):
+        if isinstance(res.get(ours), float) and isinstance(res.get(theirs), float):
+            res[f"ratio_{ours}_over_{theirs}"] = res[ours] / res[theirs]
+    res["nan"] = any(v != v for v in res.values() if isinstance(v, float))
+    save("numerics_transformers", res)
 
 
 # --------------------------------------------------------------------------------------------------- curves
@@ -467,6 +621,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     parts = args.parts or ["kernels", "speed", "numerics", "curves", "transformers"]
     fns = {"kernels": kernels, "speed": speed, "numerics": numerics, "transformers": transformers_fp8,
+           "numerics_transformers": numerics_transformers,
            "curves": lambda: curves(args.task, args.steps, [b for b in args.bases.split(",") if b], args.states,
                                     args.successors)}
     unknown = [p for p in parts if p not in fns]
