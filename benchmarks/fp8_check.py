@@ -318,7 +318,7 @@ def numerics_transformers():
         truth_model.save_pretrained(plain)
         ids = torch.randint(0, d["vocab_size"], (2, 128 if CPU else 2048), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            truth = truth_model(input_ids=ids.to(DEV) if not CPU else ids).logits.float().cpu()
+            truth = truth_model.to(DEV)(input_ids=ids.to(DEV)).logits.float().cpu()
         del truth_model
         # the FP8 checkpoint: every weight the releases store in fp8 quantised per row, the rest as they are
         sd = {}
@@ -342,7 +342,7 @@ def numerics_transformers():
             try:
                 m = make()
                 with torch.no_grad(), context():
-                    y = m(ids.to(DEV) if not CPU else ids)
+                    y = m(ids.to(DEV))
                 y = (y.logits if hasattr(y, "logits") else y).float().cpu()
                 res[name] = rel(y, truth)
             except Exception as ex:  # noqa: BLE001  (one path that cannot run is a finding)
