@@ -466,25 +466,35 @@ def test_lora_over_an_fp8_checkpoint_equals_peft_on_the_dequantised_model(tmp_pa
         assert rel_err(mine[k], theirs[k]) < 1e-4, k
 
 
+@pytest.mark.parametrize("base_kind", ["fp8-checkpoint", "bf16-trained-in-fp8"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch):
-    """The merged export in the checkpoint's own FP8 format (compressed-tensors) loaded by transformers through the
+def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
+    """The merged export in fp8 (compressed-tensors: an FP8 checkpoint's own format, or ours for a bf16 base trained
+    with model.quantize fp8) loaded by transformers through the
     compressed-tensors package: every weight it ends with is our dequantised one (its routed experts come out in
     bf16: equal to bf16 rounding), and its logits, with the activations quantised as the format says (dynamic,
     per token), equal ours with the same quantisation."""
     from compressed_tensors import __version__  # noqa: F401  (a test dependency: pyproject's [test] extra)
     from helpers import random_adapter
     from moetune.export.merged import export_merged
+    from moetune.model.adapter_io import read_adapter, save_adapter
     from moetune.model.quant.modules import dequantize_model
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     hf = ARCHS[arch]()
-    fp8_dir, _ = write_fp8_checkpoint(hf, tmp_path, "compressed-tensors")
+    if base_kind == "fp8-checkpoint":
+        base, _ = write_fp8_checkpoint(hf, tmp_path, "compressed-tensors")
+    else:
+        base = save_hf(hf, tmp_path / "base")
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
-    random_adapter(fp8_dir, tmp_path / "adapter", ALL_TARGETS if arch == "glm4_moe" else mla)
+    random_adapter(base, tmp_path / "adapter", ALL_TARGETS if arch == "glm4_moe" else mla)
+    if base_kind == "bf16-trained-in-fp8":
+        state, meta = read_adapter(str(tmp_path / "adapter"))
+        meta = {k: v for k, v in meta.items() if k not in ("format", "base_model")}
+        save_adapter(state, str(tmp_path / "adapter"), dict(meta, base_quantize="fp8"), base_model=base)
     out = str(tmp_path / "export")
-    export_merged(fp8_dir, str(tmp_path / "adapter"), out, dtype="fp8")
+    export_merged(base, str(tmp_path / "adapter"), out, dtype="fp8")
     ours = dequantize_model(load_model(out, dtype="float32"))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
                                                   quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
