@@ -466,12 +466,12 @@ def test_lora_over_an_fp8_checkpoint_equals_peft_on_the_dequantised_model(tmp_pa
         assert rel_err(mine[k], theirs[k]) < 1e-4, k
 
 
-@pytest.mark.parametrize("base_kind", ["fp8-checkpoint", "bf16-trained-in-fp8"])
+@pytest.mark.parametrize("base_kind", ["fp8-checkpoint", "bf16-trained-in-fp8", "fp8-checkpoint-one-linear-bf16"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
     """The merged export in fp8 (compressed-tensors: an FP8 checkpoint's own format, or ours for a bf16 base trained
-    with model.quantize fp8) loaded by transformers through the
-    compressed-tensors package: every weight it ends with is our dequantised one (its routed experts come out in
+    with model.quantize fp8; or a checkpoint storing in bf16 a linear its config declares fp8, which the export's config
+    then excludes by name) loaded by transformers through the compressed-tensors package: every weight it ends with is our dequantised one (its routed experts come out in
     bf16: equal to bf16 rounding), and its logits, with the activations quantised as the format says (dynamic,
     per token), equal ours with the same quantisation."""
     from compressed_tensors import __version__  # noqa: F401  (a test dependency: pyproject's [test] extra)
@@ -483,8 +483,13 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     hf = ARCHS[arch]()
-    if base_kind == "fp8-checkpoint":
+    odd = "model.layers.1.self_attn.o_proj"
+    if base_kind.startswith("fp8-checkpoint"):
         base, _ = write_fp8_checkpoint(hf, tmp_path, "compressed-tensors")
+        if base_kind == "fp8-checkpoint-one-linear-bf16":
+            sd = load_file(os.path.join(base, "model.safetensors"))
+            sd[f"{odd}.weight"] = ROWWISE.dequantize(sd[f"{odd}.weight"], sd.pop(f"{odd}.weight_scale"))
+            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(base, "model.safetensors"))
     else:
         base = save_hf(hf, tmp_path / "base")
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
@@ -501,6 +506,8 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
     mine, got = ours.state_dict(), theirs.state_dict()
     fp8_in_file = {k for k, v in load_file(os.path.join(out, "model.safetensors")).items() if v.dtype == FP8}
     assert len(fp8_in_file) > 10
+    ignore = json.load(open(os.path.join(out, "config.json")))["quantization_config"]["ignore"]
+    assert (odd in ignore) == (base_kind == "fp8-checkpoint-one-linear-bf16"), ignore
     checked = 0
     for k, w in mine.items():
         assert k in got, k

@@ -26,7 +26,7 @@ from moetune.model.adapter_io import read_adapter
 from moetune.model.config import GLM4_MOE, GLM4_MOE_LITE, GLM_MOE_DSA, read_json_object
 from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
-from moetune.model.quant.checkpoint import checkpoint_scheme, fp8_config
+from moetune.model.quant.checkpoint import checkpoint_scheme, declare_unquantised, fp8_config
 from moetune.model.quant.fp8 import FP8, scheme_named
 from moetune.names import FP8_WEIGHT_RE, FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
 from moetune.output_dir import atomic_output_dir
@@ -218,9 +218,11 @@ def _check_lora_fits(base: Reader, lora: Reader, adapter_dir: str, base_path: st
                           f"(e.g. {sorted(stray)[0]}); is this adapter for this base model?")
 
 
-def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=None, stored_scheme=None) -> None:
+def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=None, stored_scheme=None,
+                  unquantised: list[str] = ()) -> None:
     """The base's config.json with the written dtype; an FP8 base's quantization_config is kept when the merge is
-    requantised into the same scheme, replaced by ours for a scheme the base did not have, dropped otherwise."""
+    requantised into the same scheme, replaced by ours for a scheme the base did not have, dropped otherwise; either
+    excludes the `unquantised` modules from quantisation (model/quant/checkpoint.declare_unquantised)."""
     with open(os.path.join(base_path, "config.json")) as f:
         cfg = json.load(f)
     stored = cfg.pop("quantization_config", None)
@@ -229,7 +231,7 @@ def _write_config(base_path: str, out_dir: str, dtype: torch.dtype, requantise=N
         # weight_scale_inv per block; a compressed-tensors block checkpoint names its block scales weight_scale)
         same = stored and stored_scheme == requantise and \
             (stored.get("quant_method") == "fp8") == (requantise.block is not None)
-        cfg["quantization_config"] = stored if same else fp8_config(requantise)
+        cfg["quantization_config"] = declare_unquantised(stored if same else fp8_config(requantise), unquantised)
     write_config_dict(cfg, out_dir, dtype)
 
 
@@ -301,12 +303,17 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         raise ExportError("out_dir must differ from base_path (the base is read while the merge is written)")
     check_out_dir(out_dir)  # before the work; checked again under the writer's lock
     with output_errors(out_dir), atomic_output_dir(out_dir, label=f"--out {out_dir}") as tmp:
-        _write_config(base_path, tmp, torch_dtype, requantise, stored)
         base, lora = Reader(base_path), Reader(adapter_dir)
         merger = _Merger(base, lora, lora_scaling(meta["rank"], meta["alpha"], meta.get("rslora", False)), torch_dtype,
                          stored, trained, requantise)
         plan = _plan(base, merger)
         _check_lora_fits(base, lora, adapter_dir, base_path)
+        # the decoder layers' linear weights written unquantised (a matrix, not fp8); not the router, which no
+        # loader quantises (transformers' TopkRouter is no Linear, vLLM builds it unquantised)
+        unquantised = [n[: -len(".weight")] for n, shape, d, _ in plan if n.startswith("model.layers.")
+                       and n.endswith(".weight") and not n.endswith(".mlp.gate.weight") and len(shape) == 2
+                       and d != FP8]
+        _write_config(base_path, tmp, torch_dtype, requantise, stored, unquantised)
         writer = ShardedWriter(tmp, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)
         for name, _, out_dtype, produce in plan:
             t = produce()

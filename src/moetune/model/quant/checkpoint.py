@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from moetune.errors import CheckpointError
 from moetune.model.quant.fp8 import Fp8Scheme, ROWWISE, scheme_named
@@ -75,6 +76,28 @@ def fp8_config(scheme: Fp8Scheme) -> dict:
                 "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
                                       "dynamic": True}}}}
+
+
+def declare_unquantised(qc: dict, modules: list[str]) -> dict:
+    """`qc` with each of `modules` (written unquantised) excluded from quantisation as loaders read the config:
+    compressed-tensors' `ignore` ("re:" entries matched from the name's start, others exact names; as
+    compressed_tensors.utils.match_name), fp8's `modules_to_not_convert` (a prefix, a regular expression from the
+    start, or a suffix, as transformers' should_convert_module).
+    Those not yet excluded are added by exact name: an export's config then says what its files hold, also where
+    the base's config did not (a loader following it would read a bf16 weight as fp8 without a scale)."""
+    if qc.get("quant_method") == "compressed-tensors":
+        key = "ignore"
+
+        def excluded(name, entry):
+            return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
+    else:
+        key = "modules_to_not_convert"
+
+        def excluded(name, entry):
+            return re.match(entry, name) is not None or name.endswith(entry)
+    have = list(qc.get(key) or [])
+    missing = [m for m in modules if not any(excluded(m, e) for e in have)]
+    return dict(qc, **{key: have + missing}) if missing else qc
 
 
 def stored_fp8_modules(reader) -> set[str]:
