@@ -79,7 +79,7 @@ def write_hub_fp8(plain: str, out: Path, experts_fp8: bool) -> str:
     sd = load_file(os.path.join(plain, "model.safetensors"))
     tensors = {}
     for k, v in sd.items():
-        quantised = k.startswith("model.layers.") and k.endswith("_proj.weight")
+        quantised = k.startswith("model.layers.") and k.endswith(("_proj.weight", "_proj_with_mqa.weight"))
         if quantised and (experts_fp8 or ".mlp.experts." not in k):
             tensors[k], tensors[k[: -len("weight")] + "weight_scale"] = ROWWISE.quantize(v)
         else:
@@ -184,3 +184,30 @@ def test_vllm_cpu_refuses_an_fp8_moe_export(run):
                        timeout=600, env=env)
     assert p.returncode != 0, p.stdout[-2000:]
     assert "ValueError: Unsupported FP8 MoE backend: NONE" in p.stderr, p.stderr[-3000:]
+
+
+def test_vllm_serves_the_fp8_export_of_glm47_flash_with_moetunes_fp8_logprobs(tmp_path, kernel_numerics):
+    """GLM-4.7-Flash (MLA: q_a/q_b, kv_a_proj_with_mqa, kv_b, o in fp8; routed experts bf16, ignored): a hub-layout
+    FP8 base with a random adapter on every MLA projection, the shared and routed experts, merged into fp8. vLLM's
+    prompt logprobs (prefill: kv_b_proj as a W8A8 linear, as ours) equal ours with the kernel numerics."""
+    from family_models import hf_lite
+    from moetune.data import load_tokenizer
+
+    plain = save_hf(hf_lite(seed=5, vocab_size=160, kv_lora_rank=512, qk_rope_head_dim=64), tmp_path / "plain")
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(dict(cfg, first_k_dense_replace=1)))  # as the hub's
+    base = write_hub_fp8(plain, tmp_path / "base", experts_fp8=False)
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
+    random_adapter(base, tmp_path / "adapter", targets, rank=4, scale=0.05)
+    merged = tmp_path / "merged"
+    assert moetune_main(["export", "merged", "--checkpoint", str(tmp_path / "adapter"), "--base", base, "--out",
+                         str(merged), "--dtype", "fp8"]) == 0
+    out = load_file(str(merged / "model.safetensors"))
+    assert out["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == FP8
+    load_tokenizer(None).save_pretrained(str(merged))
+    r = check("serve", model=str(merged), ids=IDS, native_rope=True)
+    got = torch.tensor(r["logprobs"])
+    want = logprobs(moetune.load_model(str(merged), dtype="float32"))
+    d = (got - want).abs().max().item()
+    print(f"vLLM vs moetune fp8 kernels, GLM-4.7-Flash: {d:.2e}")
+    assert got.shape == want.shape and d <= 1e-4, d
