@@ -5,7 +5,9 @@ error against fp32 truth, and LoRA loss curves of bf16, dequantised-fp8 and fp8 
     python benchmarks/fp8_check.py speed        # fp8 linear / grouped GEMM fwd+dgrad vs bf16 at Air's shapes
     python benchmarks/fp8_check.py numerics     # logits error vs fp32 truth, AIR shapes, 3 layers, same weights
     python benchmarks/fp8_check.py curves       # 200 LoRA steps per base, AIR-8 shapes, same data for each base
-    python benchmarks/fp8_check.py transformers # whether transformers' own FP8 path can run here
+    python benchmarks/fp8_check.py transformers # whether transformers' fp8 (block) path can run here (a hub kernel)
+    python benchmarks/fp8_check.py numerics_transformers  # logits error: ours beside transformers' own FP8 paths
+        (compressed-tensors; BENCH_CPU=wide: Air's widths on the CPU, where both stacks' fp8 GEMMs have CPU kernels)
     python benchmarks/fp8_check.py curves --task markov --steps 200 --bases bf16,fp8_dequant_bf16,fp8,fp8_dgrad_dequant
         (--task markov, the default: fresh batches of a fixed random Markov chain, a curve that flattens at its entropy;
          --task memorise: the 16 fixed sequences; --states N: the chain's size; bases: see CURVE_BASES)
