@@ -191,7 +191,6 @@ def test_vllm_serves_the_fp8_export_of_glm47_flash_with_moetunes_fp8_logprobs(tm
     FP8 base with a random adapter on every MLA projection, the shared and routed experts, merged into fp8. vLLM's
     prompt logprobs (prefill: kv_b_proj as a W8A8 linear, as ours) equal ours with the kernel numerics."""
     from family_models import hf_lite
-    from moetune.data import load_tokenizer
 
     plain = save_hf(hf_lite(seed=5, vocab_size=160, kv_lora_rank=512, qk_rope_head_dim=64), tmp_path / "plain")
     cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
@@ -204,7 +203,6 @@ def test_vllm_serves_the_fp8_export_of_glm47_flash_with_moetunes_fp8_logprobs(tm
                          str(merged), "--dtype", "fp8"]) == 0
     out = load_file(str(merged / "model.safetensors"))
     assert out["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == FP8
-    load_tokenizer(None).save_pretrained(str(merged))
     r = check("serve", model=str(merged), ids=IDS, native_rope=True)
     got = torch.tensor(r["logprobs"])
     want = logprobs(moetune.load_model(str(merged), dtype="float32"))
