@@ -556,3 +556,19 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
             module.register_forward_pre_hook(quantised_input(len(shape) == 4))
     with torch.no_grad():
         assert _rel(theirs(input_ids=ids).logits, ours(ids)) < 0.02
+
+
+def test_an_export_config_names_what_it_writes_in_bf16_whatever_the_bases_exclusion_lists_hold():
+    """declare_unquantised reads exclusion entries as the loaders do; entries that are no valid regular expression or
+    no string exclude nothing (no traceback), so the module is named; what an entry already excludes is not repeated."""
+    from moetune.model.quant.checkpoint import declare_unquantised
+
+    ct = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp\\.experts\\..*", "re:(", None, 3]}
+    got = declare_unquantised(ct, ["model.layers.1.mlp.experts.0.up_proj", "model.layers.1.self_attn.o_proj"])
+    assert got["ignore"] == ct["ignore"] + ["model.layers.1.self_attn.o_proj"]
+    fp8 = {"quant_method": "fp8", "modules_to_not_convert": ["lm_head", "mlp.gate", "indexer", "[bad"]}
+    names = ["model.layers.0.mlp.gate", "model.layers.0.mlp.gate_proj", "model.layers.2.self_attn.indexer.wq_b"]
+    got = declare_unquantised(fp8, names)
+    assert got["modules_to_not_convert"] == fp8["modules_to_not_convert"] + names[1:]  # a suffix excludes the router
+    assert declare_unquantised(fp8, names[:1]) is fp8 and declare_unquantised({"quant_method": "fp8"}, names[:1]) == {
+        "quant_method": "fp8", "modules_to_not_convert": names[:1]}

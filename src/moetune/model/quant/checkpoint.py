@@ -85,17 +85,21 @@ def declare_unquantised(qc: dict, modules: list[str]) -> dict:
     start, or a suffix, as transformers' should_convert_module).
     Those not yet excluded are added by exact name: an export's config then says what its files hold, also where
     the base's config did not (a loader following it would read a bf16 weight as fp8 without a scale)."""
-    if qc.get("quant_method") == "compressed-tensors":
-        key = "ignore"
+    compressed = qc.get("quant_method") == "compressed-tensors"
+    key = "ignore" if compressed else "modules_to_not_convert"
 
-        def excluded(name, entry):
-            return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
-    else:
-        key = "modules_to_not_convert"
-
-        def excluded(name, entry):
+    def excluded(name, entry) -> bool:
+        if not isinstance(entry, str):
+            return False
+        try:  # an entry that is no valid regular expression excludes nothing we can rely on: the name is added
+            if compressed:
+                return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
             return re.match(entry, name) is not None or name.endswith(entry)
-    have = list(qc.get(key) or [])
+        except re.error:
+            return False
+
+    have = qc.get(key) or []
+    have = list(have) if isinstance(have, list) else [have]
     missing = [m for m in modules if not any(excluded(m, e) for e in have)]
     return dict(qc, **{key: have + missing}) if missing else qc
 
