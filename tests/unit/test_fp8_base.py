@@ -5,6 +5,7 @@ The reference for everything is the dequantised model: the same weights, stored 
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -231,6 +232,25 @@ def test_a_damaged_fp8_config_is_named(tmp_path):
     cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     json.dump(cfg, open(os.path.join(fp8_dir, "config.json"), "w"))
     with pytest.raises(CheckpointError, match="config.json.*8-bit float"):
+        load_model(fp8_dir)
+
+
+@pytest.mark.parametrize("qc, key", [
+    ([1, 2], "quantization_config must be an object"),
+    ({"quant_method": "compressed-tensors", "config_groups": [1]}, "quantization_config.config_groups must be"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": "x"}}}, "config_groups.g.weights must"),
+    ({"quant_method": "fp8", "weight_block_size": "ab"}, "weight_block_size must be two positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 0]}}}}, "block_structure must be"),
+])
+def test_a_quantization_config_of_the_wrong_shape_is_named(tmp_path, qc, key):
+    from moetune.errors import CheckpointError
+
+    fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=3), tmp_path, "compressed-tensors")
+    cfg = json.load(open(os.path.join(fp8_dir, "config.json")))
+    json.dump(dict(cfg, quantization_config=qc), open(os.path.join(fp8_dir, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match=f"config.json: .*{re.escape(key)}"):
         load_model(fp8_dir)
 
 

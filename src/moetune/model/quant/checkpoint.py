@@ -34,6 +34,7 @@ def checkpoint_scheme(path: str) -> Fp8Scheme | None:
         return None  # ModelConfig.from_json reports an unreadable config.json with its own message
     if not qc:
         return None
+    _expect_object(qc, "quantization_config", cfg_file)
     method = qc.get("quant_method")
     if method == "fp8":
         fmt, act = qc.get("fmt", "e4m3"), qc.get("activation_scheme", "dynamic")
@@ -41,10 +42,14 @@ def checkpoint_scheme(path: str) -> Fp8Scheme | None:
             raise CheckpointError(f"{cfg_file}: quantization_config fmt {fmt!r} / activation_scheme {act!r} is not "
                                   "supported (fp8 e4m3 with dynamic activations is)")
         block = qc.get("weight_block_size")
-        return ROWWISE if block is None else Fp8Scheme(tuple(int(b) for b in block))
+        return ROWWISE if block is None else Fp8Scheme(_block(block, "quantization_config.weight_block_size", cfg_file))
     if method == "compressed-tensors":
-        groups = list((qc.get("config_groups") or {}).values())
-        weights = [g.get("weights") or {} for g in groups]
+        groups = qc.get("config_groups") or {}
+        _expect_object(groups, "quantization_config.config_groups", cfg_file)
+        for name, g in groups.items():
+            _expect_object(g, f"quantization_config.config_groups.{name}", cfg_file)
+            _expect_object(g.get("weights") or {}, f"quantization_config.config_groups.{name}.weights", cfg_file)
+        weights = [g.get("weights") or {} for g in groups.values()]
         if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
             raise CheckpointError(f"{cfg_file}: compressed-tensors quantization other than 8-bit float weights "
                                   f"(format {qc.get('format')!r}) is not supported")
@@ -52,13 +57,27 @@ def checkpoint_scheme(path: str) -> Fp8Scheme | None:
         if strategies == {"channel"}:
             return ROWWISE
         if strategies == {"block"}:
-            blocks = {tuple(w.get("block_structure") or ()) for w in weights}
-            if len(blocks) == 1 and len(next(iter(blocks))) == 2:
-                return Fp8Scheme(tuple(int(b) for b in next(iter(blocks))))
+            blocks = {_block(w.get("block_structure"), "quantization_config.config_groups.*.weights.block_structure",
+                             cfg_file) for w in weights}
+            if len(blocks) == 1:
+                return Fp8Scheme(next(iter(blocks)))
         raise CheckpointError(f"{cfg_file}: compressed-tensors weight strategy {sorted(map(str, strategies))} is not "
                               "supported (channel, or block with one block_structure)")
     raise CheckpointError(f"{cfg_file}: quantization_config.quant_method {method!r} is not supported "
                           "(compressed-tensors fp8 and fp8 are)")
+
+
+def _expect_object(value, key: str, cfg_file: str) -> None:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{cfg_file}: {key} must be an object, not {type(value).__name__} ({str(value)[:60]})")
+
+
+def _block(value, key: str, cfg_file: str) -> tuple[int, int]:
+    """A block shape: two positive integers."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in value)):
+        raise CheckpointError(f"{cfg_file}: {key} must be two positive integers (rows, columns), not {value!r}")
+    return tuple(value)
 
 
 def fp8_config(scheme: Fp8Scheme) -> dict:
