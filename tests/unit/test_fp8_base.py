@@ -254,6 +254,26 @@ def test_a_quantization_config_of_the_wrong_shape_is_named(tmp_path, qc, key):
         load_model(fp8_dir)
 
 
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.q_proj.weight_scale",
+                                 "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight"])
+def test_a_non_finite_fp8_weight_or_scale_is_named_at_load(tmp_path, key):
+    """An fp8 weight holding e4m3's NaN code, or a scale that is NaN: the load fails naming it (ours: a routed expert's
+    weights live in the fused stack)."""
+    from moetune.errors import CheckpointError
+
+    fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=3), tmp_path, "compressed-tensors")
+    f = os.path.join(fp8_dir, "model.safetensors")
+    sd = load_file(f)
+    if sd[key].dtype == FP8:
+        sd[key].view(torch.uint8).view(-1)[3] = 0x7F  # e4m3fn's NaN
+    else:
+        sd[key].view(-1)[3] = float("nan")
+    save_file(sd, f)
+    name = "model.layers.1.mlp.experts.gate_up_proj" if ".experts." in key else key
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} of the checkpoint at .* non-finite values"):
+        load_model(fp8_dir)
+
+
 # ----------------------------------------------------------------------------------------------- random base, LoRA
 def _tiny(quantize=None, targets=None):
     from moetune.model.build import build_model

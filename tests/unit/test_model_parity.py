@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -108,6 +109,22 @@ def test_missing_unexpected_misshaped_tensors_are_named(tmp_path):
             match = r"model\.layers\.0\.self_attn\.q_proj\.weight in model\.safetensors has shape \[3, 3\]"
         with pytest.raises(CheckpointError, match=match):
             moetune.load_model(path)
+
+
+@pytest.mark.parametrize("key, value", [("model.layers.1.mlp.experts.2.down_proj.weight", float("nan")),
+                                        ("model.layers.0.self_attn.o_proj.weight", float("-inf")),
+                                        ("model.norm.weight", float("inf"))])
+def test_a_non_finite_base_tensor_is_named_at_load(tmp_path, key, value):
+    """One bad value anywhere (a routed expert's weight, fused into a stack at load; an attention projection; a norm)
+    fails the load naming the tensor, instead of a first step whose loss is NaN."""
+    path = save_hf(hf_model(seed=4), tmp_path / "ckpt")
+
+    def spoil(sd):
+        sd[key].view(-1)[7] = value
+    _rewrite(path, spoil)
+    name = key.replace(".experts.2.down_proj.weight", ".experts.down_proj") if ".experts." in key else key
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} of the checkpoint at .* non-finite values"):
+        moetune.load_model(path)
 
 
 def test_mtp_layer_is_ignored(tmp_path):

@@ -295,6 +295,7 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True, r
     progress = _Progress(path, sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in tensors))
     fp8 = fp8_parameters(model)
     scales = {id(s) for s, _ in fp8.values()}
+    flags = []  # (name, 0-dim bool on the tensor's device: non-finite values), read once at the end: one sync
     for name, p in tensors:
         if id(p) in scales:
             continue  # read or made with its fp8 weight
@@ -302,17 +303,40 @@ def load_hf_weights(model: Glm4MoeForCausalLM, path: str, strict: bool = True, r
         t = _read_param(reader, name, idx, shape, consumed)
         if name in fp8:
             _store_fp8(reader, name, p, t, *fp8[name], consumed)
+            scale_p = fp8[name][0]
+            flags.append((scale_name(name, fp8[name][1]), _nonfinite(local_tensor(scale_p))))
         elif t.dtype == torch.float8_e4m3fn:  # stored in fp8 where this model keeps the compute dtype
             local_tensor(p).copy_(_dequantize_stored(reader, name, t, idx, consumed).to(local_tensor(p).dtype))
         else:
             local_tensor(p).copy_(t.to(local_tensor(p).dtype))
+        flags.append((name, _nonfinite(local_tensor(p))))
         progress.add(local_tensor(p).numel() * local_tensor(p).element_size())
+    by_device: dict = {}
+    for _, f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    if any(bool(torch.stack(fs).any()) for fs in by_device.values()):
+        bad = next(n for n, f in flags if bool(f))
+        raise CheckpointError(f"tensor {bad} of the checkpoint at {path} holds non-finite values (NaN or infinity)")
     if strict:
         unexpected = [k for k in reader.tensors if k not in consumed and not _ignored(k, model.config)]
         if unexpected:
             k = unexpected[0]
             raise CheckpointError(f"unexpected tensor {k} in {reader.tensors[k].file} "
                                   f"({len(unexpected)} unexpected in all) at {path}")
+
+
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Does t hold a NaN or an infinity (fp8 e4m3fn, which has no infinity: its NaN code)? A 0-dim bool on t's
+    device, so that checking costs no synchronisation until the loader reads all of them, and no temporary of t's
+    size (an expert stack is a gigabyte): a float tensor's fp32 sum is finite exactly when its values are (short of
+    values near fp32's largest), an fp8 one is read in row blocks of ~64 MB."""
+    if t.dtype == torch.float8_e4m3fn:
+        rows = t.view(torch.uint8).reshape(t.shape[0] if t.dim() else 1, -1)
+        step = max(1, (1 << 26) // max(1, rows.shape[1]))
+        return torch.stack([(rows[i : i + step] & 0x7F).eq(0x7F).any() for i in range(0, rows.shape[0], step)]).any()
+    if not t.is_floating_point():
+        return torch.zeros((), dtype=torch.bool, device=t.device)
+    return ~torch.isfinite(torch.sum(t, dtype=torch.float32))
 
 
 def _store_fp8(reader: _Reader, name: str, target, t: torch.Tensor, scale_p, scheme, consumed: set) -> None:
