@@ -330,6 +330,8 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     device, so that checking costs no synchronisation until the loader reads all of them, and no temporary of t's
     size (an expert stack is a gigabyte): a float tensor's fp32 sum is finite exactly when its values are (short of
     values near fp32's largest), an fp8 one is read in row blocks of ~64 MB."""
+    if t.numel() == 0:  # an empty shard (more ranks than rows)
+        return torch.zeros((), dtype=torch.bool, device=t.device)
     if t.dtype == torch.float8_e4m3fn:
         rows = t.view(torch.uint8).reshape(t.shape[0] if t.dim() else 1, -1)
         step = max(1, (1 << 26) // max(1, rows.shape[1]))
