@@ -15,6 +15,7 @@
 # curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
 # offload:     benchmarks/fp8_offload_check.py (an fp8 base with parallel.cpu_offload against without)
 # mempeak:     benchmarks/memory_peak.py on $MEMPEAK_VARIANTS ($MEMPEAK_ARGS, default --layers 4): live at the peak
+# fp8_numerics: benchmarks/fp8_check.py numerics_transformers (logits error: ours beside transformers' own FP8 paths)
 # gpu_tests:   the CUDA twins of the CPU tests in $GPU_TESTS ($GPU_TESTS_K selects; default: varlen attention and the
 #              rollback copy), run where their kernels exist
 set -u
@@ -27,7 +28,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
-        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t" "$LOGS/$name.log" \
+        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t|^numerics_transformers" "$LOGS/$name.log" \
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
 flash_train() {  # $1: name, rest: extra overrides
   local name=$1; shift
@@ -59,6 +60,8 @@ for stage in ${STAGES:-attention trace variants}; do
         run "mempeak_$v" ${MEMPEAK_LIMIT:-150} env OUT="$OUT" python3 benchmarks/memory_peak.py $v \
           ${MEMPEAK_ARGS:---layers 4}
       done ;;
+    fp8_numerics) run fp8_numerics ${FP8_NUMERICS_LIMIT:-300} env OUT="$OUT" python3 benchmarks/fp8_check.py \
+      numerics_transformers ;;
     offload) run offload ${OFFLOAD_LIMIT:-90} env OUT="$OUT" python3 benchmarks/fp8_offload_check.py ;;
     gpu_tests) run gpu_tests ${GPU_TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider \
       ${GPU_TESTS:-tests/unit/test_fast_paths.py tests/unit/test_reliability.py} -k "${GPU_TESTS_K:-varlen or rollback_copy}"
