@@ -274,6 +274,19 @@ def test_a_non_finite_fp8_weight_or_scale_is_named_at_load(tmp_path, key):
         load_model(fp8_dir)
 
 
+def test_an_fp8_scale_stored_as_integers_is_named(tmp_path):
+    from moetune.errors import CheckpointError
+
+    fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=3), tmp_path, "compressed-tensors")
+    f = os.path.join(fp8_dir, "model.safetensors")
+    sd = load_file(f)
+    key = "model.layers.1.self_attn.q_proj.weight_scale"
+    sd[key] = (sd[key] * 1e6).to(torch.int32)
+    save_file(sd, f)
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(key)} of the checkpoint at .* stored as torch.int32"):
+        load_model(fp8_dir)
+
+
 # ----------------------------------------------------------------------------------------------- random base, LoRA
 def _tiny(quantize=None, targets=None):
     from moetune.model.build import build_model

@@ -242,8 +242,15 @@ def _dequantize_stored(reader: _Reader, name: str, t: torch.Tensor, idx, consume
         raise CheckpointError(f"tensor {name} is stored in fp8 at {reader.path} without a scale this model can read")
     consumed.add(key)
     scale = reader.read(key, ())
+    _check_scale_dtype(scale, key, reader.path)
     full = scheme.dequantize(reader.read(name, ()), scale)
     return full[idx] if idx else full
+
+
+def _check_scale_dtype(scale: torch.Tensor, name: str, path: str) -> None:
+    if not scale.is_floating_point() or scale.element_size() < 2:
+        raise CheckpointError(f"tensor {name} of the checkpoint at {path} is stored as {scale.dtype}; an fp8 weight's "
+                              f"scale is a float32, bfloat16 or float16 tensor")
 
 
 def _scale_alias(name: str) -> str | None:
@@ -347,6 +354,7 @@ def _store_fp8(reader: _Reader, name: str, target, t: torch.Tensor, scale_p, sch
     if t.dtype == torch.float8_e4m3fn:
         sidx, sshape = local_index(scale_p)
         s = _read_param(reader, scale_name(name, scheme), sidx, sshape, consumed)
+        _check_scale_dtype(s, scale_name(name, scheme), reader.path)
         local_tensor(target).copy_(t)
         local_tensor(scale_p).copy_(s.to(torch.float32))
         return
