@@ -57,6 +57,17 @@ import subprocess
 import sys
 
 
+def rewrite_checkpoint(path, fn):
+    """Apply fn to the tensors of the single-file checkpoint at `path` (model.safetensors) in place: a damaged or odd
+    checkpoint made from a good one."""
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    fn(sd)
+    save_file(sd, f)
+
+
 def write_chat_jsonl(path, n=48, seed=0, min_len=3, max_len=12):
     """A small chat dataset with answers of unequal length (so a mean of means would differ)."""
     r = random.Random(seed)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from family_models import hf_dsa, hf_lite
-from helpers import hf_model, save_hf
+from helpers import hf_model, rewrite_checkpoint, save_hf
 from moetune.model.hf_io import load_model
 from moetune.model.quant.fp8 import FP8, ROWWISE, Fp8Scheme, quantize_blocks, quantize_rows
 from moetune.model.quant.matmul import (_mm_dgrad, _mm_fwd, expert_of_rows, fp8_grouped_linear, fp8_linear,
@@ -262,13 +262,13 @@ def test_a_non_finite_fp8_weight_or_scale_is_named_at_load(tmp_path, key):
     from moetune.errors import CheckpointError
 
     fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=3), tmp_path, "compressed-tensors")
-    f = os.path.join(fp8_dir, "model.safetensors")
-    sd = load_file(f)
-    if sd[key].dtype == FP8:
-        sd[key].view(torch.uint8).view(-1)[3] = 0x7F  # e4m3fn's NaN
-    else:
-        sd[key].view(-1)[3] = float("nan")
-    save_file(sd, f)
+
+    def spoil(sd):
+        if sd[key].dtype == FP8:
+            sd[key].view(torch.uint8).view(-1)[3] = 0x7F  # e4m3fn's NaN
+        else:
+            sd[key].view(-1)[3] = float("nan")
+    rewrite_checkpoint(fp8_dir, spoil)
     name = "model.layers.1.mlp.experts.gate_up_proj" if ".experts." in key else key
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} of the checkpoint at .* non-finite values"):
         load_model(fp8_dir)
@@ -278,11 +278,8 @@ def test_an_fp8_scale_stored_as_integers_is_named(tmp_path):
     from moetune.errors import CheckpointError
 
     fp8_dir, _ = write_fp8_checkpoint(hf_model(seed=3), tmp_path, "compressed-tensors")
-    f = os.path.join(fp8_dir, "model.safetensors")
-    sd = load_file(f)
     key = "model.layers.1.self_attn.q_proj.weight_scale"
-    sd[key] = (sd[key] * 1e6).to(torch.int32)
-    save_file(sd, f)
+    rewrite_checkpoint(fp8_dir, lambda sd: sd.__setitem__(key, (sd[key] * 1e6).to(torch.int32)))
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(key)} of the checkpoint at .* stored as torch.int32"):
         load_model(fp8_dir)
 
@@ -540,9 +537,8 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
     if base_kind.startswith("fp8-checkpoint"):
         base, _ = write_fp8_checkpoint(hf, tmp_path, "compressed-tensors")
         if base_kind == "fp8-checkpoint-one-linear-bf16":
-            sd = load_file(os.path.join(base, "model.safetensors"))
-            sd[f"{odd}.weight"] = ROWWISE.dequantize(sd[f"{odd}.weight"], sd.pop(f"{odd}.weight_scale"))
-            save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(base, "model.safetensors"))
+            rewrite_checkpoint(base, lambda sd: sd.__setitem__(
+                f"{odd}.weight", ROWWISE.dequantize(sd[f"{odd}.weight"], sd.pop(f"{odd}.weight_scale"))))
     else:
         base = save_hf(hf, tmp_path / "base")
     mla = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import moetune
 from moetune.model.hf_io import CheckpointError
-from helpers import hf_model, save_hf
+from helpers import hf_model, rewrite_checkpoint, save_hf
 
 VARIANTS = {
     "base": {},
@@ -85,27 +85,18 @@ def test_fused_layout_and_sharded_files_load(tmp_path):
         assert torch.equal(ours2(ids), ours(ids))
 
 
-def _rewrite(path, fn):
-    from safetensors.torch import load_file
-
-    f = os.path.join(path, "model.safetensors")
-    sd = load_file(f)
-    fn(sd)
-    save_file(sd, f)
-
-
 def test_missing_unexpected_misshaped_tensors_are_named(tmp_path):
     ref = hf_model(seed=4)
     for case in ("missing", "unexpected", "misshaped"):
         path = save_hf(ref, tmp_path / case)
         if case == "missing":
-            _rewrite(path, lambda sd: sd.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+            rewrite_checkpoint(path, lambda sd: sd.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
             match = r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight.*missing"
         elif case == "unexpected":
-            _rewrite(path, lambda sd: sd.__setitem__("model.layers.1.mlp.bogus.weight", torch.zeros(2)))
+            rewrite_checkpoint(path, lambda sd: sd.__setitem__("model.layers.1.mlp.bogus.weight", torch.zeros(2)))
             match = r"unexpected tensor model\.layers\.1\.mlp\.bogus\.weight in model\.safetensors"
         else:
-            _rewrite(path, lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)))
+            rewrite_checkpoint(path, lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)))
             match = r"model\.layers\.0\.self_attn\.q_proj\.weight in model\.safetensors has shape \[3, 3\]"
         with pytest.raises(CheckpointError, match=match):
             moetune.load_model(path)
@@ -121,7 +112,7 @@ def test_a_non_finite_base_tensor_is_named_at_load(tmp_path, key, value):
 
     def spoil(sd):
         sd[key].view(-1)[7] = value
-    _rewrite(path, spoil)
+    rewrite_checkpoint(path, spoil)
     name = key.replace(".experts.2.down_proj.weight", ".experts.down_proj") if ".experts." in key else key
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} of the checkpoint at .* non-finite values"):
         moetune.load_model(path)
@@ -131,7 +122,7 @@ def test_mtp_layer_is_ignored(tmp_path):
     ref = hf_model(seed=5)
     path = save_hf(ref, tmp_path / "ckpt")
     n = ref.config.num_hidden_layers
-    _rewrite(path, lambda sd: sd.update({f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4),
+    rewrite_checkpoint(path, lambda sd: sd.update({f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4),
                                          f"model.layers.{n}.self_attn.q_proj.weight": torch.zeros(4, 4)}))
     ours = moetune.load_model(path)  # strict: any other unexpected tensor would raise (see the test above)
     ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -139,6 +130,6 @@ def test_mtp_layer_is_ignored(tmp_path):
         assert rel_err(ours(ids), ref(input_ids=ids).logits) < 1e-5  # the MTP layer's tensors took no part
     assert len(ours.model.layers) == n
     # and a tensor of a real layer that the model lacks is still refused: the MTP exception is that layer only
-    _rewrite(path, lambda sd: sd.update({f"model.layers.{n - 1}.eh_proj.weight": torch.zeros(4, 4)}))
+    rewrite_checkpoint(path, lambda sd: sd.update({f"model.layers.{n - 1}.eh_proj.weight": torch.zeros(4, 4)}))
     with pytest.raises(CheckpointError, match=rf"unexpected tensor model\.layers\.{n - 1}\.eh_proj\.weight"):
         moetune.load_model(path)
