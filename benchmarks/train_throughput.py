@@ -103,6 +103,9 @@ FLASH_VARIANTS = {
     "ours_flash_mla_1x4096_packed": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 4}),
     # the demo data's shape (~23-token documents, 4,096-token packs): what `moetune train` without data.train runs
     "ours_flash_mla_1x4096_demo": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 128}),
+    # with what `moetune train`'s step adds around the update (clipping, the bad-step guard's checks and copy)
+    "ours_flash_mla_1x4096_demo_guard": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 128,
+                                                                      "guard": True}),
 }
 VARIANTS.update(FLASH_VARIANTS)
 # an fp8 frozen base (model.quantize): AIR-8 against the bf16 rows above, full-size Air on ONE GPU, Flash
