@@ -5,7 +5,8 @@
 # trace:     GLM-4.7-Flash's step, profiled (Chrome trace + top kernels) and its idle gaps (trace_gaps.py)
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
-# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; $FLASH_EXTRA: overrides)
+# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; $FLASH_EXTRA: overrides);
+#              flash_train_b, _c, _d: again with $FLASH_EXTRA_B and $FLASH_ENV_B (environment assignments), ...
 # flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB); flash_72g
 #              at 72 GiB, where auto recomputes the attention of some layers
 # flash_varlen: flash_train with the packed documents through FlashAttention-2's varlen kernel
@@ -46,6 +47,9 @@ for stage in ${STAGES:-attention trace variants}; do
     variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
     ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train EXTRA="${FLASH_EXTRA:-}" ;;
+    flash_train_[b-d]) # the same run again: ${FLASH_EXTRA_B} overrides, ${FLASH_ENV_B} environment (B, C or D)
+      x=${stage#flash_train_}; x=${x^^}; e=FLASH_EXTRA_$x; v=FLASH_ENV_$x
+      flash_train "$stage" EXTRA="${!e:-}" ${!v:-} ;;
     flash_80g) flash_train flash_80g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 79.1" ;;
     flash_varlen) flash_train flash_varlen EXTRA="--model.attn_implementation varlen" ;;
     flash_72g) flash_train flash_72g AC= LAYOUT_AUTO=1 EXTRA="--parallel.gpu_memory_gib 72" ;;

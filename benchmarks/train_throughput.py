@@ -106,6 +106,9 @@ FLASH_VARIANTS = {
     # with what `moetune train`'s step adds around the update (clipping, the bad-step guard's checks and copy)
     "ours_flash_mla_1x4096_demo_guard": ("ours", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 128,
                                                                       "guard": True}),
+    # the whole step of the step API (Trainer.step: built by the trainer's own setup, batch checks, clipping, the
+    # guard, metrics) on the harness's batch: what `moetune train` adds beyond it is its data and loop
+    "trainer_flash_mla_1x4096_demo": ("trainer", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 128}),
 }
 VARIANTS.update(FLASH_VARIANTS)
 # an fp8 frozen base (model.quantize): AIR-8 against the bf16 rows above, full-size Air on ONE GPU, Flash
@@ -287,6 +290,33 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
+def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev):
+    """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
+    on a GPU, layout manual: no recompute), no data: the harness's batch is passed in."""
+    import tempfile
+
+    from moetune.config.overrides import load_config
+    from moetune.train.trainer import Trainer
+
+    folder = tempfile.mkdtemp(prefix="bench_trainer_")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    run_cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "glm45-air-lora.yaml"), [
+        "--model.path", "null", "--model.config", os.path.join(folder, "config.json"), "--model.init_std", "0.02",
+        "--model.dtype", "bfloat16", "--data.train", "null", "--data.eval", "null", "--data.seq_len", str(S),
+        "--lora.targets", "[" + ",".join(targets) + "]", "--train.micro_batch_size", str(B), "--train.grad_accum", "1",
+        "--train.activation_checkpointing", "none", "--train.compile", str(dev.type == "cuda").lower(),
+        "--train.steps", "1000", "--eval.every", "0", "--logging.progress_bar", "false", "--logging.report_to", "[]",
+        "--checkpoint.every", "0", "--parallel.layout", "manual", "--run.output_dir", folder, "--resume", "none"])
+    trainer = Trainer(run_cfg, data=False).__enter__()
+
+    def step(ids, labels, pos):
+        batch = {"input_ids": ids, "labels": labels} | ({"position_ids": pos} if pos is not None else {})
+        return torch.tensor(trainer.step(batch).loss)
+
+    return trainer.model, step
+
+
 def sdpa_context():
     """The SDPA kernel a variant forces (`sdpa` extra, via BENCH_SDPA), else no constraint."""
     import contextlib
@@ -422,6 +452,8 @@ def worker(name: str) -> dict:
 
         model = build_hf(cfg, targets, device=dev, gradient_checkpointing=extra.get("gc", True))
         step = hf_step_fn(model)
+    elif stack == "trainer":
+        model, step = trainer_step_fn(cfg, targets, B, S, dev)
     else:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
