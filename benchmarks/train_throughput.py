@@ -354,6 +354,8 @@ def ours_step_fn(model, full: bool, offload: bool = False, guard: bool = False):
 
     def _step(ids, labels, pos):
         loss = model(ids, pos, labels=labels) / (labels != -100).sum()
+        if guard:
+            guarded.start_copy()  # as the trainer: the rollback copy's transfer runs under the backward
         loss.backward()
         if hasattr(model, "dist"):
             from moetune.parallel.grads import sync_replicated_grads

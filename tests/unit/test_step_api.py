@@ -222,3 +222,30 @@ def test_a_stop_signal_checkpoints_and_a_resume_continues_the_callers_loop(tmp_p
         assert again.state.step == 2
         assert all(torch.equal(v, weights[k]) for k, v in _lora_state(again).items())
         assert again.step(_rl_batches(again, seed=2), loss_fn=pg_kl_loss).step == 3
+
+
+def test_automatic_garbage_collection_is_off_while_training_and_back_after(tmp_path, monkeypatch):
+    """train.gc_every (train/garbage.py): no automatic collection inside the steps; a young-generation collection at
+    the start and after every gc_every-th step; Python's setting back when the trainer closes, and after a failed
+    run too."""
+    import gc
+
+    young = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: (young.append(1) if generation == 1 else None)
+                        or real_collect(generation))
+    assert gc.isenabled()
+    cfg = load_config(None, small_run_args(tmp_path, "gc", **{"train.steps": 5, "train.gc_every": 2}))
+    with Trainer(cfg) as trainer:
+        assert not gc.isenabled() and len(young) == 1
+        for step in range(1, 6):
+            trainer.step(trainer.next_batches())
+            assert not gc.isenabled() and len(young) == 1 + step // 2
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"), Trainer(load_config(None, small_run_args(tmp_path, "gc2"))):
+        assert not gc.isenabled()
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+    # 0: Python's own collection stays on
+    with Trainer(load_config(None, small_run_args(tmp_path, "gc0", **{"train.gc_every": 0}))) as trainer:
+        assert gc.isenabled()

@@ -193,6 +193,9 @@ class TrainConfig(_Section):
     compile: bool = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
+    # Python's automatic garbage collection off during training, a young-generation collection every this many
+    # steps (train/garbage.py); 0 leaves Python's automatic collection on
+    gc_every: int = Field(50, ge=0)
 
     @field_validator("activation_checkpointing")
     @classmethod

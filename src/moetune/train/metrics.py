@@ -378,10 +378,12 @@ class ExpertMeter:
         self.entropy = torch.zeros(len(self.layers) + 1, device=dist.device, dtype=torch.float64)  # + micro-batches
 
     def add(self) -> None:
-        for i, m in enumerate(self.layers):
-            self.counts[i] += m.last_counts
-            if m.track_router_entropy:
-                self.entropy[i] += m.last_router_entropy
+        # one stacked add, not one per layer: on a GPU each is a kernel launch the step's host time pays for
+        if self.layers:
+            self.counts += torch.stack([m.last_counts for m in self.layers])
+        tracked = [i for i, m in enumerate(self.layers) if m.track_router_entropy]
+        if tracked:
+            self.entropy[tracked] += torch.stack([self.layers[i].last_router_entropy for i in tracked]).double()
         self.entropy[-1] += 1
 
     def record(self, step: int) -> dict:
