@@ -460,6 +460,10 @@ def worker(name: str) -> dict:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
     batch = make_batch(B, S, cfg["vocab_size"], docs, dev, seed=int(os.environ.get("RANK", 0)))  # own data per rank
+    if stack == "ours":  # Python's garbage collection as `moetune train` runs it (train.gc_every; Trainer.step does it)
+        from moetune.train.garbage import GarbageCollection
+
+        GarbageCollection(50)
     if stack == "hf":
         batch = (batch[0], torch.roll(batch[1], 1, 1), batch[2] if docs > 1 else None)  # HF shifts itself
     for _ in range(3):
