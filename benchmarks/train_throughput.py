@@ -460,7 +460,9 @@ def worker(name: str) -> dict:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
     batch = make_batch(B, S, cfg["vocab_size"], docs, dev, seed=int(os.environ.get("RANK", 0)))  # own data per rank
-    if stack == "ours":  # Python's garbage collection as `moetune train` runs it (train.gc_every; Trainer.step does it)
+    # Python's garbage collection as `moetune train` runs it (train.gc_every; Trainer.step does it); BENCH_PYTHON_GC=1:
+    # Python's automatic collection, the comparison
+    if stack == "ours" and not os.environ.get("BENCH_PYTHON_GC"):
         from moetune.train.garbage import GarbageCollection
 
         GarbageCollection(50)
