@@ -230,10 +230,15 @@ def test_automatic_garbage_collection_is_off_while_training_and_back_after(tmp_p
     run too."""
     import gc
 
-    young = []
+    young = []  # the young-generation collections asked for
     real_collect = gc.collect
-    monkeypatch.setattr(gc, "collect", lambda generation=2: (young.append(1) if generation == 1 else None)
-                        or real_collect(generation))
+
+    def collect(generation=2):
+        if generation == 1:
+            young.append(generation)
+        return real_collect(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
     assert gc.isenabled()
     cfg = load_config(None, small_run_args(tmp_path, "gc", **{"train.steps": 5, "train.gc_every": 2}))
     with Trainer(cfg) as trainer:

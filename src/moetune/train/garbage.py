@@ -1,11 +1,13 @@
 """Python's garbage collector during training, as torchtitan does it: automatic collection off, a young-generation
 collection every `train.gc_every` steps, the previous setting back when the trainer closes.
 
-Why: automatic collection starts whenever allocations pass a threshold, which a step reaches many times, mostly in
-the forward pass, where the host launching kernels is what the GPU waits for (GLM-4.7-Flash on one H200: ~10% of the
-step is GPU idle behind the host) — every pause there is a pause of the GPU. The model, compiled graphs and data make
-millions of long-lived objects, so an older generation's pass is long. Automatic collection off, GLM-4.7-Flash through
-`moetune train` ran 14,535 tokens/s against 13,891 (BENCHMARKS.md, ninth session)."""
+Why: automatic collection starts whenever allocations pass a threshold, which a step passes many times, mostly in the
+forward pass, where the host launching kernels is what the GPU waits for on a host-bound step (GLM-4.7-Flash's many
+small MLA kernels); a collection there is a pause of the GPU, and an older generation's walks every long-lived object
+(modules, compiled graphs, data). Measured on one H200, same call: GLM-4.7-Flash through `moetune train` 17,761
+tokens/s with it, 16,370 with Python's automatic collection; on a GPU-bound step (an EP-8 rank of GLM-4.5-Air) no
+difference (BENCHMARKS.md, ninth session). A step must then make no reference cycle that holds a tensor: it would
+live until the next collection (tests/unit/test_step_api.py)."""
 
 from __future__ import annotations
 
