@@ -147,6 +147,11 @@ for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096"
     VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
     VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
+# the trainer's step with its layers replayed as CUDA graphs: on these rows the harness gained 37% from them,
+# `moetune train` nothing (BENCHMARKS.md, issue 21's call 3); this row tells the step from the loop around it
+VARIANTS["trainer_flash_mla_1x4096_demo_cg"] = (*VARIANTS["trainer_flash_mla_1x4096_demo"][:4],
+                                                {**VARIANTS["trainer_flash_mla_1x4096_demo"][4],
+                                                 "compile_mode": "reduce-overhead"})
 # the Triton grouped GEMM for the frozen expert stacks (model/grouped_gemm.py), bf16 and fp8 bases, with CUDA graphs too
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
               "ours_ep8rank_qkvo_1x4096", "ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096",
@@ -290,13 +295,22 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
-def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev):
+def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None):
     """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
-    on a GPU, layout manual: no recompute), no data: the harness's batch is passed in."""
+    on a GPU, layout manual: no recompute), no data: the harness's batch is passed in. compile_mode: a candidate
+    (reduce-overhead: the layers replay as CUDA graphs), through the trainer's own compile."""
     import tempfile
 
+    import moetune.parallel.apply as parallel_apply
     from moetune.config.overrides import load_config
     from moetune.train.trainer import Trainer
+
+    if compile_mode:
+        def apply_compile(model, backend: str = "inductor") -> None:
+            for layer in model.model.layers:
+                layer.compile(dynamic=False, backend=backend, mode=compile_mode)
+
+        parallel_apply.apply_compile = apply_compile
 
     folder = tempfile.mkdtemp(prefix="bench_trainer_")
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -455,7 +469,7 @@ def worker(name: str) -> dict:
         model = build_hf(cfg, targets, device=dev, gradient_checkpointing=extra.get("gc", True))
         step = hf_step_fn(model)
     elif stack == "trainer":
-        model, step = trainer_step_fn(cfg, targets, B, S, dev)
+        model, step = trainer_step_fn(cfg, targets, B, S, dev, extra.get("compile_mode"))
     else:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
