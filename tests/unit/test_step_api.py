@@ -256,24 +256,38 @@ def test_automatic_garbage_collection_is_off_while_training_and_back_after(tmp_p
         assert gc.isenabled()
 
 
+_CYCLES = """
+import gc, json, sys
+import torch
+from moetune.config import load_config
+from moetune.train.trainer import Trainer
+
+with Trainer(load_config(None, json.loads(sys.argv[1]))) as trainer:
+    trainer.step(trainer.next_batches())
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage to look at
+    for _ in range(2):
+        trainer.step(trainer.next_batches())
+    gc.collect()
+    held = [o for o in gc.garbage if torch.is_tensor(o)]
+    gc.set_debug(0)
+    print("HELD", json.dumps([list(t.shape) for t in held]))
+"""
+
+
 @pytest.mark.parametrize("over", [{}, {"train.activation_checkpointing": "full"}, {"model.quantize": "fp8"},
                                   {"logging.expert_stats_every": 1}], ids=["default", "recompute", "fp8", "stats"])
 def test_a_step_leaves_no_tensor_in_cyclic_garbage(tmp_path, over):
     """With automatic collection off (train.gc_every) a tensor that only a reference cycle keeps alive stays until the
-    next collection, up to gc_every steps of activations on the GPU: the step must make no such cycle."""
-    import gc
+    next collection, up to gc_every steps of activations on the GPU: the step must make no such cycle. In a process of
+    its own: garbage that other tests' objects leave (caches let go of, compiled graphs' fake tensors) would show too."""
+    import json
+    import subprocess
+    import sys
 
-    cfg = load_config(None, small_run_args(tmp_path, "cycles", **{"train.steps": 5, "train.gc_every": 1000, **over}))
-    with Trainer(cfg) as trainer:
-        trainer.step(trainer.next_batches())
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable is kept in gc.garbage to look at
-        try:
-            for _ in range(2):
-                trainer.step(trainer.next_batches())
-            gc.collect()
-            held = [o for o in gc.garbage if torch.is_tensor(o)]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-        assert not held, f"{len(held)} tensors kept alive only by reference cycles: {[tuple(t.shape) for t in held][:8]}"
+    args = small_run_args(tmp_path, "cycles", **{"train.steps": 5, "train.gc_every": 1000, **over})
+    p = subprocess.run([sys.executable, "-c", _CYCLES, json.dumps(args)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("HELD ")]
+    held = json.loads(line[5:])
+    assert not held, f"{len(held)} tensors kept alive only by reference cycles, shapes {held[:8]}"
