@@ -380,7 +380,8 @@ def numerics_transformers():
             CompressedTensorsHfQuantizer.validate_environment = validate
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for ours, theirs in (("ours_fp8", "transformers_fp8_scaled_mm"), ("ours_fp8", "transformers_fp8_compressed_tensors")):
+    for ours, theirs in (("ours_fp8", "transformers_fp8_scaled_mm"),
+                         ("ours_fp8", "transformers_fp8_compressed_tensors")):
         if isinstance(res.get(ours), float) and isinstance(res.get(theirs), float):
             res[f"ratio_{ours}_over_{theirs}"] = res[ours] / res[theirs]
     res["nan"] = any(v != v for v in res.values() if isinstance(v, float))

@@ -5,7 +5,8 @@
 # trace:     GLM-4.7-Flash's step, profiled (Chrome trace + top kernels) and its idle gaps (trace_gaps.py)
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
-# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; $FLASH_EXTRA: overrides);
+# flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; overrides in
+#              $FLASH_EXTRA);
 #              flash_train_b, _c, _d: again with $FLASH_EXTRA_B and $FLASH_ENV_B (environment assignments), ...
 # flash_80g:   the same with parallel.gpu_memory_gib 79.1 (layout auto; the allocator capped to 79.1 GiB); flash_72g
 #              at 72 GiB, where auto recomputes the attention of some layers

@@ -257,8 +257,7 @@ def build_ours(cfg: dict, targets, extra, device):
     apply_ac(model, extra.get("ac", "none"))
     if extra.get("compile"):
         if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode
-            for layer in model.model.layers:
-                layer.compile(dynamic=False, mode=extra["compile_mode"])
+            compile_layers(model, extra["compile_mode"])
         else:
             apply_compile(model)
     if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
@@ -295,6 +294,12 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
+def compile_layers(model, mode: str, backend: str = "inductor") -> None:
+    """apply_compile's per-decoder-layer torch.compile in another mode (a candidate: reduce-overhead)."""
+    for layer in model.model.layers:
+        layer.compile(dynamic=False, backend=backend, mode=mode)
+
+
 def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None):
     """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
     on a GPU, layout manual: no recompute), no data: the harness's batch is passed in. compile_mode: a candidate
@@ -305,12 +310,8 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
     from moetune.config.overrides import load_config
     from moetune.train.trainer import Trainer
 
-    if compile_mode:
-        def apply_compile(model, backend: str = "inductor") -> None:
-            for layer in model.model.layers:
-                layer.compile(dynamic=False, backend=backend, mode=compile_mode)
-
-        parallel_apply.apply_compile = apply_compile
+    if compile_mode:  # the trainer's setup compiles through parallel.apply.apply_compile
+        parallel_apply.apply_compile = lambda model, backend="inductor": compile_layers(model, compile_mode, backend)
 
     folder = tempfile.mkdtemp(prefix="bench_trainer_")
     with open(os.path.join(folder, "config.json"), "w") as f:

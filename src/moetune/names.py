@@ -48,6 +48,8 @@ LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 HF_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # transformers v5's (and our) stacked experts: model.layers.N.mlp.experts.{gate_up_proj [E, 2I, H], down_proj [E, H, I]}
 FUSED_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# the router's weight (model.layers.N.mlp.gate.weight): frozen unless finetune.train_router, never quantised
+ROUTER_WEIGHT_SUFFIX = ".mlp.gate.weight"
 # the weights an fp8 base stores in fp8, in the hub's names (per-expert or fused): attention projections (GQA and MLA),
 # dense MLPs, shared and routed experts — not the router (mlp.gate), DSA's indexer, norms, embeddings or lm_head
 FP8_WEIGHT_RE = re.compile(

@@ -521,9 +521,9 @@ def test_lora_over_an_fp8_checkpoint_equals_peft_on_the_dequantised_model(tmp_pa
 def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
     """The merged export in fp8 (compressed-tensors: an FP8 checkpoint's own format, or ours for a bf16 base trained
     with model.quantize fp8; or a checkpoint storing in bf16 a linear its config declares fp8, which the export's config
-    then excludes by name) loaded by transformers through the compressed-tensors package: every weight it ends with is our dequantised one (its routed experts come out in
-    bf16: equal to bf16 rounding), and its logits, with the activations quantised as the format says (dynamic,
-    per token), equal ours with the same quantisation."""
+    then excludes by name) loaded by transformers through the compressed-tensors package: every weight it ends with
+    is our dequantised one (its routed experts come out in bf16: equal to bf16 rounding), and its logits, with the
+    activations quantised as the format says (dynamic, per token), equal ours with the same quantisation."""
     from compressed_tensors import __version__  # noqa: F401  (a test dependency: pyproject's [test] extra)
     from helpers import random_adapter
     from moetune.export.merged import export_merged

@@ -96,7 +96,8 @@ def test_missing_unexpected_misshaped_tensors_are_named(tmp_path):
             rewrite_checkpoint(path, lambda sd: sd.__setitem__("model.layers.1.mlp.bogus.weight", torch.zeros(2)))
             match = r"unexpected tensor model\.layers\.1\.mlp\.bogus\.weight in model\.safetensors"
         else:
-            rewrite_checkpoint(path, lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3)))
+            rewrite_checkpoint(path, lambda sd: sd.__setitem__("model.layers.0.self_attn.q_proj.weight",
+                                                               torch.zeros(3, 3)))
             match = r"model\.layers\.0\.self_attn\.q_proj\.weight in model\.safetensors has shape \[3, 3\]"
         with pytest.raises(CheckpointError, match=match):
             moetune.load_model(path)
@@ -123,7 +124,7 @@ def test_mtp_layer_is_ignored(tmp_path):
     path = save_hf(ref, tmp_path / "ckpt")
     n = ref.config.num_hidden_layers
     rewrite_checkpoint(path, lambda sd: sd.update({f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4),
-                                         f"model.layers.{n}.self_attn.q_proj.weight": torch.zeros(4, 4)}))
+                                                   f"model.layers.{n}.self_attn.q_proj.weight": torch.zeros(4, 4)}))
     ours = moetune.load_model(path)  # strict: any other unexpected tensor would raise (see the test above)
     ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -279,8 +279,9 @@ with Trainer(load_config(None, json.loads(sys.argv[1]))) as trainer:
                                   {"logging.expert_stats_every": 1}], ids=["default", "recompute", "fp8", "stats"])
 def test_a_step_leaves_no_tensor_in_cyclic_garbage(tmp_path, over):
     """With automatic collection off (train.gc_every) a tensor that only a reference cycle keeps alive stays until the
-    next collection, up to gc_every steps of activations on the GPU: the step must make no such cycle. In a process of
-    its own: garbage that other tests' objects leave (caches let go of, compiled graphs' fake tensors) would show too."""
+    next collection, up to gc_every steps of activations on the GPU: the step must make no such cycle. In a process
+    of its own: garbage that other tests' objects leave (caches let go of, compiled graphs' fake tensors) would show
+    too."""
     import json
     import subprocess
     import sys

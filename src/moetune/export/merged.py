@@ -28,7 +28,8 @@ from moetune.model.hf_io import as_dtype
 from moetune.model.lora import lora_scaling
 from moetune.model.quant.checkpoint import checkpoint_scheme, declare_unquantised, fp8_config
 from moetune.model.quant.fp8 import FP8, scheme_named
-from moetune.names import FP8_WEIGHT_RE, FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE
+from moetune.names import (FP8_WEIGHT_RE, FUSED_EXPERT_RE as _FUSED_RE, HF_EXPERT_RE as _EXPERT_RE,
+                           ROUTER_WEIGHT_SUFFIX)
 from moetune.output_dir import atomic_output_dir
 
 COPIED_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
@@ -311,7 +312,7 @@ def export_merged(base_path: str, adapter_dir: str, out_dir: str, dtype="bfloat1
         # the decoder layers' linear weights written unquantised (a matrix, not fp8); not the router, which no
         # loader quantises (transformers' TopkRouter is no Linear, vLLM builds it unquantised)
         unquantised = [n[: -len(".weight")] for n, shape, d, _ in plan if n.startswith("model.layers.")
-                       and n.endswith(".weight") and not n.endswith(".mlp.gate.weight") and len(shape) == 2
+                       and n.endswith(".weight") and not n.endswith(ROUTER_WEIGHT_SUFFIX) and len(shape) == 2
                        and d != FP8]
         _write_config(base_path, tmp, torch_dtype, requantise, stored, unquantised)
         writer = ShardedWriter(tmp, [(n, s, d) for n, s, d, _ in plan], max_shard_bytes)

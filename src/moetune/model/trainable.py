@@ -6,7 +6,7 @@ disagree."""
 from __future__ import annotations
 
 from moetune.errors import ConfigError
-from moetune.names import NO_GRADIENT_RE
+from moetune.names import NO_GRADIENT_RE, ROUTER_WEIGHT_SUFFIX
 
 
 def prepare_trainable(model, cfg) -> None:
@@ -16,7 +16,7 @@ def prepare_trainable(model, cfg) -> None:
 
     if cfg.finetune.mode == "full":
         for name, p in model.named_parameters():
-            p.requires_grad_((cfg.finetune.train_router or not name.endswith("mlp.gate.weight"))
+            p.requires_grad_((cfg.finetune.train_router or not name.endswith(ROUTER_WEIGHT_SUFFIX))
                              and not NO_GRADIENT_RE.search(name))
         return
     try:
