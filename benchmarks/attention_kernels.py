@@ -3,11 +3,19 @@
     python benchmarks/attention_kernels.py            # writes $OUT/attention_kernels.json after every case
     BENCH_CPU=1 python benchmarks/attention_kernels.py  # a CPU rehearsal of the code paths on tiny shapes
 
-Cases: GLM-4.7-Flash's MLA (20 heads, q·k over 256 dims = 192 nope + 64 rope, v 256) at 1 × 4096, one document and
-4 packed documents; GLM-4.5-Air's GQA (96 query heads, 8 KV heads, head dim 128) at 4 × 1024 and 1 × 4096 packed.
-Backends: SDPA as it chooses by itself, SDPA forced to flash / cuDNN / memory-efficient, FlexAttention (compiled,
-causal or document-causal block mask). A backend that refuses a shape is a result ("error"), not a failure.
-TFLOP/s counts the causal half: fwd 2·2·(S²/2)·H·(Dqk + Dv)/2 per row, backward 2.5× the forward.
+    ATTN_CASES="air_gqa_1x4096_packed air_gqa_1x4096_mixed" python benchmarks/attention_kernels.py  # some cases
+
+Cases: GLM-4.7-Flash's MLA (20 heads, q·k over 256 dims = 192 nope + 64 rope, v 256) at 1 × 4096, one document, 4
+packed documents and the demo's ~32-token documents; GLM-4.5-Air's GQA (96 query heads, 8 KV heads, head dim 128) at
+4 × 1024 and 1 × 4096 packed (4 documents of 1,024, four unequal ones, 16 of 256).
+Backends: one document: SDPA as it chooses by itself, SDPA forced to flash / cuDNN / memory-efficient. Packed rows:
+FlexAttention (compiled; with Inductor's autotuning), FlashAttention-2's varlen kernel, cuDNN's ragged-layout kernel
+(aten's op called directly; and through the model's custom op, `model.attn_implementation: cudnn`), each with the
+documents' bound at the row's length (what the compiled model passes) and at the longest document; with equal
+documents also cuDNN on the documents as a batch (the bound no ragged kernel can beat). Every packed backend's output
+and query gradient are compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
+A backend that refuses a shape is a result ("error"), not a failure.
+TFLOP/s counts the causal half: fwd 2·2·(L²/2)·H·(Dqk + Dv)/2 per document, backward 2.5× the forward.
 """
 
 from __future__ import annotations
@@ -23,21 +31,25 @@ CPU = bool(os.environ.get("BENCH_CPU"))
 DEV = "cpu" if CPU else "cuda"
 OUT = os.environ.get("OUT", "/tmp")
 
-# name: (batch, q heads, kv heads, seq, d_qk, d_v, documents per row)
+# name: (batch, q heads, kv heads, seq, d_qk, d_v, the documents' lengths in each row)
 CASES = {
-    "flash_mla_1x4096": (1, 20, 20, 4096, 256, 256, 1),
-    "flash_mla_1x4096_packed": (1, 20, 20, 4096, 256, 256, 4),
-    "air_gqa_4x1024": (4, 96, 8, 1024, 128, 128, 1),
-    "air_gqa_1x4096_packed": (1, 96, 8, 4096, 128, 128, 4),
+    "flash_mla_1x4096": (1, 20, 20, 4096, 256, 256, [4096]),
+    "flash_mla_1x4096_packed": (1, 20, 20, 4096, 256, 256, [1024] * 4),
+    "flash_mla_1x4096_demo": (1, 20, 20, 4096, 256, 256, [32] * 128),
+    "air_gqa_4x1024": (4, 96, 8, 1024, 128, 128, [1024]),
+    "air_gqa_1x4096_packed": (1, 96, 8, 4096, 128, 128, [1024] * 4),
+    "air_gqa_1x4096_mixed": (1, 96, 8, 4096, 128, 128, [1536, 512, 1280, 768]),
+    "air_gqa_1x4096_16docs": (1, 96, 8, 4096, 128, 128, [256] * 16),
 }
 if CPU:
-    CASES = {k: (b, max(h // 10, 2), max(kv // 10, 1) if kv != h else max(h // 10, 2), 128, d // 8, dv // 8, docs)
-             for k, (b, h, kv, s, d, dv, docs) in CASES.items()}
+    CASES = {k: (b, max(h // 10, 2), max(kv // 10, 1) if kv != h else max(h // 10, 2), 128, d // 8, dv // 8,
+                 [128 * n // s for n in docs]) for k, (b, h, kv, s, d, dv, docs) in CASES.items()}
+if os.environ.get("ATTN_CASES"):
+    CASES = {k: CASES[k] for k in os.environ["ATTN_CASES"].split()}
 
 
-def flops(B, H, S, dqk, dv, docs):
-    per_doc = S // docs
-    pairs = docs * per_doc * (per_doc + 1) / 2  # causal (q, k) pairs per row
+def flops(B, H, dqk, dv, docs):
+    pairs = sum(n * (n + 1) / 2 for n in docs)  # causal (q, k) pairs per row
     fwd = 2 * B * H * pairs * (dqk + dv)
     return fwd, 2.5 * fwd
 
@@ -75,7 +87,11 @@ def sync():
         torch.cuda.synchronize()
 
 
-def backends(B, H, KV, S, docs):
+def position_ids(B, docs):
+    return torch.cat([torch.arange(n) for n in docs]).expand(B, -1).to(DEV)
+
+
+def backends(name, B, H, KV, S, docs):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gqa = KV != H
@@ -95,42 +111,124 @@ def backends(B, H, KV, S, docs):
         return f
 
     out = {}
-    if docs == 1:
+    if len(docs) == 1:
         out["sdpa_auto"] = sdpa()
         if not CPU:
             out["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
             out["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
             out["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+        return out
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    pos = torch.arange(S, device=DEV) % (S // docs)
-    doc = (pos == 0).cumsum(0).expand(B, S)
+    from moetune.model.attention import attend, build_attn_meta, dense_document_mask, document_ids, document_starts
+
+    pos = position_ids(B, docs)
+    doc = document_ids(pos)
 
     def doc_causal(b, h, q, kv):
         return (doc[b, q] == doc[b, kv]) & (q >= kv)
 
     mask = create_block_mask(doc_causal, B, None, S, S, device=DEV)
+    torch._dynamo.reset()  # a fresh compile per case: Dynamo's recompile limit would turn later cases eager
     flex = flex_attention if CPU else torch.compile(flex_attention, dynamic=False)
     out["flex"] = lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=gqa)
-    if not CPU:
-        for bm, bn in ((64, 64), (128, 64)):
-            opts = {"BLOCK_M": bm, "BLOCK_N": bn}
-            out[f"flex_{bm}x{bn}"] = (lambda o: lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=gqa,
-                                                                     kernel_options=o))(opts)
+    dense = dense_document_mask(pos)  # every (q, k) pair of the row computed, the mask applied
+    out["sdpa_dense_mask"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+    if CPU:
+        return out
+    if name in os.environ.get("ATTN_AUTOTUNE", "").split():  # minutes of autotuning: the cases named only
+        tuned = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+        out["flex_autotune"] = lambda q, k, v: tuned(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    def flat(t):
+        return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
+
+    def unflat(o):
+        return o.view(B, S, H, -1).transpose(1, 2)
+
+    cu = document_starts(pos)
+    longest = max(docs)
+    from torch.nn.attention.varlen import varlen_attn
+
+    for bound, name in ((S, ""), (longest, "_tight")):
+        out[f"varlen_fa2{name}"] = (lambda m: lambda q, k, v: unflat(varlen_attn(
+            flat(q), flat(k), flat(v), cu, cu, m, m, window_size=(-1, 0))))(bound)
+        out[f"cudnn_aten{name}"] = (lambda m: lambda q, k, v: unflat(torch.ops.aten._cudnn_attention_forward(
+            flat(q), flat(k), flat(v), None, cu, cu, m, m, True, 0.0, True, False)[0]))(bound)
+    # the model's paths, compiled as its layers are: padded document starts, the row's length as the bound
+    for impl in ("varlen", "cudnn"):
+        meta = build_attn_meta(pos, impl)
+        model_attend = torch.compile(attend, dynamic=False)
+        out[f"model_{impl}"] = (lambda m, f: lambda q, k, v: f(q, k, v, m))(meta, model_attend)
+    if len(set(docs)) == 1:  # the documents as a batch: what a ragged kernel at best matches
+        n = len(docs)
+
+        def batched(q, k, v):
+            def b(t):
+                return t.reshape(B, t.shape[1], n, S // n, t.shape[-1]).transpose(1, 2).reshape(
+                    B * n, t.shape[1], S // n, t.shape[-1])
+            kk, vv = b(k).repeat_interleave(H // KV, 1), b(v).repeat_interleave(H // KV, 1)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                o = F.scaled_dot_product_attention(b(q), kk, vv, is_causal=True)
+            return o.reshape(B, n, H, S // n, -1).transpose(1, 2).reshape(B, H, S, -1)
+        out["cudnn_batched"] = batched
     return out
+
+
+def reference(q, k, v, docs):
+    """The dense document-causal mask in fp32 (math): output and the query's gradient for one fixed grad."""
+    from moetune.model.attention import dense_document_mask
+
+    B = q.shape[0]
+    mask = dense_document_mask(position_ids(B, docs))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, enable_gqa=kf.shape[1] != qf.shape[1])
+    g = torch.randn(o.shape, generator=torch.Generator(device="cpu").manual_seed(1)).to(o.device)
+    o.backward(g)
+    return o.detach(), qf.grad, g
+
+
+def rel(got, want):
+    e = ((got.float() - want).norm() / want.norm()).item()
+    return e if e == e else float("nan")
 
 
 def main():
     results = []
     iters = 2 if CPU else 10
+    if not CPU:  # the model's cuDNN custom op: its fake kernel against the real one, its autograd registration
+        from moetune.model.attention import document_starts
+
+        q, k, v = (torch.randn(300, h, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+        cu = document_starts(torch.cat([torch.arange(100), torch.arange(200)])[None].to(DEV))
+        r = {"case": "opcheck", "backend": "moetune::cudnn_document_attention"}
+        try:
+            torch.library.opcheck(torch.ops.moetune.cudnn_document_attention.default, (q, k, v, cu, 300))
+            r["ok"] = True
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        results.append(r)
+        print(json.dumps(r), flush=True)
     for name, (B, H, KV, S, dqk, dv, docs) in CASES.items():
         g = torch.Generator(device="cpu").manual_seed(0)
         mk = lambda h, d: (torch.randn(B, h, S, d, generator=g) * 0.5).to(DEV, torch.bfloat16).requires_grad_()
         q, k, v = mk(H, dqk), mk(KV, dqk), mk(KV, dv)
-        fwd_flop, bwd_flop = flops(B, H, S, dqk, dv, docs)
-        for bname, fn in backends(B, H, KV, S, docs).items():
-            r = {"case": name, "backend": bname, "shape": [B, H, KV, S, dqk, dv, docs]}
+        fwd_flop, bwd_flop = flops(B, H, dqk, dv, docs)
+        try:
+            ref = reference(q, k, v, docs) if len(docs) > 1 else None
+            cands = backends(name, B, H, KV, S, docs)
+        except Exception as e:  # the case's setup failed: say so and go on with the next case
+            cands, r = {}, {"case": name, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+            results.append(r)
+            print(json.dumps(r), flush=True)
+        for bname, fn in cands.items():
+            r = {"case": name, "backend": bname, "shape": [B, H, KV, S, dqk, dv, len(docs)]}
             try:
+                if ref is not None:
+                    q.grad = None
+                    o = fn(q, k, v)
+                    o.backward(ref[2].to(o.dtype))
+                    r.update(err_out=rel(o, ref[0]), err_dq=rel(q.grad, ref[1]))
                 fwd_s, total_s = run(fn, q, k, v, iters)
                 r.update(fwd_ms=round(fwd_s * 1e3, 3), fwd_bwd_ms=round(total_s * 1e3, 3),
                          fwd_tflops=round(fwd_flop / fwd_s / 1e12, 1),
