@@ -39,7 +39,7 @@ flash_train() {  # $1: name, rest: extra overrides
 }
 for stage in ${STAGES:-attention trace variants}; do
   case $stage in
-    attention) run attention 120 python3 benchmarks/attention_kernels.py ;;
+    attention) run attention ${ATTN_LIMIT:-120} python3 benchmarks/attention_kernels.py ;;
     trace) mkdir -p "$OUT/trace"
       run trace 120 env BENCH_TRACE="$OUT/trace" BENCH_KERNELS=1 python3 benchmarks/train_throughput.py --timeout 110 \
         --variants ${TRACE_VARIANT:-ours_flash_mla_1x4096}
