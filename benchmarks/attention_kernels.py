@@ -9,10 +9,12 @@ Cases: GLM-4.7-Flash's MLA (20 heads, q·k over 256 dims = 192 nope + 64 rope, v
 packed documents and the demo's ~32-token documents; GLM-4.5-Air's GQA (96 query heads, 8 KV heads, head dim 128) at
 4 × 1024 and 1 × 4096 packed (4 documents of 1,024, four unequal ones, 16 of 256).
 Backends: one document: SDPA as it chooses by itself, SDPA forced to flash / cuDNN / memory-efficient. Packed rows:
-FlexAttention (compiled; with Inductor's autotuning), FlashAttention-2's varlen kernel, cuDNN's ragged-layout kernel
-(aten's op called directly; and through the model's custom op, `model.attn_implementation: cudnn`), each with the
-documents' bound at the row's length (what the compiled model passes) and at the longest document; with equal
-documents also cuDNN on the documents as a batch (the bound no ragged kernel can beat). Every packed backend's output
+FlexAttention (compiled; with Inductor's autotuning; and on the model's layout: q, k, v transposed views of
+[B, S, heads, D] projections, the output transposed back — as is and made contiguous first), FlashAttention-2's
+varlen kernel (with the documents' bound at the row's length, what the compiled model passes, and at the longest
+document; and through the model's path), SDPA with the dense mask; with equal documents also cuDNN on the documents
+as a batch (the bound a ragged kernel would have to match). cuDNN's own ragged layout (aten._cudnn_attention_forward
+with cumulative lengths) was measured on 2026-12-02 and dropped: 50-90 ms a call and wrong query gradients in torch 2.11. Every packed backend's output
 and query gradient are compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
 A backend that refuses a shape is a result ("error"), not a failure.
 TFLOP/s counts the causal half: fwd 2·2·(L²/2)·H·(Dqk + Dv)/2 per document, backward 2.5× the forward.
@@ -153,13 +155,28 @@ def backends(name, B, H, KV, S, docs):
     for bound, name in ((S, ""), (longest, "_tight")):
         out[f"varlen_fa2{name}"] = (lambda m: lambda q, k, v: unflat(varlen_attn(
             flat(q), flat(k), flat(v), cu, cu, m, m, window_size=(-1, 0))))(bound)
-        out[f"cudnn_aten{name}"] = (lambda m: lambda q, k, v: unflat(torch.ops.aten._cudnn_attention_forward(
-            flat(q), flat(k), flat(v), None, cu, cu, m, m, True, 0.0, True, False)[0]))(bound)
     # the model's paths, compiled as its layers are: padded document starts, the row's length as the bound
-    for impl in ("varlen", "cudnn"):
-        meta = build_attn_meta(pos, impl)
-        model_attend = torch.compile(attend, dynamic=False)
-        out[f"model_{impl}"] = (lambda m, f: lambda q, k, v: f(q, k, v, m))(meta, model_attend)
+    meta = build_attn_meta(pos, "varlen")
+    model_attend = torch.compile(attend, dynamic=False)
+    out["model_varlen"] = lambda q, k, v: model_attend(q, k, v, meta)
+
+    # FlexAttention on the attention modules' layout (the projections write [B, S, heads, D]; attend() gets
+    # transposed views and the output is transposed back for o_proj): the copies into that layout are paid by both
+    # rows, so their difference is what the kernel's layout costs
+    def model_layout(contiguous):
+        def core(q, k, v):
+            if contiguous:
+                q, k, v = (t.contiguous() for t in (q, k, v))
+            o = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            return o.transpose(1, 2).reshape(B, S, -1)
+        compiled = torch.compile(core, dynamic=False)
+
+        def f(q, k, v):
+            views = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+            return compiled(*views).view(B, S, H, -1).transpose(1, 2)
+        return f
+    out["flex_model_layout"] = model_layout(False)
+    out["flex_model_layout_contiguous"] = model_layout(True)
     if len(set(docs)) == 1:  # the documents as a batch: what a ragged kernel at best matches
         n = len(docs)
 

@@ -132,15 +132,15 @@ FP8_VARIANTS = {
                                          {"model": "glm47-flash", "quantize": "fp8"}),
 }
 VARIANTS.update(FP8_VARIANTS)
-# packed rows through FlashAttention-2's variable-length kernel (model.attn_implementation varlen), or cuDNN's on the
-# same ragged layout (cudnn, `_ragged`), instead of FlexAttention's document mask: each against the row it derives
-# from, same call
+# packed rows through FlashAttention-2's variable-length kernel (model.attn_implementation varlen) instead of
+# FlexAttention's document mask: each against the row it derives from, same call
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_flash_mla_1x4096_packed",
               "ours_flash_mla_1x4096_demo", "ours_fp8_air_qkvo_1x4096_packed", "ours_fp8_air_experts_1x4096_packed_ac",
               "ours_fp8_qkvo_1x4096_packed"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_varlen"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen"})
-    VARIANTS[f"{_base}_ragged"] = (_s, _b, _t, _tg, {**_x, "attn": "cudnn"})  # cuDNN's kernel on the same layout
+    # FlexAttention with q, k, v made contiguous [B, heads, S, D] first (attention.FLEX_CONTIGUOUS_INPUTS)
+    VARIANTS[f"{_base}_flexcontig"] = (_s, _b, _t, _tg, {**_x, "flex_contiguous": True})
 # candidates of issue 21, each against the row it derives from (same call): SDPA forced to one kernel
 # ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
@@ -249,6 +249,10 @@ def build_ours(cfg: dict, targets, extra, device):
 
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
+    if extra.get("flex_contiguous"):  # a candidate setting, measured against the default
+        import moetune.model.attention as attention_module
+
+        attention_module.FLEX_CONTIGUOUS_INPUTS = True
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

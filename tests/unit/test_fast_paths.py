@@ -110,62 +110,12 @@ def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1))
     return torch.cat(outs)
 
 
-def _document_scores(q, k, a, b):
-    """One document's causal scores [Hq, L, L] in fp32, GQA by head groups (SDPA's default scale)."""
-    qd, kd = q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float()
-    kd = kd.repeat_interleave(qd.shape[0] // kd.shape[0], 0)
-    s = qd @ kd.transpose(1, 2) / q.shape[-1] ** 0.5
-    return s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-
-
-def cudnn_forward_reference(q, k, v, cu_seqlens, max_len):
-    """aten._cudnn_attention_forward's contract on the ragged layout as model/attention.py calls it: q/k/v [T, heads,
-    D], one causal sequence per cu_seqlens interval -> out [T, Hq, Dv] and the log-sum-exp [T, Hq, 1] fp32."""
-    bounds = cu_seqlens.tolist()
-    assert cu_seqlens.dtype == torch.int32 and max(b - a for a, b in zip(bounds, bounds[1:])) <= max_len
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-    lse = q.new_zeros(q.shape[0], q.shape[1], 1, dtype=torch.float32)
-    for a, b in zip(bounds, bounds[1:]):
-        if b > a:
-            s = _document_scores(q, k, a, b)
-            vd = v[a:b].transpose(0, 1).float().repeat_interleave(q.shape[1] // v.shape[1], 0)
-            out[a:b] = (s.softmax(-1) @ vd).transpose(0, 1).to(out.dtype)
-            lse[a:b] = s.logsumexp(-1).transpose(0, 1).unsqueeze(-1)
-    return out, lse
-
-
-def cudnn_backward_reference(grad, q, k, v, out, lse, cu_seqlens, max_len):
-    """aten._cudnn_attention_backward's contract: the gradients of cudnn_forward_reference's output, written out (a
-    custom op's kernel runs below autograd): dV = Pᵀ·dO, dS = P∘(dO·Vᵀ − rowsum(dO∘O)), dQ = dS·K/√d, dK = dSᵀ·Q/√d,
-    key/value gradients summed over each head group. The output and log-sum-exp it reads must be the forward's."""
-    want, want_lse = cudnn_forward_reference(q, k, v, cu_seqlens, max_len)
-    torch.testing.assert_close(lse, want_lse)
-    torch.testing.assert_close(out, want)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds, bounds[1:]):
-        if b == a:
-            continue
-        p = _document_scores(q, k, a, b).softmax(-1)  # [Hq, L, L]
-        do, o = grad[a:b].transpose(0, 1).float(), out[a:b].transpose(0, 1).float()
-        kd, vd = (t[a:b].transpose(0, 1).float().repeat_interleave(group, 0) for t in (k, v))
-        ds = p * (do @ vd.transpose(1, 2) - (do * o).sum(-1, keepdim=True))
-        dq[a:b] = (ds @ kd * scale).transpose(0, 1).to(dq.dtype)
-        dk[a:b] = (ds.transpose(1, 2) @ q[a:b].transpose(0, 1).float() * scale).unflatten(0, (-1, group)).sum(1) \
-            .transpose(0, 1).to(dk.dtype)
-        dv[a:b] = (p.transpose(1, 2) @ do).unflatten(0, (-1, group)).sum(1).transpose(0, 1).to(dv.dtype)
-    return dq, dk, dv
-
-
-@pytest.mark.parametrize("kernel", ["varlen", "cudnn"])
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_varlen_attention_over_packed_rows_matches_the_dense_document_mask(device, kernel, monkeypatch):
-    """model.attn_implementation varlen / cudnn: FlashAttention-2's or cuDNN's variable-length kernel over the
-    documents of the flattened rows, forward and gradients equal to the dense document-causal mask's; GQA; a row
-    that starts inside a document starts a sequence of its own. On the CPU each kernel is its torch reference (the
-    plumbing is what is tested: flattening, cu_seqlens, the custom ops and their autograd, the layout back; and
-    compiled: the fake kernels); on a GPU, the kernel itself in bf16."""
+def test_varlen_attention_over_packed_rows_matches_the_dense_document_mask(device, monkeypatch):
+    """model.attn_implementation varlen: FlashAttention-2's variable-length kernel over the documents of the flattened
+    rows, forward and gradients equal to the dense document-causal mask's; GQA; a row that starts inside a
+    document starts a sequence of its own. On the CPU the kernel is its torch reference (the plumbing is what is
+    tested: flattening, cu_seqlens, the layout back); on a GPU, the kernel itself in bf16."""
     from moetune.model.attention import (AttnMeta, attend, build_attn_meta, dense_document_mask, document_starts,
                                          padded_document_starts)
 
@@ -175,24 +125,19 @@ def test_varlen_attention_over_packed_rows_matches_the_dense_document_mask(devic
         import moetune.model.attention as attention
 
         monkeypatch.setattr(attention, "varlen_attn", varlen_reference)
-        monkeypatch.setattr(attention, "_cudnn_forward", cudnn_forward_reference)
-        monkeypatch.setattr(attention, "_cudnn_backward", cudnn_backward_reference)
     B, H, Hkv, S, D = 2, 4, 2, 128, 64
     pos = torch.stack([torch.cat([torch.arange(7, 57), torch.arange(78)]),  # the first document began a row before
                        torch.cat([torch.arange(10), torch.arange(100), torch.arange(18)])]).to(device)
     assert document_starts(pos).tolist() == [0, 50, 128, 138, 238, 256]
     # padded to 8 documents, the 3 empty ones at the end: one compiled shape for up to 8 documents
     assert padded_document_starts(pos).tolist() == [0, 50, 128, 138, 238, 256, 256, 256, 256]
-    meta = (build_attn_meta(pos, kernel) if device == "cuda"
-            else AttnMeta(cu_seqlens=padded_document_starts(pos), max_len=S, kernel=kernel))
-    assert meta.cu_seqlens is not None and meta.kernel == kernel
+    meta = (build_attn_meta(pos, "varlen") if device == "cuda"
+            else AttnMeta(cu_seqlens=padded_document_starts(pos), max_len=S))
+    assert meta.cu_seqlens is not None
     leaves = [torch.randn(B, h, S, D, device=device, dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv)]
     # the callers' layout: q, k, v made [B, S, heads, D] by the projections, transposed to [B, heads, S, D]
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in leaves)
-    # compiled as the layers are (static shapes): the custom ops' fake kernels carry the shapes through the graph
-    # (varlen's CPU stand-in is plain Python, not torch's custom op: eager there)
-    compiled = kernel == "cudnn" or device == "cuda"
-    got = (torch.compile(attend, dynamic=False, fullgraph=True) if compiled else attend)(q, k, v, meta)
+    got = attend(q, k, v, meta)
     grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     want = attend(q2, k2, v2, AttnMeta(dense_mask=dense_document_mask(pos)))

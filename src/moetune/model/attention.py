@@ -3,8 +3,8 @@
 One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
 position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
 diagonal of each document are computed), or (`varlen`) FlashAttention-2's variable-length kernel over the
-documents of the flattened rows (torch.nn.attention.varlen), or (`cudnn`) cuDNN's fused attention over the same
-ragged layout; SDPA with a dense boolean mask elsewhere (their CPU-testable twin).
+documents of the flattened rows (torch.nn.attention.varlen); SDPA with a dense boolean mask elsewhere (their
+CPU-testable twin).
 Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
 """
 
@@ -18,13 +18,17 @@ import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 
 
+# FlexAttention's inputs made contiguous [B, heads, S, D] first (the modules pass transposed views of their
+# [B, S, heads, D] projections): a candidate measured in benchmarks/attention_kernels.py and the harness
+FLEX_CONTIGUOUS_INPUTS = False
+
+
 @dataclass
 class AttnMeta:
     dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
     block_mask: object | None = None  # FlexAttention BlockMask
     cu_seqlens: torch.Tensor | None = None  # varlen path: int32 [documents + 1], their starts in the flattened rows
     max_len: int = 0  # varlen path: a bound on a document's length (the row's: one compiled graph for all batches)
-    kernel: str = "varlen"  # which kernel reads cu_seqlens: "varlen" (FlashAttention-2) or "cudnn"
 
 
 def document_ids(position_ids):
@@ -72,8 +76,8 @@ def _compiled_flex():
 def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
     if impl == "eager" or not is_packed(position_ids):
         return AttnMeta(dense_mask=dense_document_mask(position_ids) if impl == "eager" else None)
-    if impl in ("varlen", "cudnn") and position_ids.is_cuda:
-        return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1], kernel=impl)
+    if impl == "varlen" and position_ids.is_cuda:
+        return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1])
     use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
     if not use_flex:
         return AttnMeta(dense_mask=dense_document_mask(position_ids))
@@ -124,87 +128,25 @@ class KVCache:
 def attend(q, k, v, meta: AttnMeta):
     """q [B, Hq, S, D], k/v [B, Hkv, T, D] -> [B, Hq, S, D] (T > S only with a dense mask: a decoding step)."""
     if meta.block_mask is not None:
+        if FLEX_CONTIGUOUS_INPUTS:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
     if meta.cu_seqlens is not None:
-        return attend_documents(q, k, v, meta)
+        return attend_varlen(q, k, v, meta)
     if meta.dense_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.dense_mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def attend_documents(q, k, v, meta: AttnMeta):
-    """Document-causal attention over packed rows by a variable-length kernel (FlashAttention-2's, or cuDNN's): the
-    rows flattened to [B·S, heads, D] (the layout the projections wrote: the transposes undo the callers'), one
-    causal sequence per document. GQA as the kernels take it: fewer key/value heads, each shared by a group of
-    query heads."""
+def attend_varlen(q, k, v, meta: AttnMeta):
+    """Document-causal attention over packed rows by FlashAttention-2's variable-length kernel: the rows flattened
+    to [B·S, heads, D] (the layout the projections wrote: the transposes undo the callers'), one causal sequence per
+    document. GQA as the kernel takes it: fewer key/value heads, each shared by a group of query heads."""
     B, Hq, S, _ = q.shape
 
     def flat(t):
         return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
 
-    if meta.kernel == "cudnn":
-        o = torch.ops.moetune.cudnn_document_attention(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.max_len)[0]
-    else:
-        o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
-                        window_size=(-1, 0))
+    o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
+                    window_size=(-1, 0))
     return o.view(B, S, Hq, -1).transpose(1, 2)
-
-
-# cuDNN's fused attention on the ragged layout, as custom ops: aten's _cudnn_attention_forward has no fake kernel for
-# torch.compile to trace, and torch.nn.attention.varlen keeps its own cuDNN route switched off (torch 2.11). The
-# kernels are called through module-level names so that the CPU tests put their torch references in their place.
-def _cudnn_forward(q, k, v, cu_seqlens, max_len):
-    out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, True, 0.0,
-                                                  True, False)
-    return out[0], out[1]
-
-
-def _cudnn_backward(grad, q, k, v, out, lse, cu_seqlens, max_len):
-    unused = torch.zeros((), dtype=torch.long, device=q.device)  # the dropout's seed and offset: no dropout
-    return torch.ops.aten._cudnn_attention_backward(grad, q, k, v, out, lse, unused, unused, None, cu_seqlens,
-                                                    cu_seqlens, max_len, max_len, 0.0, True)
-
-
-@torch.library.custom_op("moetune::cudnn_document_attention", mutates_args=())
-def cudnn_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                             max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], one causal sequence per cu_seqlens interval (empty ones
-    allowed) -> (out [T, Hq, Dv], the softmax's log-sum-exp [T, Hq, 1] fp32, which the backward reads)."""
-    out, lse = _cudnn_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_len)
-    return out.contiguous(), lse.contiguous()
-
-
-@cudnn_document_attention.register_fake
-def _(q, k, v, cu_seqlens, max_len):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1]), q.new_empty(q.shape[0], q.shape[1], 1,
-                                                                           dtype=torch.float32)
-
-
-@torch.library.custom_op("moetune::cudnn_document_attention_backward", mutates_args=())
-def cudnn_document_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                      out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor,
-                                      max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _cudnn_backward(grad.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
-                                 cu_seqlens, max_len)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
-
-
-@cudnn_document_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, max_len):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _cudnn_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_len = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
-    ctx.max_len = max_len
-
-
-def _cudnn_grad(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = torch.ops.moetune.cudnn_document_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens,
-                                                                     ctx.max_len)
-    return dq, dk, dv, None, None
-
-
-cudnn_document_attention.register_autograd(_cudnn_grad, setup_context=_cudnn_setup)
