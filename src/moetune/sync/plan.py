@@ -29,7 +29,7 @@ from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket,
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # full link speed, fine pipelining (raised to the largest tensor, see above)
 MAX_EXPERTS_PER_UNIT = 32
-FORMATS = ("bf16", "fp8", "fp32")
+FORMATS = ("bf16", "fp8", "fp32", "fp8_rows")
 _KEEP_FP32 = ("e_score_correction_bias",)  # as the hub checkpoints store it
 
 
@@ -40,10 +40,11 @@ class TensorUnit:
     shape: tuple
     dtype: str  # wire dtype
     lora: tuple | None = None  # (A name, B name, scaling): sent as W + scaling·B·A
+    scale: str | None = None  # format fp8_rows: the wire name of its per-row scale (fp32 [rows, 1]), sent after it
 
     @property
     def nbytes(self) -> int:
-        return nbytes(self.shape, self.dtype)
+        return nbytes(self.shape, self.dtype) + (nbytes((self.shape[0], 1), "float32") if self.scale else 0)
 
 
 @dataclass
@@ -55,10 +56,11 @@ class ExpertUnit:
     H: int
     dtype: str  # wire dtype of the weights: bfloat16 or float8_e4m3fn
     lora: dict | None = None  # {"gate_up": (A, B), "down": (A, B), "scaling": s}
+    scales: str | None = None  # fp8: "block" (128×128, format fp8) or "row" (format fp8_rows)
 
     @property
     def nbytes(self) -> int:
-        return expert_nbytes(self.count, self.I, self.H, self.dtype, self.fp8)
+        return expert_nbytes(self.count, self.I, self.H, self.dtype, self.scales)
 
     @property
     def fp8(self) -> bool:
@@ -114,12 +116,15 @@ def _group_key(name: str):
 
 def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, bucket_bytes: int | None = None,
                max_experts_per_unit: int = MAX_EXPERTS_PER_UNIT) -> Plan:
-    """fmt: "bf16" | "fp8" (routed experts in fp8, the rest bf16) | "fp32" (everything fp32: an fp32 engine, tests);
+    """fmt: "bf16" | "fp8" (routed experts in 128×128-block fp8, the rest bf16) | "fp32" (everything fp32: an fp32
+    engine, tests) | "fp8_rows" (what an FP8 base stores in fp8 — row-wise, as the compressed-tensors releases — in
+    fp8 with a per-row `weight_scale`, requantised after the merge; the rest bf16: an engine serving that release);
     lora: "merge" | "adapter" | "base"."""
     if fmt not in FORMATS:
         raise ValueError(f"weight sync format {fmt!r}: choose {', '.join(FORMATS)}")
     if lora not in ("merge", "adapter", "base"):
         raise ValueError(f"lora {lora!r}: choose merge (send W + s·B·A), adapter (only the LoRA tensors) or base")
+    row_fp8 = _row_fp8_weights(model) if fmt == "fp8_rows" and lora != "adapter" else set()
     linear_lora, expert_lora = lora_sources(model)
     if lora == "adapter" and not (linear_lora or expert_lora):
         raise ValueError("lora='adapter' but the model carries no LoRA")
@@ -141,13 +146,22 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
             continue
         keep = name.endswith(_KEEP_FP32) or not t.is_floating_point() or is_lora
         dtype = dtype_name(t.dtype) if keep else float_dtype
-        items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None))
-    expert_dtype = "float8_e4m3fn" if fmt == "fp8" else float_dtype
+        scale = None
+        if name in row_fp8:
+            dtype, scale = "float8_e4m3fn", name[: -len("weight")] + "weight_scale"
+        items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None, scale))
+
+    def expert_format(prefix) -> tuple[str, str | None]:  # (wire dtype, scales) of a layer's routed experts
+        if fmt == "fp8":
+            return "float8_e4m3fn", "block"
+        if f"{prefix}.gate_up_proj" in row_fp8:
+            return "float8_e4m3fn", "row"
+        return float_dtype, None
 
     def size(item):
         if isinstance(item, TensorUnit):
             return item.nbytes
-        return expert_nbytes(item[1], item[2], item[3], expert_dtype, fmt == "fp8")
+        return expert_nbytes(item[1], item[2], item[3], *expert_format(item[0]))
 
     sizes = {k: sum(size(i) for i in items) for k, items in groups.items()}
     L = max(sizes.values(), default=0)
@@ -161,7 +175,7 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
     budget = int(1.25 * L) + e - ring - header
     per_expert = max((_expert_staging(tensors, p, I, H, expert_lora.get(p) if merge else None)
                       for p, _, I, H in expert_items), default=1)
-    per_expert_wire = max((expert_nbytes(1, I, H, expert_dtype, fmt == "fp8") for _, _, I, H in expert_items), default=1)
+    per_expert_wire = max((expert_nbytes(1, I, H, *expert_format(p)) for p, _, I, H in expert_items), default=1)
     c = max(1, min(max_experts_per_unit, budget // per_expert, bucket // per_expert_wire))
 
     # pass 2: units, then buckets
@@ -170,11 +184,26 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
         units = [i for i in groups[key] if isinstance(i, TensorUnit)]
         for prefix, E, I, H in (i for i in groups[key] if isinstance(i, tuple)):
             el = expert_lora.get(prefix) if merge else None
-            units += [ExpertUnit(prefix, a, min(c, E - a), I, H, expert_dtype, el) for a in range(0, E, c)]
+            dtype, scales = expert_format(prefix)
+            units += [ExpertUnit(prefix, a, min(c, E - a), I, H, dtype, el, scales) for a in range(0, E, c)]
         buckets += _bucketize(key, units, bucket)
     header = {"version": VERSION, "format": "adapter" if lora == "adapter" else fmt,
               "buckets": [b.meta for b in buckets]}
     return Plan(header, buckets, L, e, bucket, budget, c)
+
+
+def _row_fp8_weights(model) -> set[str]:
+    """The weights format fp8_rows sends in fp8: those the model's base stores in fp8 with one scale per row."""
+    from moetune.model.quant.modules import fp8_weights
+
+    stored = fp8_weights(model)
+    if not stored:
+        raise ValueError("weight sync format fp8_rows sends the weights an FP8 base stores in fp8, with their per-row "
+                         "scales: this model's base is not fp8 (train on the FP8 checkpoint, or model.quantize: fp8)")
+    if any(q.block is not None for _, q in stored):
+        raise ValueError("weight sync format fp8_rows needs a base stored in fp8 with one scale per row (the "
+                         "compressed-tensors releases); this base is block-scaled: sync format fp8 or bf16")
+    return {name for name, _ in stored}
 
 
 def _expert_staging(tensors, prefix, I, H, lora) -> int:
@@ -199,14 +228,19 @@ def _bucketize(layer, units, limit) -> list[PlannedBucket]:
 
 
 def _layout(layer, units) -> dict:
-    plain = [(u.name, u.dtype, u.shape) for u in units if isinstance(u, TensorUnit)]
+    plain = []
+    for u in units:
+        if isinstance(u, TensorUnit):
+            plain.append((u.name, u.dtype, u.shape))
+            if u.scale:
+                plain.append((u.scale, "float32", (u.shape[0], 1)))
     ex = [u for u in units if isinstance(u, ExpertUnit)]
     section = None
     if ex:
         assert all(u.prefix == ex[0].prefix for u in ex)  # one layer's experts, consecutive
         assert ex[-1].first + ex[-1].count - ex[0].first == sum(u.count for u in ex)
         section = {"prefix": ex[0].prefix, "first": ex[0].first, "count": sum(u.count for u in ex),
-                   "I": ex[0].I, "H": ex[0].H, "dtype": ex[0].dtype}
+                   "I": ex[0].I, "H": ex[0].H, "dtype": ex[0].dtype, "scales": ex[0].scales}
     return layout_bucket(layer, plain, section)
 
 

@@ -66,7 +66,8 @@ class ModelUpdater:
     and down_proj [E, H, I]), so one updater serves both.
 
     bf16 buckets: plain tensors by name, expert sections as one copy per projection. fp8 buckets: experts are
-    dequantized (q·s, fp8.py) one expert at a time into the model's dtype. Adapter buckets: LoRA tensors by name
+    dequantized (q·s, fp8.py) one expert at a time into the model's dtype; fp8_rows buckets: every fp8 weight, plain
+    or expert, is dequantized with its row scales (q·s per row). Adapter buckets: LoRA tensors by name
     (a moetune model with the same LoRA applied). A model that carries LoRA should receive merged weights only if
     its LoRA is zero, or it would apply the update twice."""
 
@@ -78,7 +79,10 @@ class ModelUpdater:
         """Why this model cannot take the sync described by `header` (None: it can)."""
         problems = []
         for meta in header["buckets"]:
+            row_scales = _row_scales(meta)
             for name, _, shape, _ in meta["tensors"]:
+                if name in row_scales.values():
+                    continue  # read with its weight
                 t = self.targets.get(name)
                 if t is None or tuple(t.shape) != tuple(shape):
                     problems.append(f"{name} {list(shape)}: " + ("not in this model" if t is None else
@@ -108,7 +112,12 @@ class ModelUpdater:
 
     @torch.no_grad()
     def __call__(self, bucket: Bucket) -> None:
+        row_scales = _row_scales(bucket.meta)
         for name, t in bucket.plain():
+            if name in row_scales:
+                t = t.float() * bucket.tensor(row_scales[name])
+            elif name in row_scales.values():
+                continue
             self._target(name, t.shape).copy_(t)
         ex = bucket.experts
         if ex is None:
@@ -123,11 +132,23 @@ class ModelUpdater:
             gate_up[rows].copy_(ex.w13)
             down[rows].copy_(ex.w2)
             return
+        if ex.scales == "row":
+            for i, e in enumerate(ex.experts):
+                gate_up[e].copy_(ex.w13[i].float() * ex.w13_scale[i])
+                down[e].copy_(ex.w2[i].float() * ex.w2_scale[i])
+            return
         I, nI = ex.I, ex.w13_scale.shape[1] // 2
         for i, e in enumerate(ex.experts):
             gate_up[e, :I].copy_(dequantize(ex.w13[i, :I], ex.w13_scale[i, :nI]))
             gate_up[e, I:].copy_(dequantize(ex.w13[i, I:], ex.w13_scale[i, nI:]))
             down[e].copy_(dequantize(ex.w2[i], ex.w2_scale[i]))
+
+
+def _row_scales(meta: dict) -> dict[str, str]:
+    """{fp8 weight: its row scale} of a bucket's plain tensors (format fp8_rows: `X.weight_scale` follows `X.weight`)."""
+    names = {name for name, _, _, _ in meta["tensors"]}
+    return {name: name + "_scale" for name, dtype, _, _ in meta["tensors"]
+            if dtype == "float8_e4m3fn" and name + "_scale" in names}
 
 
 def receive_into(group: SyncGroup, model) -> dict:

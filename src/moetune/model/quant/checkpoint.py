@@ -104,23 +104,31 @@ def declare_unquantised(qc: dict, modules: list[str]) -> dict:
     start, or a suffix, as transformers' should_convert_module).
     Those not yet excluded are added by exact name: an export's config then says what its files hold, also where
     the base's config did not (a loader following it would read a bf16 weight as fp8 without a scale)."""
-    compressed = qc.get("quant_method") == "compressed-tensors"
-    key = "ignore" if compressed else "modules_to_not_convert"
-
-    def excluded(name, entry) -> bool:
-        if not isinstance(entry, str):
-            return False
-        try:  # an entry that is no valid regular expression excludes nothing we can rely on: the name is added
-            if compressed:
-                return re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
-            return re.match(entry, name) is not None or name.endswith(entry)
-        except re.error:
-            return False
-
+    key = "ignore" if qc.get("quant_method") == "compressed-tensors" else "modules_to_not_convert"
     have = qc.get(key) or []
     have = list(have) if isinstance(have, list) else [have]
-    missing = [m for m in modules if not any(excluded(m, e) for e in have)]
+    missing = [m for m in modules if not not_quantised(qc, m)]
     return dict(qc, **{key: have + missing}) if missing else qc
+
+
+def not_quantised(qc: dict, name: str) -> bool:
+    """Does `qc` exclude the module `name` from quantisation, as loaders read it (see declare_unquantised)? An entry
+    that is no valid regular expression excludes nothing we can rely on."""
+    compressed = qc.get("quant_method") == "compressed-tensors"
+    have = qc.get("ignore" if compressed else "modules_to_not_convert") or []
+    for entry in have if isinstance(have, list) else [have]:
+        if not isinstance(entry, str):
+            continue
+        try:
+            if compressed:
+                hit = re.match(entry[3:], name) is not None if entry.startswith("re:") else entry == name
+            else:
+                hit = re.match(entry, name) is not None or name.endswith(entry)
+        except re.error:
+            hit = False
+        if hit:
+            return True
+    return False
 
 
 def stored_fp8_modules(reader) -> set[str]:

@@ -77,10 +77,22 @@ def scheme_named(name: str | None, block: tuple[int, int] = (128, 128)) -> Fp8Sc
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 values and fp32 scales [..., 1] with x ≈ q · scale, one scale per row (last dim reduced)."""
+    """fp8 values and fp32 scales [..., 1] with x ≈ q · scale, one scale per row (last dim reduced). Functional:
+    the compiled fp8 matmuls quantise their activations with it (Inductor fuses it)."""
     xf = x.to(torch.float32)
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_TINY)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@torch.no_grad()
+def quantize_rows_(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
+    """quantize_rows, bit for bit, into q_out (fp8) and scale_out [..., 1] (fp32), x (fp32 scratch) divided by its
+    scales in place: no temporary the size of x (the weight sync's staging is bounded)."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)  # max |x| a row, exact
+    scale = amax.div_(FP8_MAX).clamp_(min=_TINY)
+    x.div_(scale).clamp_(-FP8_MAX, FP8_MAX)
+    q_out.copy_(x)
+    scale_out.copy_(scale)
 
 
 def quantize_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
