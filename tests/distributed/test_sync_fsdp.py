@@ -8,6 +8,8 @@ full state after each round (full_tensor, test-side only) for the reference. The
 receiver's weights must equal the trainer's — bf16 bit for bit (LoRA merged in fp32 as export merges it), fp8
 equal to the reference quantization and within its documented error bound — and the sending rank's tracked
 allocations must stay under 1.25 × the largest layer's wire bytes + one expert's bf16 bytes.
+A third trainer model has an fp8 base (row scales, sharded as stored) and syncs in format fp8_rows: what the receiver
+gets equals, bit for bit, the same model built in one process, merged and requantised row by row.
 """
 
 import os
@@ -20,7 +22,7 @@ from helpers import free_port
 
 SCALING = 2.0  # alpha 8 / rank 4
 SYNCS = [("lora", dict(format="bf16")), ("lora", dict(format="fp8")), ("lora", dict(lora="adapter")),
-         ("full", dict(format="bf16")), ("full", dict(format="fp8"))]
+         ("full", dict(format="bf16")), ("full", dict(format="fp8")), ("lora_fp8", dict(format="fp8_rows"))]
 MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
 TARGETS = {"glm4_moe": ["q_proj", "v_proj", "o_proj", "shared_experts", "experts"],
            "glm4_moe_lite": MLA_TARGETS, "glm_moe_dsa": MLA_TARGETS}
@@ -41,19 +43,25 @@ def _config(kind="glm4_moe"):
     return ModelConfig.from_hf_dict(dict(base, num_hidden_layers=3, n_routed_experts=6))  # 6 experts: 3 a rank
 
 
-def _trainer_model(dist, full: bool, ep: int, kind: str):
+def _trainer_model(dist, full: bool, ep: int, kind: str, fp8: bool = False):
+    """dist None: the same model in one process, unsharded (fp8 only: the reference of the fp8_rows sync)."""
     from moetune.parallel import apply as parallel
     from moetune.model.hf_io import _param_seed, build_model, cast_model, init_weights
+    from moetune.model.quant.fp8 import ROWWISE
+    from moetune.model.quant.modules import quantize_model
     from moetune.tensors import local_index, local_tensor
     from moetune.model.lora import apply_lora
 
     model = build_model(_config(kind), "meta")
     cast_model(model, torch.float32 if full else torch.bfloat16)
+    if fp8:
+        quantize_model(model, ROWWISE)
     if not full:
         apply_lora(model, TARGETS[kind], 4, 8.0)
     if ep > 1:
         parallel.apply_ep(model, dist.mesh["ep"])
-    parallel.apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16)
+    if dist is not None:  # an fp8 base is gathered as stored (setup.py passes no param_dtype for it)
+        parallel.apply_fsdp(model, dist.mesh, param_dtype=None if fp8 else torch.bfloat16)
     model.to_empty(device="cpu")
     with torch.no_grad():
         init_weights(model, seed=0)
@@ -62,6 +70,8 @@ def _trainer_model(dist, full: bool, ep: int, kind: str):
                 idx, shape = local_index(p)
                 g = torch.Generator().manual_seed(_param_seed(1, name))
                 local_tensor(p).copy_((torch.randn(shape, generator=g) * 0.1)[idx])
+    if fp8:
+        return model, None  # synced as initialised: its one-process twin is the reference
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     g = torch.Generator().manual_seed(2)
 
@@ -94,7 +104,7 @@ def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
 
     dist = init_distributed(make_layout(world, ep, n_layers=3, n_experts=6), device="cpu")
     (lora, lora_step), (full, _) = _trainer_model(dist, False, ep, kind), _trainer_model(dist, True, ep, kind)
-    models = {"lora": lora, "full": full}
+    models = {"lora": lora, "full": full, "lora_fp8": _trainer_model(dist, False, ep, kind, fp8=True)[0]}
     group = connect(sync_addr, 0, 2, "cpu", timeout_s=120) if rank == 0 else None
     senders = [WeightSender(models[which], group, **kw) for which, kw in SYNCS]
     stats = [s.sync() for s in senders]
@@ -103,7 +113,7 @@ def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                 for n, p in list(m.named_parameters()) + list(m.named_buffers())}
 
-    full = {which: snapshot(m) for which, m in models.items()}
+    full = {which: snapshot(m) for which, m in models.items() if which != "lora_fp8"}  # fp8: its one-process twin
     lora_step()  # train on, and sync again with the first sender: its cached plan, the new weights
     stats.append(senders[0].sync())
     full["lora_again"] = snapshot(lora)
@@ -173,6 +183,27 @@ def _merged_fp32(state: dict) -> dict:
     return out
 
 
+def _fp8_rows_reference(kind) -> dict:
+    """What a receiver of the fp8_rows sync holds (bf16): the trainer's fp8 model built in one process, each fp8
+    weight dequantised, LoRA merged in fp32, requantised a row at a time, dequantised again."""
+    from moetune.model.quant.fp8 import quantize_rows
+    from moetune.model.quant.modules import fp8_weights, scale_name
+
+    model, _ = _trainer_model(None, False, 1, kind, fp8=True)
+    state = {n: t.detach() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    fp8 = {w: scale_name(w, q) for w, q in fp8_weights(model)}
+    assert fp8 and all(n in state for n in fp8.values())
+    for w, s in fp8.items():
+        state[w] = state[w].float() * state.pop(s)
+    out = {}
+    for name, w in _merged_fp32(state).items():
+        if name in fp8:
+            q, s = quantize_rows(w)
+            w = q.float() * s
+        out[name] = w if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
+    return out
+
+
 def _check(trainer, receiver, kind="glm4_moe"):
     from moetune.sync.fp8 import dequantize, error_bound, quantize
 
@@ -185,6 +216,12 @@ def _check(trainer, receiver, kind="glm4_moe"):
         sent = trainer["stats"][k]
         assert sent["bytes"] == got["stats"]["bytes"] > 0 and sent["buckets"] == got["stats"]["buckets"]
         assert sent["peak_alloc"] <= sent["bound"], (which, kw, sent)
+        if kw.get("format") == "fp8_rows":
+            want = _fp8_rows_reference(kind)
+            assert want.keys() == {n for n in got["state"] if ".lora" not in n}
+            for name, w in want.items():
+                assert torch.equal(got["state"][name], w), name
+            continue
         state = trainer["state"][which]
         if kw.get("lora") == "adapter":
             lora = {n: t for n, t in state.items() if ".lora" in n}

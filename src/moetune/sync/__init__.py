@@ -4,7 +4,8 @@ Trainer (every rank of the training group; the sending rank also holds the sync 
 
     from moetune.sync import WeightSender, connect
     group = connect("tcp://trainer0:29600", rank=0, world_size=1 + n_workers) if train_rank == 0 else None
-    sender = WeightSender(model, group, format="bf16")      # "fp8": routed experts in block fp8; lora="adapter"
+    sender = WeightSender(model, group, format="bf16")      # "fp8": routed experts in block fp8; "fp8_rows": an FP8
+                                                            # base's fp8 weights with row scales; lora="adapter"
     sender.sync()
 
 Inference worker (rank 1..n of the sync group):
@@ -20,9 +21,9 @@ Before any weight moves, receivers check the header against their model (a model
 on every member); every wait is bounded by a deadline that scales with the bytes and names the member that did not
 answer (SyncTimeout).
 
-Modules: wire (format), fp8 (block quantization), group (rendezvous, deadlines), shards (gathering from FSDP/EP
-shards), plan (what goes in which bucket, and the memory bound), sender, receiver, vllm_load (loading into a vLLM
-model), vllm_engine (vLLM's weight-transfer API), vllm (worker extension).
+Modules: wire (format), fp8 (block quantization; rows: model/quant/fp8.py), group (rendezvous, deadlines), shards
+(gathering from FSDP/EP shards), plan (what goes in which bucket, and the memory bound), sender, receiver, vllm_load
+(loading into a vLLM model), vllm_engine (vLLM's weight-transfer API), vllm (worker extension).
 """
 
 from moetune.sync.group import SyncError, SyncGroup, SyncRefused, SyncTimeout, connect, host_store

@@ -211,7 +211,7 @@ def _expert_staging(tensors, prefix, I, H, lora) -> int:
     + the LoRA factors in fp32."""
     W = tensors[f"{prefix}.gate_up_proj"]
     r = tensors[lora["gate_up"][0]].shape[1] if lora else 0
-    gathered = 4 if W.element_size() == 1 else W.element_size()  # an fp8 stack is gathered dequantised (fp32)
+    gathered = 1 + 4 if W.element_size() == 1 else W.element_size()  # an fp8 stack: its rows, then dequantised
     return 2 * I * H * (gathered + 4) + 2 * 4 * r * (2 * I + H)
 
 

@@ -145,7 +145,7 @@ class ModelUpdater:
 
 
 def _row_scales(meta: dict) -> dict[str, str]:
-    """{fp8 weight: its row scale} of a bucket's plain tensors (format fp8_rows: `X.weight_scale` follows `X.weight`)."""
+    """{fp8 weight: its row scale} of a bucket's plain tensors (fp8_rows: `X.weight_scale` follows `X.weight`)."""
     names = {name for name, _, _, _ in meta["tensors"]}
     return {name: name + "_scale" for name, dtype, _, _ in meta["tensors"]
             if dtype == "float8_e4m3fn" and name + "_scale" in names}

@@ -1,7 +1,7 @@
 """The trainer's side of a weight sync.
 
     group = connect("tcp://trainer0:29600", rank=0, world_size=1 + n_workers) if train_rank == 0 else None
-    sender = WeightSender(model, group, format="bf16")      # or "fp8"; lora="merge" | "adapter" | "base"
+    sender = WeightSender(model, group, format="bf16")      # or "fp8", "fp8_rows"; lora="merge" | "adapter" | "base"
     sender.sync()                                           # on every rank of the training group
 
 Every training rank calls `sync`: the owners of the shards a bucket needs send them to the sending rank (shards.py);
@@ -10,10 +10,11 @@ previous broadcast has left, produce every unit straight into the slot — gathe
 or quantize — and start the broadcast without waiting for it: the next bucket is produced while this one is on the
 wire. Two slots are enough for that overlap and are the memory the bound allows (plan.py).
 
-Producing must stay faster than the link or the link waits: on CUDA every LoRA merge and every fp8 quantization is
-one fused kernel (kernels.py: one read and one write per weight); on the CPU torch ops do it with export/merged.py's
-arithmetic (the CPU tests hold a synced model bit-exact to a whole-tensor merge). Plain copies (no LoRA, bf16) are
-gathered straight into the bucket.
+Producing must stay faster than the link or the link waits: on CUDA every LoRA merge and every block-fp8
+quantization is one fused kernel (kernels.py: one read and one write per weight); on the CPU, and for fp8_rows's
+row-wise requantisation everywhere (no fused kernel yet), torch ops do it with export/merged.py's arithmetic (the
+CPU tests hold a synced model bit-exact to a whole-tensor merge, and an fp8_rows sync to `export merged --dtype fp8`).
+Plain copies (no LoRA, bf16) are gathered straight into the bucket.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ class WeightSender:
         rank = self.shards.tensors[A_name].shape[0] if u.lora else 0
         step = rows  # a copy as it is: whole, received straight into the bucket
         if u.lora or u.scale or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
-            itemsize = 4 if u.src in self.shards.fp8 else src.element_size()  # an fp8 weight is staged dequantised
+            # an fp8 weight is staged twice: its fp8 rows gathered, then dequantised (fp32)
+            itemsize = 1 + 4 if u.src in self.shards.fp8 else src.element_size()
             step = staging_rows(self.plan.staging_budget, math.prod(u.shape[1:]), itemsize, rank)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
@@ -231,18 +233,23 @@ class WeightSender:
             if part is None:
                 continue
             if u.scale:  # fp8_rows: the merged rows requantised, a scale a row (export merged --dtype fp8's values)
-                x = self._merged(W, A, B, scaling) if u.lora else self._scratch(u.src, W)
-                quantize_rows_(x, part, scale_dst[r0:r1])
+                self._requantise_rows(u.src, W, A, B, scaling, part, scale_dst[r0:r1])
+                del W, A, B  # before the next rows are gathered: the staging budget holds one chunk
                 continue
             if self.kernels is not None and part.dim() == 2:  # CUDA: one fused pass (a linear is one "expert")
                 self.kernels.merge_experts_(W[None], part[None], A[None], B[None], scaling)
             else:
                 part.copy_(self._merged(W, A, B, scaling))
 
-    def _scratch(self, src: str, W: torch.Tensor) -> torch.Tensor:
-        """W as fp32 that may be overwritten: an fp8 weight's dequantised rows are already a buffer of their own; a
-        gathered view of a parameter is copied."""
-        return W if src in self.shards.fp8 and W.dtype == torch.float32 else self.mem.track(W.float())
+    def _requantise_rows(self, src: str, W, A, B, scaling: float, q_out, scale_out) -> None:
+        """fp8_rows: W (+ scaling·B·A) requantised a row at a time into q_out and scale_out. The fp32 scratch is
+        the merge's output, or W itself when it is an fp8 weight's dequantised rows (a buffer of its own; a view
+        of a parameter is copied first)."""
+        if A is not None:
+            x = self._merged(W, A, B, scaling)
+        else:
+            x = W if src in self.shards.fp8 and W.dtype == torch.float32 else self.mem.track(W.float())
+        quantize_rows_(x, q_out, scale_out)
 
     def _experts(self, u: ExpertUnit, slabs) -> None:
         a, b = u.first, u.first + u.count
@@ -255,8 +262,8 @@ class WeightSender:
                 W = self.shards.gather(src, a, b)
                 A, B = (self.shards.gather(name, a, b) for name in u.lora[proj]) if u.lora else (None, None)
                 if wire is not None:
-                    x = self._merged(W, A, B, scaling) if u.lora else self._scratch(src, W)
-                    quantize_rows_(x, wire, getattr(slabs, f"{part}_scale")[rel])
+                    self._requantise_rows(src, W, A, B, scaling, wire, getattr(slabs, f"{part}_scale")[rel])
+                del W, A, B  # before the next projection is gathered (the plan stages one at a time)
                 continue
             if u.lora is None and not u.fp8:
                 self.shards.gather(src, a, b, out=wire)  # cast on the way in

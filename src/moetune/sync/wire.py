@@ -161,7 +161,8 @@ def manifest(header: dict) -> dict[str, tuple]:
                 p = f"{sec['prefix']}.{e}"
                 for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                     out[f"{p}.{proj}.weight"] = (shape, dtype)
-                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))) if scales else ():
+                projections = (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
+                for proj, shape in projections if scales else ():
                     if scales == "block":
                         out[f"{p}.{proj}.weight_scale_inv"] = (scale_shape(*shape), "float32")
                     else:
