@@ -12,8 +12,10 @@ import moetune
 from family_models import hf_dsa, hf_lite
 from helpers import randomize_lora, save_hf
 from moetune.model.config import BUILTIN, ModelConfig
-from moetune.model.hf_io import build_model, cast_model
+from moetune.model.hf_io import build_model, cast_model, load_model
 from moetune.model.lora import apply_lora
+from moetune.model.quant.fp8 import ROWWISE
+from moetune.model.quant.modules import fp8_weights, quantize_model, scale_name
 from moetune.sync import receive, receive_into
 from moetune.sync.fp8 import FP8, dequantize, error_bound, quantize
 from moetune.sync.plan import _expert_staging, build_plan
@@ -25,8 +27,9 @@ TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", 
            "experts"]
 
 
-def _ours(tmp_path, kind, dtype, lora, seed=1, **over):
-    model = moetune.load_model(save_hf(MAKE[kind](seed=seed, **over), tmp_path / f"{kind}-{seed}"), dtype=dtype)
+def _ours(tmp_path, kind, dtype, lora, seed=1, quantize=None, **over):
+    path = save_hf(MAKE[kind](seed=seed, **over), tmp_path / f"{kind}-{seed}")
+    model = load_model(path, dtype=dtype, quantize=quantize)
     if lora:
         apply_lora(model, TARGETS, 4, 8.0)
         randomize_lora(model, seed + 1)
@@ -102,11 +105,12 @@ def test_wire_names_are_the_hf_checkpoints(tmp_path, kind):
     assert all(fp8.seen[k][0] == torch.bfloat16 for k in ckpt if k not in experts and "e_score" not in k)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_rows"])
 @pytest.mark.parametrize("kind", list(MAKE))
 def test_sender_allocations_stay_under_the_bound(tmp_path, kind, fmt):
+    """fp8_rows: from a trainer on an fp8 base (row scales), the rest the same."""
     over = dict(n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=64, vocab_size=512)
-    src = _ours(tmp_path, kind, "bfloat16", lora=True, **over)
+    src = _ours(tmp_path, kind, "bfloat16", lora=True, quantize="fp8" if fmt == "fp8_rows" else None, **over)
     dst = _ours(tmp_path, kind, "bfloat16", lora=False, seed=9, **over)
     stats, _ = run_sync(src, [lambda g: receive_into(g, dst)], format=fmt)
     assert stats["experts_per_unit"] > 1
@@ -114,7 +118,7 @@ def test_sender_allocations_stay_under_the_bound(tmp_path, kind, fmt):
     assert stats["peak_alloc"] >= 2 * min(stats["bucket"], stats["largest_group"] // 2)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_rows"])
 @pytest.mark.parametrize("shape", ["glm5", "glm47-flash"])
 def test_full_width_plans_fit_their_bound(shape, fmt):
     """The plan of a full-width model (built on the meta device: shapes only), LoRA merged: the ring of two buckets
@@ -124,8 +128,12 @@ def test_full_width_plans_fit_their_bound(shape, fmt):
     cfg = ModelConfig.from_hf_dict(dict(BUILTIN[shape], num_hidden_layers=4))
     model = build_model(cfg, "meta")
     cast_model(model, torch.bfloat16)
+    if fmt == "fp8_rows":  # a trainer on the FP8 release: its frozen weights fp8 with row scales
+        quantize_model(model, ROWWISE)
     apply_lora(model, TARGETS, 16, 32.0)
-    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    scales = {scale_name(w, q) for w, q in fp8_weights(model)}  # the sender plans without them
+    tensors = {n: t for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
+               if n not in scales}
     plan = build_plan(model, tensors, fmt, "merge")
     prefix = f"model.layers.{cfg.num_hidden_layers - 1}.mlp.experts"
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
@@ -133,8 +141,8 @@ def test_full_width_plans_fit_their_bound(shape, fmt):
     staging = plan.experts_per_unit * _expert_staging(tensors, prefix, I, H, lora)
     assert 2 * plan.bucket + staging <= plan.bound
     assert tensors["lm_head.weight"].numel() * 2 <= plan.largest_group / 2
-    layer = cfg.n_routed_experts * 3 * I * H * (1 if fmt == "fp8" else 2)
+    layer = cfg.n_routed_experts * 3 * I * H * (1 if fmt.startswith("fp8") else 2)
     if shape == "glm5":
         assert layer <= plan.largest_group <= 1.1 * layer  # the largest group is a MoE layer
-        if fmt == "fp8":
+        if fmt.startswith("fp8"):
             assert plan.bound < 13 * (1 << 30) < 31 * (1 << 30)

@@ -13,8 +13,9 @@ up to max(min(bucket_bytes, L/4), the largest tensor): the slots must hold the l
 them (fewer, larger broadcasts). For GLM shapes the largest tensor (lm_head) is ≤ L/2, so the ring is ≤ L (AIR,
 bf16: 2 × 1.16 GiB against L = 4.7 GiB). The staging budget is what remains of 1.25·L + e; it decides how many
 experts a unit holds and how many rows of a plain tensor are staged at once. So the total stays under 1.25·L + e
-whenever one expert's staging (≤ 16·I·H bytes: fp32 rows gathered + fp32 scratch) fits that remainder, as it does
-for any GLM-4.5, GLM-4.7-Flash or GLM-5 shape (tested; the plan reports its bound and the sender its tracked peak).
+whenever one expert's staging (≤ 18·I·H bytes: its rows gathered — fp32, or an fp8 base's fp8 rows and their fp32
+dequantisation — + fp32 scratch) fits that remainder, as it does for any GLM-4.5, GLM-4.7-Flash or GLM-5 shape, in
+every format (tested; the plan reports its bound and the sender its tracked peak).
 The architecture does not enter: MLA projections and the DSA indexer's weights are plain tensors like any other.
 """
 
