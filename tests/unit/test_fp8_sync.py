@@ -1,21 +1,32 @@
-"""Weight sync from a trainer whose frozen base is stored in fp8 (model/quant): the wire carries the weights the model
-computes with — each fp8 weight dequantised with its scales (row-wise or block), LoRA merged — never the raw fp8
-values or the scales, within the sender's memory bound."""
+"""Weight sync from a trainer whose frozen base is stored in fp8 (model/quant). Formats bf16/fp8: the wire carries
+the weights the model computes with — each fp8 weight dequantised with its scales (row-wise or block), LoRA merged —
+never the raw fp8 values or the scales. Format fp8_rows (an engine serving the compressed-tensors release): the fp8
+weights requantised after the merge with new row scales, as `export merged --dtype fp8` writes them. Always within
+the sender's memory bound."""
 
 import copy
+import json
+import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from test_sync import TARGETS, TINY, merged_reference, receive_into, run_sync, tiny_model  # noqa: F401
-from moetune.sync.fp8 import FP8
-from helpers import randomize_lora
+import moetune
+from helpers import hf_model, random_adapter, randomize_lora, save_hf
+from moetune.export.merged import export_merged
 from moetune.model.build import build_model
 from moetune.model.config import ModelConfig
 from moetune.model.hf_io import cast_model, init_weights
 from moetune.model.lora import apply_lora
-from moetune.model.quant.fp8 import Fp8Scheme
+from moetune.model.quant.checkpoint import fp8_config
+from moetune.model.quant.fp8 import ROWWISE, Fp8Scheme
 from moetune.model.quant.modules import dequantize_model, fp8_weights, quantize_model
+from moetune.sync import receive
+from moetune.sync.fp8 import FP8
+from moetune.sync.plan import build_plan
+from moetune.sync.vllm import load_weights_consumer
+from test_sync import TARGETS, TINY, NameRecorder, merged_reference, receive_into, run_sync, tiny_model  # noqa: F401
 
 
 def fp8_model(scheme, seed=0):
@@ -47,15 +58,6 @@ def test_an_fp8_base_syncs_its_dequantised_merged_weights(scheme):
 def _hub_fp8_base(tmp_path, experts_fp8: bool) -> str:
     """A checkpoint in the compressed-tensors FP8 releases' layout: every decoder-layer projection fp8 with a
     `weight_scale` per row (the routed experts too, or ignored and bf16), the rest bf16 (the correction bias fp32)."""
-    import json
-    import os
-
-    from safetensors.torch import load_file, save_file
-
-    from helpers import hf_model, save_hf
-    from moetune.model.quant.checkpoint import fp8_config
-    from moetune.model.quant.fp8 import ROWWISE
-
     plain = save_hf(hf_model(seed=3), tmp_path / "plain")
     tensors = {}
     for k, v in load_file(os.path.join(plain, "model.safetensors")).items():
@@ -79,15 +81,6 @@ def test_an_fp8_rows_sync_carries_what_export_merged_fp8_writes(tmp_path, expert
     load_weights is, name for name and bit for bit, what `export merged --dtype fp8` writes — the weights the base
     stores in fp8 merged and requantised with a new scale per row, the rest bf16 — in many small buckets with the
     experts cut into units, within the sender's bound. A moetune model receiving it gets those weights dequantised."""
-    from safetensors.torch import load_file
-
-    import moetune
-    from helpers import random_adapter
-    from moetune.export.merged import export_merged
-    from moetune.sync import receive
-    from moetune.sync.vllm import load_weights_consumer
-    from test_sync import NameRecorder
-
     base = _hub_fp8_base(tmp_path, experts_fp8)
     random_adapter(base, tmp_path / "adapter", ["q_proj", "k_proj", "v_proj", "o_proj", "dense_mlp", "shared_experts",
                                                  "experts"], scale=0.05)
@@ -118,8 +111,6 @@ def test_an_fp8_rows_sync_carries_what_export_merged_fp8_writes(tmp_path, expert
 
 
 def test_format_fp8_rows_needs_a_base_stored_in_fp8_rows():
-    from moetune.sync.plan import build_plan
-
     for model, needle in ((tiny_model(), "this model's base is not fp8"),
                           (fp8_model(Fp8Scheme((16, 32))), "this base is block-scaled: sync format fp8 or bf16")):
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
