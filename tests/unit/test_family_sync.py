@@ -15,10 +15,10 @@ from moetune.model.config import BUILTIN, ModelConfig
 from moetune.model.hf_io import build_model, cast_model, load_model
 from moetune.model.lora import apply_lora
 from moetune.model.quant.fp8 import ROWWISE
-from moetune.model.quant.modules import fp8_weights, quantize_model, scale_name
+from moetune.model.quant.modules import quantize_model
 from moetune.sync import receive, receive_into
 from moetune.sync.fp8 import FP8, dequantize, error_bound, quantize
-from moetune.sync.plan import _expert_staging, build_plan
+from moetune.sync.plan import _expert_staging, build_plan, plan_tensors
 from moetune.sync.vllm import load_weights_consumer
 from test_sync import NameRecorder, merged_reference, run_sync
 
@@ -131,9 +131,7 @@ def test_full_width_plans_fit_their_bound(shape, fmt):
     if fmt == "fp8_rows":  # a trainer on the FP8 release: its frozen weights fp8 with row scales
         quantize_model(model, ROWWISE)
     apply_lora(model, TARGETS, 16, 32.0)
-    scales = {scale_name(w, q) for w, q in fp8_weights(model)}  # the sender plans without them
-    tensors = {n: t for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
-               if n not in scales}
+    tensors = plan_tensors(model, {**dict(model.named_parameters()), **dict(model.named_buffers())})
     plan = build_plan(model, tensors, fmt, "merge")
     prefix = f"model.layers.{cfg.num_hidden_layers - 1}.mlp.experts"
     I, H = cfg.moe_intermediate_size, cfg.hidden_size

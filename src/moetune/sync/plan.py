@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moetune.model.quant.fp8 import ROWWISE
+from moetune.model.quant.modules import fp8_weights, scale_name
 from moetune.names import FUSED_EXPERT_RE as _EXPERTS_RE, LAYER_RE as _LAYER_RE
 from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket, nbytes
 
@@ -149,7 +151,7 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
         dtype = dtype_name(t.dtype) if keep else float_dtype
         scale = None
         if name in row_fp8:
-            dtype, scale = "float8_e4m3fn", name[: -len("weight")] + "weight_scale"
+            dtype, scale = "float8_e4m3fn", scale_name(name, ROWWISE)
         items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None, scale))
 
     def expert_format(prefix) -> tuple[str, str | None]:  # (wire dtype, scales) of a layer's routed experts
@@ -193,10 +195,15 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
     return Plan(header, buckets, L, e, bucket, budget, c)
 
 
+def plan_tensors(model, tensors: dict) -> dict:
+    """`tensors` (the model's parameters and buffers) less an fp8 base's scales: those travel beside their weights
+    (fp8_rows) or not at all (dequantised on the way), never as tensors of their own."""
+    scales = {scale_name(w, q) for w, q in fp8_weights(model)}
+    return {n: t for n, t in tensors.items() if n not in scales}
+
+
 def _row_fp8_weights(model) -> set[str]:
     """The weights format fp8_rows sends in fp8: those the model's base stores in fp8 with one scale per row."""
-    from moetune.model.quant.modules import fp8_weights
-
     stored = fp8_weights(model)
     if not stored:
         raise ValueError("weight sync format fp8_rows sends the weights an FP8 base stores in fp8, with their per-row "
@@ -251,5 +258,6 @@ def staging_rows(budget: int, row_elems: int, src_itemsize: int, rank: int = 0) 
     return max(1, budget // max(per_row, 1))
 
 
-__all__ = ["Plan", "PlannedBucket", "TensorUnit", "ExpertUnit", "build_plan", "lora_sources", "staging_rows",
+__all__ = ["Plan", "PlannedBucket", "TensorUnit", "ExpertUnit", "build_plan", "lora_sources", "plan_tensors",
+           "staging_rows",
            "DEFAULT_BUCKET_BYTES"]

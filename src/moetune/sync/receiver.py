@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from moetune.model.quant.fp8 import ROWWISE
+from moetune.model.quant.modules import scale_name
 from moetune.sync.fp8 import dequantize
 from moetune.sync.group import SyncGroup, SyncRefused
 from moetune.sync.wire import Bucket
@@ -147,8 +149,8 @@ class ModelUpdater:
 def _row_scales(meta: dict) -> dict[str, str]:
     """{fp8 weight: its row scale} of a bucket's plain tensors (fp8_rows: `X.weight_scale` follows `X.weight`)."""
     names = {name for name, _, _, _ in meta["tensors"]}
-    return {name: name + "_scale" for name, dtype, _, _ in meta["tensors"]
-            if dtype == "float8_e4m3fn" and name + "_scale" in names}
+    return {name: scale_name(name, ROWWISE) for name, dtype, _, _ in meta["tensors"]
+            if dtype == "float8_e4m3fn" and scale_name(name, ROWWISE) in names}
 
 
 def receive_into(group: SyncGroup, model) -> dict:

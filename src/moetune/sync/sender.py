@@ -30,7 +30,7 @@ from moetune.model.quant.modules import fp8_weights, scale_name
 from moetune.sync.alloc import Allocations
 from moetune.sync.fp8 import quantize_
 from moetune.sync.group import SyncGroup, SyncRefused
-from moetune.sync.plan import MAX_EXPERTS_PER_UNIT, ExpertUnit, Plan, build_plan, staging_rows
+from moetune.sync.plan import MAX_EXPERTS_PER_UNIT, ExpertUnit, Plan, build_plan, plan_tensors, staging_rows
 from moetune.sync.shards import ShardMap, local_tensor
 from moetune.sync.wire import Bucket, dtype_name, encode_header
 
@@ -121,10 +121,9 @@ class WeightSender:
         if changed:
             # an fp8 base: its weights travel dequantised (then in the wire's format), its scales not at all
             fp8 = {w: (scale_name(w, q), q) for w, q in fp8_weights(self.model)}
-            scales = {s for s, _ in fp8.values()}
             self.shards = ShardMap(tensors, self.train_group, self.root, device, self.mem, fp8)
-            self.plan = build_plan(self.model, {n: t for n, t in tensors.items() if n not in scales}, self.format,
-                                   self.lora, self.bucket_bytes, self.max_experts_per_unit)
+            self.plan = build_plan(self.model, plan_tensors(self.model, tensors), self.format, self.lora,
+                                   self.bucket_bytes, self.max_experts_per_unit)
             self._header = encode_header(self.plan.header, "cpu")
             self._signature = sig
         self.shards.tensors = tensors  # FSDP may have swapped the parameter objects; their boxes are the same

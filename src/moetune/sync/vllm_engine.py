@@ -252,17 +252,15 @@ def expected_manifest(hf_config: dict, fmt: str) -> dict:
     from moetune.model.config import ModelConfig
     from moetune.model.quant.checkpoint import not_quantised
     from moetune.model.quant.fp8 import ROWWISE
-    from moetune.model.quant.modules import fp8_weights, quantize_model, scale_name
-    from moetune.sync.plan import build_plan
+    from moetune.model.quant.modules import quantize_model
+    from moetune.sync.plan import build_plan, plan_tensors
 
     model = build_model(ModelConfig.from_hf_dict(hf_config), "meta")
     if fmt == "fp8_rows":
         qc = hf_config.get("quantization_config") or {}
         quantize_model(model, ROWWISE, keep=lambda name: not not_quantised(
             qc, name + ".0.gate_proj" if name.endswith(".experts") else name))
-    scales = {scale_name(w, q) for w, q in fp8_weights(model)}  # sent beside their weights, not as tensors
-    tensors = {n: t for n, t in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()
-               if n not in scales}
+    tensors = plan_tensors(model, {**dict(model.named_parameters()), **dict(model.named_buffers())})
     return manifest(build_plan(model, tensors, fmt, "base").header)
 
 

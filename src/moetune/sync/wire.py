@@ -157,11 +157,11 @@ def manifest(header: dict) -> dict[str, tuple]:
         sec = meta["experts"]
         if sec:
             I, H, dtype, scales = sec["I"], sec["H"], sec["dtype"], section_scales(sec)
+            projections = (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
             for e in range(sec["first"], sec["first"] + sec["count"]):
                 p = f"{sec['prefix']}.{e}"
-                for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                for proj, shape in projections:
                     out[f"{p}.{proj}.weight"] = (shape, dtype)
-                projections = (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I)))
                 for proj, shape in projections if scales else ():
                     if scales == "block":
                         out[f"{p}.{proj}.weight_scale_inv"] = (scale_shape(*shape), "float32")
