@@ -139,8 +139,6 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_p
               "ours_fp8_qkvo_1x4096_packed"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_varlen"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen"})
-    # FlexAttention compiled on its own, a graph break in the layer around it (attention.FLEX_ISOLATED)
-    VARIANTS[f"{_base}_flexiso"] = (_s, _b, _t, _tg, {**_x, "flex_isolated": True})
 # candidates of issue 21, each against the row it derives from (same call): SDPA forced to one kernel
 # ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
@@ -249,10 +247,6 @@ def build_ours(cfg: dict, targets, extra, device):
 
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
-    if extra.get("flex_isolated"):  # a candidate setting, measured against the default
-        import moetune.model.attention as attention_module
-
-        attention_module.FLEX_ISOLATED = True
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

@@ -18,12 +18,6 @@ import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 
 
-# FlexAttention as a compiled region of its own, outside the compiled layer that calls it (a graph break there): a
-# candidate measured by the harness's _flexiso rows — in a traced EP-8 rank of Air the layer's FlexAttention took
-# twice its standalone time (BENCHMARKS.md, tenth session)
-FLEX_ISOLATED = False
-
-
 @dataclass
 class AttnMeta:
     dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
@@ -72,11 +66,6 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
-
-
-@torch.compiler.disable(recursive=False)
-def _isolated_flex(q, k, v, block_mask):
-    return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
@@ -134,8 +123,6 @@ class KVCache:
 def attend(q, k, v, meta: AttnMeta):
     """q [B, Hq, S, D], k/v [B, Hkv, T, D] -> [B, Hq, S, D] (T > S only with a dense mask: a decoding step)."""
     if meta.block_mask is not None:
-        if FLEX_ISOLATED:
-            return _isolated_flex(q, k, v, meta.block_mask)
         return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
     if meta.cu_seqlens is not None:
         return attend_varlen(q, k, v, meta)
