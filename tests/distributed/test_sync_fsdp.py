@@ -8,8 +8,9 @@ full state after each round (full_tensor, test-side only) for the reference. The
 receiver's weights must equal the trainer's — bf16 bit for bit (LoRA merged in fp32 as export merges it), fp8
 equal to the reference quantization and within its documented error bound — and the sending rank's tracked
 allocations must stay under 1.25 × the largest layer's wire bytes + one expert's bf16 bytes.
-A third trainer model has an fp8 base (row scales, sharded as stored) and syncs in format fp8_rows: what the receiver
-gets equals, bit for bit, the same model built in one process, merged and requantised row by row.
+Two more trainer models have an fp8 base, sharded as stored: row scales, synced in format fp8_rows, and 16×32-block
+scales, synced in format fp8 (requantised in the wire's 128×128 blocks): what the receiver gets equals, bit for bit,
+the same model built in one process, merged and requantised by rows or blocks.
 """
 
 import os
@@ -22,7 +23,9 @@ from helpers import free_port
 
 SCALING = 2.0  # alpha 8 / rank 4
 SYNCS = [("lora", dict(format="bf16")), ("lora", dict(format="fp8")), ("lora", dict(lora="adapter")),
-         ("full", dict(format="bf16")), ("full", dict(format="fp8")), ("lora_fp8", dict(format="fp8_rows"))]
+         ("full", dict(format="bf16")), ("full", dict(format="fp8")), ("lora_fp8", dict(format="fp8_rows")),
+         ("lora_fp8_block", dict(format="fp8"))]
+FP8_BASES = {"lora_fp8": "rows", "lora_fp8_block": (16, 32)}  # the trainer models on an fp8 base: their scales
 MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts", "experts"]
 TARGETS = {"glm4_moe": ["q_proj", "v_proj", "o_proj", "shared_experts", "experts"],
            "glm4_moe_lite": MLA_TARGETS, "glm_moe_dsa": MLA_TARGETS}
@@ -43,11 +46,12 @@ def _config(kind="glm4_moe"):
     return ModelConfig.from_hf_dict(dict(base, num_hidden_layers=3, n_routed_experts=6))  # 6 experts: 3 a rank
 
 
-def _trainer_model(dist, full: bool, ep: int, kind: str, fp8: bool = False):
-    """dist None: the same model in one process, unsharded (fp8 only: the reference of the fp8_rows sync)."""
+def _trainer_model(dist, full: bool, ep: int, kind: str, fp8=None):
+    """fp8: the base's scales ("rows" or a block), FP8_BASES. dist None: the same model in one process, unsharded
+    (fp8 only: the reference of its sync)."""
     from moetune.parallel import apply as parallel
     from moetune.model.hf_io import _param_seed, build_model, cast_model, init_weights
-    from moetune.model.quant.fp8 import ROWWISE
+    from moetune.model.quant.fp8 import ROWWISE, Fp8Scheme
     from moetune.model.quant.modules import quantize_model
     from moetune.tensors import local_index, local_tensor
     from moetune.model.lora import apply_lora
@@ -55,7 +59,7 @@ def _trainer_model(dist, full: bool, ep: int, kind: str, fp8: bool = False):
     model = build_model(_config(kind), "meta")
     cast_model(model, torch.float32 if full else torch.bfloat16)
     if fp8:
-        quantize_model(model, ROWWISE)
+        quantize_model(model, ROWWISE if fp8 == "rows" else Fp8Scheme(fp8))
     if not full:
         apply_lora(model, TARGETS[kind], 4, 8.0)
     if ep > 1:
@@ -104,7 +108,8 @@ def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
 
     dist = init_distributed(make_layout(world, ep, n_layers=3, n_experts=6), device="cpu")
     (lora, lora_step), (full, _) = _trainer_model(dist, False, ep, kind), _trainer_model(dist, True, ep, kind)
-    models = {"lora": lora, "full": full, "lora_fp8": _trainer_model(dist, False, ep, kind, fp8=True)[0]}
+    models = {"lora": lora, "full": full,
+              **{which: _trainer_model(dist, False, ep, kind, fp8=base)[0] for which, base in FP8_BASES.items()}}
     group = connect(sync_addr, 0, 2, "cpu", timeout_s=120) if rank == 0 else None
     senders = [WeightSender(models[which], group, **kw) for which, kw in SYNCS]
     stats = [s.sync() for s in senders]
@@ -113,7 +118,7 @@ def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                 for n, p in list(m.named_parameters()) + list(m.named_buffers())}
 
-    full = {which: snapshot(m) for which, m in models.items() if which != "lora_fp8"}  # fp8: its one-process twin
+    full = {which: snapshot(m) for which, m in models.items() if which not in FP8_BASES}  # fp8: its one-process twin
     lora_step()  # train on, and sync again with the first sender: its cached plan, the new weights
     stats.append(senders[0].sync())
     full["lora_again"] = snapshot(lora)
@@ -183,23 +188,28 @@ def _merged_fp32(state: dict) -> dict:
     return out
 
 
-def _fp8_rows_reference(kind) -> dict:
-    """What a receiver of the fp8_rows sync holds (bf16): the trainer's fp8 model built in one process, each fp8
-    weight dequantised, LoRA merged in fp32, requantised a row at a time, dequantised again."""
+def _fp8_reference(kind, which) -> dict:
+    """What a receiver of an fp8 base's sync holds (bf16): the trainer's fp8 model built in one process, each fp8
+    weight dequantised, LoRA merged in fp32, requantised (fp8_rows: a row at a time; fp8: per 128×128 block, the
+    routed experts too, gate and up apart), dequantised again."""
     from moetune.model.quant.fp8 import quantize_rows
     from moetune.model.quant.modules import fp8_weights, scale_name
+    from moetune.sync.fp8 import dequantize, quantize
 
-    model, _ = _trainer_model(None, False, 1, kind, fp8=True)
+    model, _ = _trainer_model(None, False, 1, kind, fp8=FP8_BASES[which])
     state = {n: t.detach() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
-    fp8 = {w: scale_name(w, q) for w, q in fp8_weights(model)}
-    assert fp8 and all(n in state for n in fp8.values())
-    for w, s in fp8.items():
-        state[w] = state[w].float() * state.pop(s)
+    fp8 = {w: (scale_name(w, q), q) for w, q in fp8_weights(model)}
+    assert fp8 and all(n in state for n, _ in fp8.values())
+    for w, (s, q) in fp8.items():
+        state[w] = q.dequantize(state[w], state.pop(s))
     out = {}
     for name, w in _merged_fp32(state).items():
-        if name in fp8:
+        if FP8_BASES[which] == "rows" and name in fp8:
             q, s = quantize_rows(w)
             w = q.float() * s
+        elif FP8_BASES[which] != "rows" and (name in fp8 or name.endswith(("experts.gate_up_proj", "down_proj"))):
+            parts = w.chunk(2 if name.endswith("gate_up_proj") else 1, dim=-2)  # gate and up blocked apart
+            w = torch.cat([dequantize(*quantize(part)) for part in parts], dim=-2)
         out[name] = w if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
     return out
 
@@ -216,8 +226,8 @@ def _check(trainer, receiver, kind="glm4_moe"):
         sent = trainer["stats"][k]
         assert sent["bytes"] == got["stats"]["bytes"] > 0 and sent["buckets"] == got["stats"]["buckets"]
         assert sent["peak_alloc"] <= sent["bound"], (which, kw, sent)
-        if kw.get("format") == "fp8_rows":
-            want = _fp8_rows_reference(kind)
+        if which in FP8_BASES:
+            want = _fp8_reference(kind, which)
             assert want.keys() == {n for n in got["state"] if ".lora" not in n}
             for name, w in want.items():
                 assert torch.equal(got["state"][name], w), name

@@ -14,7 +14,7 @@ from helpers import randomize_lora, save_hf
 from moetune.model.config import BUILTIN, ModelConfig
 from moetune.model.hf_io import build_model, cast_model, load_model
 from moetune.model.lora import apply_lora
-from moetune.model.quant.fp8 import ROWWISE
+from moetune.model.quant.fp8 import scheme_named
 from moetune.model.quant.modules import quantize_model
 from moetune.sync import receive, receive_into
 from moetune.sync.fp8 import FP8, dequantize, error_bound, quantize
@@ -105,12 +105,16 @@ def test_wire_names_are_the_hf_checkpoints(tmp_path, kind):
     assert all(fp8.seen[k][0] == torch.bfloat16 for k in ckpt if k not in experts and "e_score" not in k)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_rows"])
+# (sync format, the trainer's base): fp8_rows from a base stored in fp8 with row scales, fp8 from a bf16 base (routed
+# experts in blocks) and from a block-scaled one (all it stores in fp8 requantised per block)
+FORMATS_AND_BASES = [("bf16", None), ("fp8", None), ("fp8", "fp8_block"), ("fp8_rows", "fp8")]
+
+
+@pytest.mark.parametrize("fmt,base", FORMATS_AND_BASES, ids=["bf16", "fp8", "fp8-block_base", "fp8_rows"])
 @pytest.mark.parametrize("kind", list(MAKE))
-def test_sender_allocations_stay_under_the_bound(tmp_path, kind, fmt):
-    """fp8_rows: from a trainer on an fp8 base (row scales), the rest the same."""
+def test_sender_allocations_stay_under_the_bound(tmp_path, kind, fmt, base):
     over = dict(n_routed_experts=64, num_experts_per_tok=4, moe_intermediate_size=64, vocab_size=512)
-    src = _ours(tmp_path, kind, "bfloat16", lora=True, quantize="fp8" if fmt == "fp8_rows" else None, **over)
+    src = _ours(tmp_path, kind, "bfloat16", lora=True, quantize=base, **over)
     dst = _ours(tmp_path, kind, "bfloat16", lora=False, seed=9, **over)
     stats, _ = run_sync(src, [lambda g: receive_into(g, dst)], format=fmt)
     assert stats["experts_per_unit"] > 1
@@ -118,9 +122,9 @@ def test_sender_allocations_stay_under_the_bound(tmp_path, kind, fmt):
     assert stats["peak_alloc"] >= 2 * min(stats["bucket"], stats["largest_group"] // 2)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_rows"])
+@pytest.mark.parametrize("fmt,base", FORMATS_AND_BASES, ids=["bf16", "fp8", "fp8-block_base", "fp8_rows"])
 @pytest.mark.parametrize("shape", ["glm5", "glm47-flash"])
-def test_full_width_plans_fit_their_bound(shape, fmt):
+def test_full_width_plans_fit_their_bound(shape, fmt, base):
     """The plan of a full-width model (built on the meta device: shapes only), LoRA merged: the ring of two buckets
     plus one unit's staging fits 1.25 × the largest group + one expert, and for GLM-5 with fp8 experts that bound
     (a MoE layer: 256 experts × 3 × 2048 × 6144 fp8 bytes + MLA + indexer) is far below the 31 GiB per layer the
@@ -128,8 +132,8 @@ def test_full_width_plans_fit_their_bound(shape, fmt):
     cfg = ModelConfig.from_hf_dict(dict(BUILTIN[shape], num_hidden_layers=4))
     model = build_model(cfg, "meta")
     cast_model(model, torch.bfloat16)
-    if fmt == "fp8_rows":  # a trainer on the FP8 release: its frozen weights fp8 with row scales
-        quantize_model(model, ROWWISE)
+    if base is not None:  # a trainer on an FP8 release: its frozen weights fp8 with row or 128×128-block scales
+        quantize_model(model, scheme_named(base))
     apply_lora(model, TARGETS, 16, 32.0)
     tensors = plan_tensors(model, {**dict(model.named_parameters()), **dict(model.named_buffers())})
     plan = build_plan(model, tensors, fmt, "merge")
@@ -138,6 +142,7 @@ def test_full_width_plans_fit_their_bound(shape, fmt):
     lora = {"gate_up": (f"{prefix}.lora.gate_up_A", f"{prefix}.lora.gate_up_B")}
     staging = plan.experts_per_unit * _expert_staging(tensors, prefix, I, H, lora)
     assert 2 * plan.bucket + staging <= plan.bound
+    assert plan.block_shortfall == 0  # 128 rows of any block-fp8 weight fit the staging budget at these widths
     assert tensors["lm_head.weight"].numel() * 2 <= plan.largest_group / 2
     layer = cfg.n_routed_experts * 3 * I * H * (1 if fmt.startswith("fp8") else 2)
     if shape == "glm5":

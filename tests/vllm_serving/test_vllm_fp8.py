@@ -229,3 +229,42 @@ def test_vllm_serves_the_fp8_export_of_glm47_flash_with_moetunes_fp8_logprobs(tm
     d = (got - want).abs().max().item()
     print(f"vLLM vs moetune fp8 kernels, GLM-4.7-Flash: {d:.2e}")
     assert got.shape == want.shape and d <= 1e-4, d
+
+
+def test_an_engine_takes_the_sync_format_of_the_checkpoint_it_serves():
+    """check_header, which both of vLLM's paths run before any weight moves, reads the form of the checkpoint the
+    engine serves (its load_weights takes weights in that form): an unquantised checkpoint takes bf16 (vLLM may
+    quantise it itself), a compressed-tensors FP8 one fp8_rows, a 128×128-block FP8 one (GLM-5's) fp8 — and of fp8,
+    only a sync that carries its linears in blocks too: a trainer on the bf16 base would hand vLLM bf16 values for
+    fp8 parameters. vLLM-CPU cannot serve block fp8 (no AMX: see the module docstring), so the engine is its config."""
+    from types import SimpleNamespace
+
+    from moetune.model.build import build_model
+    from moetune.model.config import TINY, ModelConfig
+    from moetune.model.quant.fp8 import Fp8Scheme
+    from moetune.model.quant.modules import quantize_model
+    from moetune.sync.plan import build_plan, plan_tensors
+    from moetune.sync.vllm_engine import check_header
+
+    block, plain = Fp8Scheme((128, 128)), dict(TINY, num_hidden_layers=3)
+
+    def verdict(qc, fmt, base=None):
+        cfg = dict(plain, **({"quantization_config": qc} if qc else {}))
+        model = build_model(ModelConfig.from_hf_dict(plain), "meta")
+        if base is not None:
+            quantize_model(model, base)
+        tensors = plan_tensors(model, {**dict(model.named_parameters()), **dict(model.named_buffers())})
+        header = build_plan(model, tensors, fmt, "base").header
+        return check_header(SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: cfg)), header, {})
+
+    glm5 = fp8_config(block)
+    assert verdict(glm5, "fp8", block) is None
+    refused = verdict(glm5, "fp8")
+    assert "21 of its tensors not in the sync" in refused and "mlp.down_proj.weight_scale_inv" in refused, refused
+    assert "sync format fp8," in verdict(glm5, "bf16")
+    assert "sync format fp8_rows" in verdict(fp8_config(ROWWISE), "fp8", block)
+    assert "sync format bf16 or fp32" in verdict(None, "fp8", block)
+    assert verdict(None, "bf16") is None and verdict(fp8_config(ROWWISE), "fp8_rows", ROWWISE) is None
+    experts_kept = dict(glm5, modules_to_not_convert=["lm_head", "mlp.gate", ".*mlp\\.experts\\..*"])
+    assert "no sync format" in verdict(experts_kept, "fp8", block)
+    assert "weight_block_size [64, 64]" in verdict(dict(glm5, weight_block_size=[64, 64]), "fp8", block)

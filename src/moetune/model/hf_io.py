@@ -65,8 +65,16 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02, seed: int = 0) ->
             continue  # LoRA keeps its own init (B = 0); an fp8 scale is made with its weight
         if name in fp8:
             scale_p, scheme = fp8[name]
-            q, scale = scheme.quantize(seeded_slice(p, name, seed, lambda t, g: t.normal_(0.0, std, generator=g)),
-                                       stacked_parts(name))
+            normal = lambda t, g: t.normal_(0.0, std, generator=g)  # noqa: E731
+            if scheme.block is not None and p.dim() == 2:
+                # a linear's block rows and the shards of its weight and scale need not line up (96 rows over 4
+                # ranks: 24 each; its 6 block rows of 16: 2, 2, 2, 0): quantise it whole, keep each slice
+                q, scale = scheme.quantize(seeded_draw(p, name, seed, normal))
+                local_tensor(p).copy_(q[local_index(p)[0]])
+                local_tensor(scale_p).copy_(scale[local_index(scale_p)[0]])
+                continue
+            # per row, or an expert stack's experts: the weight's shard and its scale's cut the same leading rows
+            q, scale = scheme.quantize(seeded_slice(p, name, seed, normal), stacked_parts(name))
             local_tensor(p).copy_(q)
             local_tensor(scale_p).copy_(scale)
             continue
@@ -88,10 +96,14 @@ def fill_seeded(p: torch.Tensor, name: str, seed: int, draw) -> None:
 
 def seeded_slice(p: torch.Tensor, name: str, seed: int, draw) -> torch.Tensor:
     """This rank's slice (fp32) of the whole tensor `name` drawn as fill_seeded draws it."""
-    local = local_tensor(p)
-    idx, shape = local_index(p)
-    g = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
-    return draw(torch.empty(shape, dtype=torch.float32, device=local.device), g)[idx]
+    return seeded_draw(p, name, seed, draw)[local_index(p)[0]]
+
+
+def seeded_draw(p: torch.Tensor, name: str, seed: int, draw) -> torch.Tensor:
+    """The whole tensor `name` (fp32, on this rank's device) drawn from its own seeded generator."""
+    device = local_tensor(p).device
+    g = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+    return draw(torch.empty(p.shape, dtype=torch.float32, device=device), g)
 
 
 # ---------------------------------------------------------------------------------------------- reading

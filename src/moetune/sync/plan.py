@@ -21,18 +21,21 @@ The architecture does not enter: MLA projections and the DSA indexer's weights a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from moetune.model.quant.fp8 import ROWWISE
+from moetune.model.quant.fp8 import ROWWISE, Fp8Scheme
 from moetune.model.quant.modules import fp8_weights, scale_name
 from moetune.names import FUSED_EXPERT_RE as _EXPERTS_RE, LAYER_RE as _LAYER_RE
+from moetune.sync.fp8 import BLOCK, scale_shape
 from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket, nbytes
 
 DEFAULT_BUCKET_BYTES = 512 << 20  # full link speed, fine pipelining (raised to the largest tensor, see above)
 MAX_EXPERTS_PER_UNIT = 32
 FORMATS = ("bf16", "fp8", "fp32", "fp8_rows")
+WIRE_SCHEMES = {"row": ROWWISE, "block": Fp8Scheme((BLOCK, BLOCK))}  # an fp8 tensor's scales on the wire, by kind
 _KEEP_FP32 = ("e_score_correction_bias",)  # as the hub checkpoints store it
 
 
@@ -43,11 +46,21 @@ class TensorUnit:
     shape: tuple
     dtype: str  # wire dtype
     lora: tuple | None = None  # (A name, B name, scaling): sent as W + scaling·B·A
-    scale: str | None = None  # format fp8_rows: the wire name of its per-row scale (fp32 [rows, 1]), sent after it
+    scales: str | None = None  # fp8 on the wire, its scale sent right after it: "row" or "block" (WIRE_SCHEMES)
+
+    @property
+    def scale(self) -> str | None:
+        """The scale's wire name: `X.weight_scale` [rows, 1] (row) or `X.weight_scale_inv` [⌈rows/128⌉, ⌈cols/128⌉]
+        (block), as the checkpoints of each kind name it."""
+        return scale_name(self.name, WIRE_SCHEMES[self.scales]) if self.scales else None
+
+    @property
+    def scale_shape(self) -> tuple:
+        return (self.shape[0], 1) if self.scales == "row" else scale_shape(*self.shape)
 
     @property
     def nbytes(self) -> int:
-        return nbytes(self.shape, self.dtype) + (nbytes((self.shape[0], 1), "float32") if self.scale else 0)
+        return nbytes(self.shape, self.dtype) + (nbytes(self.scale_shape, "float32") if self.scales else 0)
 
 
 @dataclass
@@ -85,11 +98,12 @@ class Plan:
     bucket: int
     staging_budget: int
     experts_per_unit: int
+    block_shortfall: int = 0  # what 128 rows of a block-fp8 weight's staging need beyond the budget (0 at GLM widths)
 
     @property
     def bound(self) -> int:
-        """The sender's allocation bound for this plan: 1.25·L + e."""
-        return int(1.25 * self.largest_group) + self.expert_bf16
+        """The sender's allocation bound for this plan: 1.25·L + e (+ the block shortfall, tiny models only)."""
+        return int(1.25 * self.largest_group) + self.expert_bf16 + self.block_shortfall
 
     @property
     def wire_bytes(self) -> int:
@@ -119,15 +133,16 @@ def _group_key(name: str):
 
 def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, bucket_bytes: int | None = None,
                max_experts_per_unit: int = MAX_EXPERTS_PER_UNIT) -> Plan:
-    """fmt: "bf16" | "fp8" (routed experts in 128×128-block fp8, the rest bf16) | "fp32" (everything fp32: an fp32
-    engine, tests) | "fp8_rows" (what an FP8 base stores in fp8 — row-wise, as the compressed-tensors releases — in
-    fp8 with a per-row `weight_scale`, requantised after the merge; the rest bf16: an engine serving that release);
-    lora: "merge" | "adapter" | "base"."""
+    """fmt: "bf16" | "fp8" (routed experts, and whatever a block-scaled FP8 base stores in fp8, in 128×128-block
+    fp8 with `weight_scale_inv`, requantised after the merge; the rest bf16: an engine serving a block-FP8 release,
+    GLM-5's) | "fp32" (everything fp32: an fp32 engine, tests) | "fp8_rows" (what an FP8 base stores in fp8 — row-wise,
+    as the compressed-tensors releases — in fp8 with a per-row `weight_scale`, requantised after the merge; the rest
+    bf16: an engine serving that release); lora: "merge" | "adapter" | "base"."""
     if fmt not in FORMATS:
         raise ValueError(f"weight sync format {fmt!r}: choose {', '.join(FORMATS)}")
     if lora not in ("merge", "adapter", "base"):
         raise ValueError(f"lora {lora!r}: choose merge (send W + s·B·A), adapter (only the LoRA tensors) or base")
-    row_fp8 = _row_fp8_weights(model) if fmt == "fp8_rows" and lora != "adapter" else set()
+    wire_fp8 = _wire_fp8(model, fmt) if lora != "adapter" else {}
     linear_lora, expert_lora = lora_sources(model)
     if lora == "adapter" and not (linear_lora or expert_lora):
         raise ValueError("lora='adapter' but the model carries no LoRA")
@@ -149,15 +164,15 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
             continue
         keep = name.endswith(_KEEP_FP32) or not t.is_floating_point() or is_lora
         dtype = dtype_name(t.dtype) if keep else float_dtype
-        scale = None
-        if name in row_fp8:
-            dtype, scale = "float8_e4m3fn", scale_name(name, ROWWISE)
-        items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None, scale))
+        scales = wire_fp8.get(name)
+        if scales:
+            dtype = "float8_e4m3fn"
+        items.append(TensorUnit(name, name, tuple(t.shape), dtype, linear_lora.get(name) if merge else None, scales))
 
     def expert_format(prefix) -> tuple[str, str | None]:  # (wire dtype, scales) of a layer's routed experts
         if fmt == "fp8":
             return "float8_e4m3fn", "block"
-        if f"{prefix}.gate_up_proj" in row_fp8:
+        if f"{prefix}.gate_up_proj" in wire_fp8:
             return "float8_e4m3fn", "row"
         return float_dtype, None
 
@@ -180,6 +195,9 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
                       for p, _, I, H in expert_items), default=1)
     per_expert_wire = max((expert_nbytes(1, I, H, *expert_format(p)) for p, _, I, H in expert_items), default=1)
     c = max(1, min(max_experts_per_unit, budget // per_expert, bucket // per_expert_wire))
+    # a weight requantised per 128×128 block is staged whole blocks of rows at a time, never fewer than 128 rows
+    block_staging = max((min(u.shape[0], BLOCK) * _row_staging(tensors, u) for items in groups.values() for u in items
+                         if isinstance(u, TensorUnit) and u.scales == "block"), default=0)
 
     # pass 2: units, then buckets
     buckets = []
@@ -192,7 +210,7 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
         buckets += _bucketize(key, units, bucket)
     header = {"version": VERSION, "format": "adapter" if lora == "adapter" else fmt,
               "buckets": [b.meta for b in buckets]}
-    return Plan(header, buckets, L, e, bucket, budget, c)
+    return Plan(header, buckets, L, e, bucket, budget, c, max(0, block_staging - budget))
 
 
 def plan_tensors(model, tensors: dict) -> dict:
@@ -202,16 +220,21 @@ def plan_tensors(model, tensors: dict) -> dict:
     return {n: t for n, t in tensors.items() if n not in scales}
 
 
-def _row_fp8_weights(model) -> set[str]:
-    """The weights format fp8_rows sends in fp8: those the model's base stores in fp8 with one scale per row."""
+def _wire_fp8(model, fmt: str) -> dict[str, str]:
+    """{weight: scale kind} of the base weights a format sends in fp8 besides format fp8's routed experts: fp8_rows
+    those the base stores in fp8 with one scale per row (it needs such a base), fp8 those it stores block-scaled."""
     stored = fp8_weights(model)
+    if fmt == "fp8":
+        return {name: "block" for name, q in stored if q.block is not None and not _EXPERTS_RE.match(name)}
+    if fmt != "fp8_rows":
+        return {}
     if not stored:
         raise ValueError("weight sync format fp8_rows sends the weights an FP8 base stores in fp8, with their per-row "
                          "scales: this model's base is not fp8 (train on the FP8 checkpoint, or model.quantize: fp8)")
     if any(q.block is not None for _, q in stored):
         raise ValueError("weight sync format fp8_rows needs a base stored in fp8 with one scale per row (the "
                          "compressed-tensors releases); this base is block-scaled: sync format fp8 or bf16")
-    return {name for name, _ in stored}
+    return {name: "row" for name, _ in stored}
 
 
 def _expert_staging(tensors, prefix, I, H, lora) -> int:
@@ -240,8 +263,8 @@ def _layout(layer, units) -> dict:
     for u in units:
         if isinstance(u, TensorUnit):
             plain.append((u.name, u.dtype, u.shape))
-            if u.scale:
-                plain.append((u.scale, "float32", (u.shape[0], 1)))
+            if u.scales:
+                plain.append((u.scale, "float32", u.scale_shape))
     ex = [u for u in units if isinstance(u, ExpertUnit)]
     section = None
     if ex:
@@ -254,8 +277,19 @@ def _layout(layer, units) -> dict:
 
 def staging_rows(budget: int, row_elems: int, src_itemsize: int, rank: int = 0) -> int:
     """Rows of a plain tensor merged at once: its gathered rows + fp32 scratch + B's rows in fp32 fit the budget."""
-    per_row = row_elems * (src_itemsize + 4) + 4 * rank
-    return max(1, budget // max(per_row, 1))
+    return max(1, budget // max(row_staging(row_elems, src_itemsize, rank), 1))
+
+
+def row_staging(row_elems: int, src_itemsize: int, rank: int = 0) -> int:
+    """Staging bytes of one row of a plain tensor (see staging_rows). An fp8 weight's `src_itemsize` is 1 + 4: its
+    rows gathered, then dequantised."""
+    return row_elems * (src_itemsize + 4) + 4 * rank
+
+
+def _row_staging(tensors, u: TensorUnit) -> int:
+    W = tensors[u.src]
+    rank = tensors[u.lora[0]].shape[0] if u.lora else 0
+    return row_staging(math.prod(u.shape[1:]), 1 + 4 if W.element_size() == 1 else W.element_size(), rank)
 
 
 __all__ = ["Plan", "PlannedBucket", "TensorUnit", "ExpertUnit", "build_plan", "lora_sources", "plan_tensors",

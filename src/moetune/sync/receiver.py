@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from moetune.model.quant.fp8 import ROWWISE
 from moetune.model.quant.modules import scale_name
 from moetune.sync.fp8 import dequantize
+from moetune.sync.plan import WIRE_SCHEMES
 from moetune.sync.group import SyncGroup, SyncRefused
 from moetune.sync.wire import Bucket
 
@@ -67,9 +67,9 @@ class ModelUpdater:
     Glm4MoeLiteForCausalLM, GlmMoeDsaForCausalLM) name every tensor alike (experts fused as gate_up_proj [E, 2I, H]
     and down_proj [E, H, I]), so one updater serves both.
 
-    bf16 buckets: plain tensors by name, expert sections as one copy per projection. fp8 buckets: experts are
-    dequantized (q·s, fp8.py) one expert at a time into the model's dtype; fp8_rows buckets: every fp8 weight, plain
-    or expert, is dequantized with its row scales (q·s per row). Adapter buckets: LoRA tensors by name
+    bf16 buckets: plain tensors by name, expert sections as one copy per projection. fp8 buckets: every fp8 weight,
+    plain or expert (one at a time), is dequantized with its scales (q·s per 128×128 block, fp8.py); fp8_rows
+    buckets: likewise with row scales (q·s per row). Adapter buckets: LoRA tensors by name
     (a moetune model with the same LoRA applied). A model that carries LoRA should receive merged weights only if
     its LoRA is zero, or it would apply the update twice."""
 
@@ -81,9 +81,9 @@ class ModelUpdater:
         """Why this model cannot take the sync described by `header` (None: it can)."""
         problems = []
         for meta in header["buckets"]:
-            row_scales = _row_scales(meta)
+            scales = _plain_scales(meta)
             for name, _, shape, _ in meta["tensors"]:
-                if name in row_scales.values():
+                if name in scales.values():
                     continue  # read with its weight
                 t = self.targets.get(name)
                 if t is None or tuple(t.shape) != tuple(shape):
@@ -114,12 +114,13 @@ class ModelUpdater:
 
     @torch.no_grad()
     def __call__(self, bucket: Bucket) -> None:
-        row_scales = _row_scales(bucket.meta)
+        scales = _plain_scales(bucket.meta)
         for name, t in bucket.plain():
-            if name in row_scales:
-                t = t.float() * bucket.tensor(row_scales[name])
-            elif name in row_scales.values():
+            if name in scales.values():
                 continue
+            if name in scales:
+                s = bucket.tensor(scales[name])
+                t = dequantize(t, s) if scales[name].endswith("_inv") else t.float() * s  # blocks, else rows
             self._target(name, t.shape).copy_(t)
         ex = bucket.experts
         if ex is None:
@@ -146,11 +147,16 @@ class ModelUpdater:
             down[e].copy_(dequantize(ex.w2[i], ex.w2_scale[i]))
 
 
-def _row_scales(meta: dict) -> dict[str, str]:
-    """{fp8 weight: its row scale} of a bucket's plain tensors (fp8_rows: `X.weight_scale` follows `X.weight`)."""
+def _plain_scales(meta: dict) -> dict[str, str]:
+    """{fp8 weight: its scale} of a bucket's plain tensors: `X.weight_scale` (rows, fp8_rows) or
+    `X.weight_scale_inv` (blocks, fp8) follows `X.weight`."""
     names = {name for name, _, _, _ in meta["tensors"]}
-    return {name: scale_name(name, ROWWISE) for name, dtype, _, _ in meta["tensors"]
-            if dtype == "float8_e4m3fn" and scale_name(name, ROWWISE) in names}
+    out = {}
+    for name, dtype, _, _ in meta["tensors"]:
+        for scheme in WIRE_SCHEMES.values() if dtype == "float8_e4m3fn" else ():
+            if scale_name(name, scheme) in names:
+                out[name] = scale_name(name, scheme)
+    return out
 
 
 def receive_into(group: SyncGroup, model) -> dict:

@@ -11,9 +11,10 @@ or quantize — and start the broadcast without waiting for it: the next bucket 
 wire. Two slots are enough for that overlap and are the memory the bound allows (plan.py).
 
 Producing must stay faster than the link or the link waits: on CUDA every LoRA merge and every block-fp8
-quantization is one fused kernel (kernels.py: one read and one write per weight); on the CPU, and for fp8_rows's
-row-wise requantisation everywhere (no fused kernel yet), torch ops do it with export/merged.py's arithmetic (the
-CPU tests hold a synced model bit-exact to a whole-tensor merge, and an fp8_rows sync to `export merged --dtype fp8`).
+quantization of routed experts is one fused kernel (kernels.py: one read and one write per weight); on the CPU, and
+for the fp8 formats' requantisation of plain weights and fp8_rows's of experts everywhere (no fused kernel yet), torch
+ops do it with export/merged.py's arithmetic (the CPU tests hold a synced model bit-exact to a whole-tensor merge, and
+an fp8 sync of an FP8 base to `export merged --dtype fp8`).
 Plain copies (no LoRA, bf16) are gathered straight into the bucket.
 """
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from moetune.model.quant.fp8 import quantize_rows_
 from moetune.model.quant.modules import fp8_weights, scale_name
 from moetune.sync.alloc import Allocations
-from moetune.sync.fp8 import quantize_
+from moetune.sync.fp8 import BLOCK, quantize_
 from moetune.sync.group import SyncGroup, SyncRefused
 from moetune.sync.plan import MAX_EXPERTS_PER_UNIT, ExpertUnit, Plan, build_plan, plan_tensors, staging_rows
 from moetune.sync.shards import ShardMap, local_tensor
@@ -217,22 +218,27 @@ class WeightSender:
         A_name, B_name, scaling = u.lora or (None, None, None)
         rank = self.shards.tensors[A_name].shape[0] if u.lora else 0
         step = rows  # a copy as it is: whole, received straight into the bucket
-        if u.lora or u.scale or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
+        if u.lora or u.scales or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
             # an fp8 weight is staged twice: its fp8 rows gathered, then dequantised (fp32)
             itemsize = 1 + 4 if u.src in self.shards.fp8 else src.element_size()
             step = staging_rows(self.plan.staging_budget, math.prod(u.shape[1:]), itemsize, rank)
+            if u.scales == "block" and step < rows:  # whole 128-row blocks: each chunk fills its own rows of the grid
+                step = max(BLOCK, step - step % BLOCK)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             part = dst[r0:r1] if dst is not None else None
-            if not u.lora and not u.scale:
+            if not u.lora and not u.scales:
                 self.shards.gather(u.src, r0, r1, out=part)  # cast on the way in
                 continue
             W = self.shards.gather(u.src, r0, r1)
             A, B = (self.shards.gather(A_name, 0, rank), self.shards.gather(B_name, r0, r1)) if u.lora else (None,) * 2
             if part is None:
                 continue
-            if u.scale:  # fp8_rows: the merged rows requantised, a scale a row (export merged --dtype fp8's values)
-                self._requantise_rows(u.src, W, A, B, scaling, part, scale_dst[r0:r1])
+            if u.scales == "row":  # fp8_rows: the merged rows requantised, a scale a row (export merged's values)
+                self._requantise(u.src, W, A, B, scaling, part, scale_dst[r0:r1], quantize_rows_)
+            elif u.scales == "block":  # fp8 of a block-scaled base: the merged rows requantised per 128×128 block
+                self._requantise(u.src, W, A, B, scaling, part, scale_dst[r0 // BLOCK: -(-r1 // BLOCK)], quantize_)
+            if u.scales:
                 del W, A, B  # before the next rows are gathered: the staging budget holds one chunk
                 continue
             if self.kernels is not None and part.dim() == 2:  # CUDA: one fused pass (a linear is one "expert")
@@ -240,15 +246,15 @@ class WeightSender:
             else:
                 part.copy_(self._merged(W, A, B, scaling))
 
-    def _requantise_rows(self, src: str, W, A, B, scaling: float, q_out, scale_out) -> None:
-        """fp8_rows: W (+ scaling·B·A) requantised a row at a time into q_out and scale_out. The fp32 scratch is
-        the merge's output, or W itself when it is an fp8 weight's dequantised rows (a buffer of its own; a view
-        of a parameter is copied first)."""
+    def _requantise(self, src: str, W, A, B, scaling: float, q_out, scale_out, quantize) -> None:
+        """W (+ scaling·B·A) requantised into q_out and scale_out by `quantize` (a row or a block at a time), which
+        divides its fp32 scratch in place: the merge's output, or W itself when it is an fp8 weight's dequantised
+        rows (a buffer of its own; a view of a parameter is copied first)."""
         if A is not None:
             x = self._merged(W, A, B, scaling)
         else:
             x = W if src in self.shards.fp8 and W.dtype == torch.float32 else self.mem.track(W.float())
-        quantize_rows_(x, q_out, scale_out)
+        quantize(x, q_out, scale_out)
 
     def _experts(self, u: ExpertUnit, slabs) -> None:
         a, b = u.first, u.first + u.count
@@ -261,7 +267,7 @@ class WeightSender:
                 W = self.shards.gather(src, a, b)
                 A, B = (self.shards.gather(name, a, b) for name in u.lora[proj]) if u.lora else (None, None)
                 if wire is not None:
-                    self._requantise_rows(src, W, A, B, scaling, wire, getattr(slabs, f"{part}_scale")[rel])
+                    self._requantise(src, W, A, B, scaling, wire, getattr(slabs, f"{part}_scale")[rel], quantize_rows_)
                 del W, A, B  # before the next projection is gathered (the plan stages one at a time)
                 continue
             if u.lora is None and not u.fp8:

