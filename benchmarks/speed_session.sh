@@ -44,7 +44,8 @@ for stage in ${STAGES:-attention trace variants}; do
       run trace 120 env BENCH_TRACE="$OUT/trace" BENCH_KERNELS=1 python3 benchmarks/train_throughput.py --timeout 110 \
         --variants ${TRACE_VARIANT:-ours_flash_mla_1x4096}
       grep KERNEL "$LOGS/trace.log" > "$OUT/trace_kernels.txt"
-      for t in "$OUT"/trace/*.json; do python3 benchmarks/trace_gaps.py "$t" > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
+      for t in "$OUT"/trace/*.json; do python3 benchmarks/trace_gaps.py "$t" ${TRACE_CALLS:+--calls "$TRACE_CALLS"} \
+        > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
     variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
     ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train EXTRA="${FLASH_EXTRA:-}" ;;

@@ -4,7 +4,9 @@ BENCH_TRACE=<folder>) and the host's ops that ran during them.
     python benchmarks/trace_gaps.py trace_ours_ep1_qkvo_4x1024.json.gz [--min-us 20]
 
 Prints the GPU's busy and idle time over the step, the idle time by the host op (outermost Python-level op, and
-the CUDA runtime call) that was running when each gap began, and the host-side synchronisations.
+the CUDA runtime call) that was running when each gap began, and the host-side synchronisations. `--calls REGEX`:
+also each matching kernel's calls (count, total, min / median / max ms): whether a kernel is slow in every layer or
+in some.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import collections
 import gzip
 import json
+import re
+import statistics
 
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy\x00")
@@ -29,6 +33,7 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--min-us", type=float, default=20.0)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--calls", default=None, help="a regular expression over kernel names")
     a = ap.parse_args()
     ev = [e for e in load(a.trace) if e.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in GPU_CATS)
@@ -68,6 +73,14 @@ def main():
             print(f"  {us / 1e3:8.2f}  {name}")
     syncs = collections.Counter(e["name"] for e in rt if e["name"].startswith(SYNCS) or "Synchronize" in e["name"])
     print("\nhost synchronisations:", dict(syncs))
+    if a.calls:
+        calls = collections.defaultdict(list)
+        for e in ev:
+            if e.get("cat") == "kernel" and re.search(a.calls, e["name"]):
+                calls[e["name"]].append(e["dur"] / 1e3)
+        print(f"\nkernels matching {a.calls!r}: calls, total ms, min / median / max ms a call")
+        for name, d in sorted(calls.items(), key=lambda kv: -sum(kv[1])):
+            print(f"  {len(d):4d} {sum(d):9.2f}  {min(d):.3f} / {statistics.median(d):.3f} / {max(d):.3f}  {name[:90]}")
 
 
 if __name__ == "__main__":

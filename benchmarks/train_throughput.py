@@ -170,6 +170,11 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # the input gradient fp8 x fp8 from the stack as stored (_g8), and with the forward's Triton kernel (_g8f)
     VARIANTS[f"{_base}_g8"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"})
     VARIANTS[f"{_base}_g8f"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "triton"})
+# the fp8 path's activations quantised by row_quant's one-pass Triton kernel instead of Inductor's fusions (_rq)
+for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_fp8_flash_mla_1x4096",
+              "ours_fp8_air_qkvo_1x4096_packed", "ours_fp8_experts_4x1024"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_rq"] = (_s, _b, _t, _tg, {**_x, "row_quant": "triton"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -247,6 +252,7 @@ def build_ours(cfg: dict, targets, extra, device):
 
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
+        fp8_matmul.ROW_QUANT = extra.get("row_quant", fp8_matmul.ROW_QUANT)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 
@@ -417,7 +423,9 @@ def breakdown(step, batch):
         prof.export_chrome_trace(os.path.join(trace, f"trace_{os.environ.get('BENCH_VARIANT', 'step')}.json"))
     totals, kernels = {}, {}
     for e in prof.key_averages():
-        if e.device_type.name != "CUDA" and getattr(e, "device_time_total", 0) == 0:
+        # kernels only: with the host's ops recorded too (BENCH_TRACE) an op carries its kernels' time as its own,
+        # and Inductor's launcher of a Triton kernel has the kernel's very name, so one key held it twice
+        if e.device_type.name != "CUDA":
             continue
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if not t:
