@@ -66,31 +66,6 @@ def test_scaled_mm_kernel_calls_equal_their_references():
     assert _rel(reference_fp8_dgrad(g, w8, s), g @ w) < 0.05
 
 
-def test_the_one_pass_row_quantisation_gives_the_fp8_paths_the_same_bits(monkeypatch):
-    """matmul.ROW_QUANT "triton" (row_quant.py's kernel, under Triton's interpreter here) quantises the fp8 paths'
-    operands as "inductor" (plain torch) does, bit for bit: the dense forward and input gradient through
-    torch._scaled_mm, and the grouped input gradient's operand (dy with each row's expert's scales folded in)."""
-    from moetune.model.quant import matmul, row_quant
-
-    monkeypatch.setattr(row_quant, "KERNEL_ON_CPU", True)
-    torch.manual_seed(0)
-    x, g = torch.randn(24, 64).bfloat16(), torch.randn(24, 48).bfloat16()
-    w8, s = quantize_rows(torch.randn(48, 64) * 0.05)
-    gg, offs, (w8e, se) = torch.randn(30, 48), torch.tensor([4, 4, 19, 27], dtype=torch.int32), \
-        quantize_rows(torch.randn(4, 48, 64) * 0.05)
-    calls = []
-    kernel = row_quant.kernel
-    monkeypatch.setattr(row_quant, "kernel", lambda *a: calls.append(1) or kernel(*a))
-    got = {}
-    for path in ("inductor", "triton"):
-        monkeypatch.setattr(matmul, "ROW_QUANT", path)
-        got[path] = [_mm_fwd(x, w8, s, None), _mm_dgrad(g, w8, s), *matmul._gmm_dgrad_operand(gg, se, offs)]
-    assert len(calls) == 3
-    for a, b in zip(got["inductor"], got["triton"]):
-        bits = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)
-        assert torch.equal(bits(a), bits(b))
-
-
 @pytest.mark.parametrize("scheme", [ROWWISE, Fp8Scheme((16, 16))], ids=["rowwise", "block"])
 def test_dequantise_path_equals_the_dequantised_product_and_saves_no_weight(scheme):
     torch.manual_seed(0)

@@ -18,8 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import grouped_mm_fp8, grouped_mm_fp8_dgrad, kernel_supported, kernel_supported_w8a8
-from moetune.model.quant import row_quant
-from moetune.model.quant.row_quant import group_of_rows as expert_of_rows  # noqa: F401  (the tests' and benchmarks')
 from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -54,21 +52,10 @@ DGRAD = "fp8"
 # without the copy).
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
-# How the fp8 path quantises its activations (and dy with the weight's scales folded in), per row: "inductor" (in
-# torch, fused by torch.compile into its neighbours) or "triton" (row_quant.py's one-pass kernel, an opaque op): the
-# same values, bit for bit.
-ROW_QUANT = "inductor"
-
-
-def _quantize(x, col_scale=None, offs=None):
-    """quantize_rows(x · col_scale[group of the row]) (row_quant.reference) by the ROW_QUANT path."""
-    if ROW_QUANT == "triton":
-        return torch.ops.moetune.row_quant(x, col_scale, offs)
-    return row_quant.reference(x, col_scale, offs)
 
 
 def _mm_fwd(x2, w8, scale, bias):
-    xq, sx = _quantize(x2)
+    xq, sx = quantize_rows(x2)
     # _scaled_mm takes a bias only for a 16-bit output
     fused_bias = bias is not None and x2.dtype != torch.float32
     y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
@@ -78,7 +65,7 @@ def _mm_fwd(x2, w8, scale, bias):
 
 
 def _mm_dgrad(g2, w8, scale, fast_accum=None):
-    gq, sg = _quantize(g2, _row_scales(scale).view(1, -1))
+    gq, sg = quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
     return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
@@ -132,8 +119,15 @@ def reference_fp8_dgrad(g, w8, scale):
 
 
 # --------------------------------------------------------------------------------------------- grouped (experts)
+def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert (group) of each of `rows` rows sorted by expert with group ends `offs`; rows past the last end
+    (padding) get the last expert."""
+    idx = torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+    return idx.clamp_(max=offs.numel() - 1)
+
+
 def _gmm_fwd(x, w8, scale, offs):
-    xq, sx = _quantize(x)
+    xq, sx = quantize_rows(x)
     if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
@@ -142,7 +136,7 @@ def _gmm_fwd(x, w8, scale, offs):
 
 def _gmm_dgrad_operand(g, scale, offs):
     """dy with each row's expert's weight scales folded in (they lie inside the sum over `out`), quantised per row."""
-    return _quantize(g, _row_scales(scale), offs)
+    return quantize_rows(g.float() * _row_scales(scale)[expert_of_rows(offs, g.shape[0])])
 
 
 def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
