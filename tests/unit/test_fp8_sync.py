@@ -78,6 +78,16 @@ def _hub_fp8_base(tmp_path, experts_fp8: bool, scheme=ROWWISE, **dims) -> str:
     return str(tmp_path / "base")
 
 
+def _assert_handed_over(got, want):
+    """What load_weights got is, name for name and bit for bit, the export's tensors."""
+    assert set(got.seen) == set(want)
+    for name, w in want.items():
+        dtype, shape, value = got.seen[name]
+        assert (dtype, shape) == (w.dtype, tuple(w.shape)), name
+        bits = (lambda t: t.view(torch.uint8)) if w.dtype == FP8 else (lambda t: t)
+        assert torch.equal(bits(value), bits(w)), name
+
+
 @pytest.mark.parametrize("experts_fp8", [False, True], ids=["experts_bf16", "experts_fp8"])
 def test_an_fp8_rows_sync_carries_what_export_merged_fp8_writes(tmp_path, experts_fp8):
     """Format fp8_rows, for an engine serving the compressed-tensors FP8 release: what the sync hands vLLM's
@@ -97,12 +107,7 @@ def test_an_fp8_rows_sync_carries_what_export_merged_fp8_writes(tmp_path, expert
     stats, _ = run_sync(trainer, [lambda g: receive(g, load_weights_consumer(got)), lambda g: receive_into(g, twin)],
                         format="fp8_rows", bucket_bytes=24 << 10, max_experts_per_unit=3)
     assert stats["buckets"] > 6 and stats["peak_alloc"] <= stats["bound"]
-    assert set(got.seen) == set(want)
-    for name, w in want.items():
-        dtype, shape, value = got.seen[name]
-        assert (dtype, shape) == (w.dtype, tuple(w.shape)), name
-        bits = (lambda t: t.view(torch.uint8)) if w.dtype == FP8 else (lambda t: t)
-        assert torch.equal(bits(value), bits(w)), name
+    _assert_handed_over(got, want)
     # the moetune receiver: fp8 weights dequantised with their row scales
     q, s = want["model.layers.1.self_attn.q_proj.weight"], want["model.layers.1.self_attn.q_proj.weight_scale"]
     assert torch.equal(twin.model.layers[1].self_attn.q_proj.weight, q.float() * s)
@@ -143,12 +148,7 @@ def test_a_block_fp8_sync_carries_what_export_merged_fp8_writes(tmp_path, monkey
     stats, _ = run_sync(trainer, [lambda g: receive(g, load_weights_consumer(got)), lambda g: receive_into(g, twin)],
                         format="fp8", bucket_bytes=24 << 10, max_experts_per_unit=3)
     assert chunks and stats["buckets"] > 6 and stats["peak_alloc"] <= stats["bound"]
-    assert set(got.seen) == set(want)
-    for name, w in want.items():
-        dtype, shape, value = got.seen[name]
-        assert (dtype, shape) == (w.dtype, tuple(w.shape)), name
-        bits = (lambda t: t.view(torch.uint8)) if w.dtype == FP8 else (lambda t: t)
-        assert torch.equal(bits(value), bits(w)), name
+    _assert_handed_over(got, want)
     # the moetune receiver: fp8 weights dequantised with their block scales
     for name, module in (("model.layers.0.mlp.gate_proj", twin.model.layers[0].mlp.gate_proj),
                          ("model.layers.1.self_attn.q_proj", twin.model.layers[1].self_attn.q_proj)):
