@@ -22,7 +22,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.hf_io import cast_model, init_weights
 from moetune.model.lora import apply_lora
 from moetune.model.quant.checkpoint import fp8_config
-from moetune.model.quant.fp8 import ROWWISE, Fp8Scheme
+from moetune.model.quant.fp8 import ROWWISE, Fp8Scheme, dequantize_
 from moetune.model.quant.modules import dequantize_model, fp8_weights, quantize_model
 from moetune.sync import receive
 from moetune.sync.fp8 import FP8, dequantize
@@ -170,3 +170,52 @@ def test_format_fp8_sends_a_row_wise_base_dequantised_besides_its_block_experts(
         assert plain["model.layers.1.self_attn.q_proj.weight"] == attention
         assert ("model.layers.1.self_attn.q_proj.weight_scale_inv" in plain) == (attention != "bfloat16")
         assert all(b["experts"]["scales"] == "block" for b in header["buckets"] if b["experts"])
+
+
+# ------------------------------------------------------------------------------------------------ staging memory
+def test_in_place_dequantisation_equals_the_schemes_bit_for_bit():
+    """fp8.dequantize_ (the sync's staging) against Fp8Scheme.dequantize: rows, blocks with short last blocks, rows
+    gathered from inside a block row, and a gate_up stack whose two parts are blocked apart."""
+    torch.manual_seed(0)
+    for scheme in (ROWWISE, Fp8Scheme((16, 32))):
+        q, s = scheme.quantize(torch.randn(3, 2 * 40, 72), parts=2)
+        assert torch.equal(dequantize_(q.float(), s, scheme), scheme.dequantize(q, s))
+        q, s = scheme.quantize(torch.randn(70, 72))
+        whole = scheme.dequantize(q, s)
+        b0 = scheme.block[0] if scheme.block else 1
+        for lo, hi in ((0, 70), (5, 37), (16, 33), (33, 70)):
+            got = dequantize_(q[lo:hi].float(), s[lo // b0: -(-hi // b0)], scheme, lo - lo // b0 * b0)
+            assert torch.equal(got, whole[lo:hi]), (scheme, lo, hi)
+
+
+def test_gathered_fp8_rows_are_dequantised_in_their_one_counted_buffer():
+    """The sender's bound counts one fp32 buffer for an fp8 weight's gathered rows: dequantising them allocates
+    nothing else of their size (every tensor an op creates is recorded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from moetune.sync.alloc import Allocations
+    from moetune.sync.shards import ShardMap
+
+    class Created(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.sizes += [t.untyped_storage().nbytes() for t in tree_leaves(out)
+                           if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given]
+            return out
+
+    for scheme in (ROWWISE, Fp8Scheme((16, 32))):
+        q, s = scheme.quantize(torch.randn(70, 72))
+        mem = Allocations()
+        shards = ShardMap({"w": q, "w_scale": s}, device="cpu", mem=mem, fp8={"w": ("w_scale", scheme)})
+        with Created() as created:
+            w = shards.gather("w", 5, 37)
+        assert torch.equal(w, scheme.dequantize(q, s)[5:37])
+        rows = 32 * 72 * 4
+        assert max(created.sizes) == rows == mem.peak, created.sizes
+        assert sum(n >= 32 * 72 for n in created.sizes) == 1, created.sizes  # nothing else the rows' size

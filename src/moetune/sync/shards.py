@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moetune.model.quant.fp8 import expand_block_scale
+from moetune.model.quant.fp8 import dequantize_
 from moetune.sync.alloc import Allocations
 from moetune.tensors import local_box, local_tensor  # noqa: F401  (re-exported)
 
@@ -79,19 +79,18 @@ class ShardMap:
         return self._gather(name, lo, hi, out)
 
     def _gather_dequantised(self, name: str, lo: int, hi: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The fp8 rows, then their fp32 values in one counted buffer (`out` itself when it is fp32): the scales
+        multiply it in place (fp8.dequantize_), so nothing else the size of the rows is allocated."""
         scale_name, scheme = self.fp8[name]
         q = self._gather(name, lo, hi)
         block_rows = scheme.block is not None and self.tensors[name].dim() == 2  # an expert stack's rows are experts
         b0 = scheme.block[0] if block_rows else 1
-        s = self._gather(scale_name, lo // b0, -(-hi // b0))
+        s = self._gather(scale_name, lo // b0, -(-hi // b0))  # the block rows covering lo:hi
         if q is None:
             return None
-        if block_rows:  # the block rows covering lo:hi, then the rows asked for
-            s = expand_block_scale(s, ((-(-hi // b0) - lo // b0) * b0, q.shape[1]), scheme.block)
-            w = self.mem.track(q.float() * s[lo - lo // b0 * b0:][: hi - lo])
-        else:
-            w = self.mem.track(scheme.dequantize(q, s))
-        if out is None:
+        w = out if out is not None and out.dtype == torch.float32 else self.mem.empty(q.shape, torch.float32, q.device)
+        dequantize_(w.copy_(q), s, scheme, lo - lo // b0 * b0)
+        if out is None or w is out:
             return w
         out.copy_(w)
         return out

@@ -119,5 +119,31 @@ def expand_block_scale(scale: torch.Tensor, shape, block) -> torch.Tensor:
     return s[..., :out, :inp]
 
 
+@torch.no_grad()
+def dequantize_(w: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, row0: int = 0) -> torch.Tensor:
+    """`scheme.dequantize` in place and bit for bit: w (fp32, holding the fp8 values) times its scales, with no
+    temporary the size of w (the weight sync's staging is bounded). Block scales: w's rows start `row0` rows into the
+    first block row of `scale` (the rows of a 2-D weight gathered from anywhere in it); a scale with one more
+    dimension than w holds the grids of the parts w's rows fuse, each part's rows blocked from its own start."""
+    if scheme.block is None:
+        return w.mul_(scale)
+    b0, b1 = scheme.block
+    if scale.dim() == w.dim() + 1:
+        for part, rows in enumerate(w.chunk(scale.shape[-3], dim=-2)):
+            dequantize_(rows, scale[..., part, :, :], scheme, row0)
+        return w
+    R, C = w.shape[-2:]
+    full = C // b1 * b1
+    for i in range(scale.shape[-2]):  # a block row at a time: its full column blocks in one product, then the tail
+        rows = w[..., max(0, i * b0 - row0): min(R, (i + 1) * b0 - row0), :]
+        if rows.shape[-2] == 0:
+            continue
+        if full:
+            rows[..., :full].unflatten(-1, (-1, b1)).mul_(scale[..., i, None, : full // b1, None])
+        if full < C:
+            rows[..., full:].mul_(scale[..., i, None, -1:])
+    return w
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
