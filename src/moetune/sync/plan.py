@@ -15,7 +15,9 @@ bf16: 2 × 1.16 GiB against L = 4.7 GiB). The staging budget is what remains of 
 experts a unit holds and how many rows of a plain tensor are staged at once. So the total stays under 1.25·L + e
 whenever one expert's staging (≤ 18·I·H bytes: its rows gathered — fp32, or an fp8 base's fp8 rows and their fp32
 dequantisation — + fp32 scratch) fits that remainder, as it does for any GLM-4.5, GLM-4.7-Flash or GLM-5 shape, in
-every format (tested; the plan reports its bound and the sender its tracked peak).
+every format (tested; the plan reports its bound and the sender its tracked peak). A weight requantised per 128×128
+block is staged 128 rows at a time at least; where that exceeds the remainder (tiny test models only: never at GLM
+widths, tested) the bound grows by the difference (`block_shortfall`).
 The architecture does not enter: MLA projections and the DSA indexer's weights are plain tensors like any other.
 """
 
