@@ -84,6 +84,37 @@ def test_grouped_experts_match_a_per_expert_loop():
     torch.testing.assert_close(gy, gr)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypatch, compiled):
+    """experts.GATHER_BACKWARD: permute_rows / unpermute whose backward gathers (each token's k row gradients summed;
+    each row reading its token's gradient) give the gradients autograd's scatters into zeros give — the same sums
+    in another order (fp64 here: equal to rounding) — and the same forward, eager and compiled in one graph."""
+    from moetune.model import experts
+
+    torch.manual_seed(2)
+    T, k, E, H = 19, 3, 5, 6
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    perm = permute(idx, E)
+    x0, g = torch.randn(T, H, dtype=torch.float64), torch.randn(T, H, dtype=torch.float64)
+    w = torch.randn(T * k, H, dtype=torch.float64)
+
+    def run(gather):
+        monkeypatch.setattr(experts, "GATHER_BACKWARD", gather)
+        x = x0.clone().requires_grad_()
+
+        def f(x):
+            return experts.unpermute(experts.permute_rows(x, perm) * w, perm, T)
+        y = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(x)
+        y.backward(g)
+        return y.detach(), x.grad
+
+    (y0, gx0), (y1, gx1) = run(False), run(True)
+    assert torch.equal(y0, y1)
+    torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-12)
+    want = torch.stack([sum(g[t] * w[perm.inverse[t * k + j]] for j in range(k)) for t in range(T)])
+    torch.testing.assert_close(gx1, want, rtol=1e-12, atol=1e-12)
+
+
 def test_flex_attention_document_mask_matches_dense_mask():
     """The packed-document kernel of the GPU (FlexAttention + block mask), compiled for the CPU here."""
     from moetune.model.attention import AttnMeta, attend, build_attn_meta, dense_document_mask

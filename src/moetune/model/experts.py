@@ -28,6 +28,11 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 # The frozen base stacks' GEMMs (bf16, or fp8 with row scales) on CUDA: "torch" (torch._grouped_mm, and the fp8 path of
 # model/quant/matmul.py) or "triton" (model/grouped_gemm.py). LoRA's trainable A/B always take torch._grouped_mm.
 GROUPED_GEMM = "torch"
+# The permutation's backward as gathers — each token's k rows summed, each row reading its token's gradient — instead
+# of autograd's scatters into zeros (`index_put` after `new_zeros`, ~20 ms of a traced EP-8 rank of Air's step,
+# BENCHMARKS.md, eleventh session): a candidate of issue 21, prepared and CPU-tested, measured by the harness's `_gp`
+# rows before it becomes the default.
+GATHER_BACKWARD = False
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -95,10 +100,55 @@ def permute(topk_idx: torch.Tensor, num_experts: int) -> Permutation:
     return Permutation(order // k, order, inverse, counts, offs)
 
 
+def permute_rows(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """Each token's row once per slot, sorted by expert: x[perm.token_idx]."""
+    if GATHER_BACKWARD:
+        return _Gather.apply(x, perm.token_idx, perm.inverse)
+    return x[perm.token_idx]
+
+
 def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch.Tensor:
     """Sum of each token's k (already weighted) expert outputs, as a gather (deterministic, no atomics)."""
-    y = y_perm[perm.inverse]
-    return y.view(num_tokens, -1, y.shape[-1]).sum(dim=1)
+    if GATHER_BACKWARD:
+        return _GatherSum.apply(y_perm, perm.inverse, perm.token_idx, num_tokens)
+    return _gather_sum(y_perm, perm.inverse, num_tokens)
+
+
+def _gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """out[t] = Σ_j rows[index[t·k + j]]: n groups of k consecutive indices."""
+    picked = rows[index]
+    return picked.view(n, -1, picked.shape[-1]).sum(dim=1)
+
+
+class _Gather(torch.autograd.Function):
+    """x[token_idx] (k rows per token, sorted by expert), whose backward gathers each token's k row gradients and sums
+    them (`inverse`: the permuted row of each (token, slot)) instead of scattering them into zeros."""
+
+    @staticmethod
+    def forward(ctx, x, token_idx, inverse):
+        ctx.save_for_backward(inverse)
+        ctx.num_tokens = x.shape[0]
+        return x[token_idx]
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return _gather_sum(g, inverse, ctx.num_tokens), None, None
+
+
+class _GatherSum(torch.autograd.Function):
+    """unpermute's sum of each token's k rows, whose backward reads each row's token's gradient (a gather) instead of
+    scattering the expanded gradient into zeros."""
+
+    @staticmethod
+    def forward(ctx, y_perm, inverse, token_idx, num_tokens):
+        ctx.save_for_backward(token_idx)
+        return _gather_sum(y_perm, inverse, num_tokens)
+
+    @staticmethod
+    def backward(ctx, g):
+        (token_idx,) = ctx.saved_tensors
+        return g[token_idx], None, None, None
 
 
 def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.names import LOSS_CHUNK_TOKENS
-from moetune.model.experts import experts_forward, permute, unpermute
+from moetune.model.experts import experts_forward, permute, permute_rows, unpermute
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name
 from moetune.model.recompute import recompute, split_modes
 
@@ -158,7 +158,7 @@ class Experts(nn.Module):
             return self.dispatcher(x, topk_idx, topk_weights, self._weights(), self._compute, self.num_experts,
                                    side_work, recompute)
         perm = permute(topk_idx, self.num_experts)
-        rows, row_weights = x[perm.token_idx], topk_weights.reshape(-1)[perm.order]
+        rows, row_weights = permute_rows(x, perm), topk_weights.reshape(-1)[perm.order]
         y = experts_forward(rows, perm.offs, row_weights, expert_weight(self, "gate_up_proj"),
                             expert_weight(self, "down_proj"), self.lora)
         return unpermute(y, perm, x.shape[0]), perm.counts, side_work() if side_work is not None else None
