@@ -198,8 +198,8 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
     per_expert_wire = max((expert_nbytes(1, I, H, *expert_format(p)) for p, _, I, H in expert_items), default=1)
     c = max(1, min(max_experts_per_unit, budget // per_expert, bucket // per_expert_wire))
     # a weight requantised per 128×128 block is staged whole blocks of rows at a time, never fewer than 128 rows
-    block_staging = max((min(u.shape[0], BLOCK) * _row_staging(tensors, u) for items in groups.values() for u in items
-                         if isinstance(u, TensorUnit) and u.scales == "block"), default=0)
+    block_staging = max((min(u.shape[0], BLOCK) * _unit_row_staging(tensors, u) for items in groups.values()
+                         for u in items if isinstance(u, TensorUnit) and u.scales == "block"), default=0)
 
     # pass 2: units, then buckets
     buckets = []
@@ -288,7 +288,8 @@ def row_staging(row_elems: int, src_itemsize: int, rank: int = 0) -> int:
     return row_elems * (src_itemsize + 4) + 4 * rank
 
 
-def _row_staging(tensors, u: TensorUnit) -> int:
+def _unit_row_staging(tensors, u: TensorUnit) -> int:
+    """row_staging of a plain unit: its source weight (fp8 or not), its LoRA rank."""
     W = tensors[u.src]
     rank = tensors[u.lora[0]].shape[0] if u.lora else 0
     return row_staging(math.prod(u.shape[1:]), 1 + 4 if W.element_size() == 1 else W.element_size(), rank)

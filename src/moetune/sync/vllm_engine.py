@@ -55,7 +55,8 @@ class MoetuneSource(WeightSource):
     """A moetune model as vLLM's `WeightSource`: what a sync sends (checkpoint names; LoRA merged; experts one by one,
     in fp8 with their `weight_scale_inv` for format "fp8", as is what a block-scaled base stores in fp8), produced a
     bucket at a time within the plan's memory bound. Every training rank iterates it (the owners of a bucket's shards
-    send them to rank 0); a yielded tensor is valid until the next but one bucket is produced. The "moetune" engine sends its buckets whole instead."""
+    send them to rank 0); a yielded tensor is valid until the next but one bucket is produced. The "moetune" engine
+    sends its buckets whole instead."""
 
     def __init__(self, model, format: str = "bf16", lora: str = "merge", device=None, **sender_kw):
         if device is None:
@@ -240,6 +241,7 @@ def engine_formats(hf_config: dict) -> tuple[tuple[str, ...], str]:
     """(the sync formats, what it loads) of an engine serving the checkpoint of `hf_config`: vLLM's load_weights
     takes weights in their checkpoint form, as its quantization_config says (with `quantization="fp8"` and none in
     the checkpoint, vLLM quantises the bf16 weights it loads itself)."""
+    from moetune.model.config import ModelConfig
     from moetune.model.quant.checkpoint import not_quantised
     from moetune.sync.fp8 import BLOCK
 
@@ -254,8 +256,9 @@ def engine_formats(hf_config: dict) -> tuple[tuple[str, ...], str]:
     block = qc.get("weight_block_size")
     if list(block or ()) != [BLOCK, BLOCK]:
         return (), f"fp8 weights with weight_block_size {block} (moetune's fp8 wire is {BLOCK}x{BLOCK} blocks)"
-    layers = range(hf_config.get("num_hidden_layers") or 0)
-    if any(not_quantised(qc, f"model.layers.{i}.mlp.experts.0.gate_proj") for i in layers):
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    if any(not_quantised(qc, f"model.layers.{i}.mlp.experts.0.gate_proj") for i in moe_layers):
         return (), "unquantised routed experts beside block-fp8 weights (format fp8 sends routed experts in fp8)"
     return ("fp8",), f"{BLOCK}x{BLOCK}-block fp8 weights (weight_scale_inv)"
 
