@@ -40,6 +40,9 @@ LORA_ALIASES = {
 # ---- parameters no gradient reaches: GLM-5's DSA indexer runs without one (as in transformers). Full fine-tuning
 # keeps them frozen, so the optimizer holds no state for them (a checkpoint would lack what a resume expects)
 NO_GRADIENT_RE = re.compile(r"\.self_attn\.indexer\.")
+# ...of which vLLM's GLM-5 / DeepSeek-V3.2 loader takes the query projection in its checkpoint's fp8 (a linear under
+# the quantization config); its wk it upcasts to bf16 (fused with weights_proj, unquantised) whichever it is given
+INDEXER_FP8_RE = re.compile(r"\.self_attn\.indexer\.wq_b\.weight$")
 
 # ---- HF parameter names of GLM-4.5 (transformers v5 = ours)
 # model.layers.N.<anything>: N is the decoder layer (N == num_hidden_layers is the MTP layer the hub ships)

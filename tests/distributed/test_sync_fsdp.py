@@ -194,6 +194,7 @@ def _fp8_reference(kind, which) -> dict:
     routed experts too, gate and up apart), dequantised again."""
     from moetune.model.quant.fp8 import quantize_rows
     from moetune.model.quant.modules import fp8_weights, scale_name
+    from moetune.names import INDEXER_FP8_RE
     from moetune.sync.fp8 import dequantize, quantize
 
     model, _ = _trainer_model(None, False, 1, kind, fp8=FP8_BASES[which])
@@ -207,7 +208,8 @@ def _fp8_reference(kind, which) -> dict:
         if FP8_BASES[which] == "rows" and name in fp8:
             q, s = quantize_rows(w)
             w = q.float() * s
-        elif FP8_BASES[which] != "rows" and (name in fp8 or name.endswith(("experts.gate_up_proj", "down_proj"))):
+        elif FP8_BASES[which] != "rows" and (name in fp8 or name.endswith(("experts.gate_up_proj", "down_proj"))
+                                             or INDEXER_FP8_RE.search(name)):  # as block-FP8 releases store it
             parts = w.chunk(2 if name.endswith("gate_up_proj") else 1, dim=-2)  # gate and up blocked apart
             w = torch.cat([dequantize(*quantize(part)) for part in parts], dim=-2)
         out[name] = w if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)

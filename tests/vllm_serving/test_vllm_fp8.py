@@ -268,3 +268,37 @@ def test_an_engine_takes_the_sync_format_of_the_checkpoint_it_serves():
     experts_kept = dict(glm5, modules_to_not_convert=["lm_head", "mlp.gate", ".*mlp\\.experts\\..*"])
     assert "no sync format" in verdict(experts_kept, "fp8", block)
     assert "weight_block_size [64, 64]" in verdict(dict(glm5, weight_block_size=[64, 64]), "fp8", block)
+
+
+def test_a_glm5_fp8_engine_gets_the_indexers_query_projection_in_fp8():
+    """GLM-5's DSA indexer: vLLM's loader (deepseek_v2.py) takes wq_b as a linear under the quantization config —
+    fp8 with weight_scale_inv in a block-FP8 checkpoint unless its exact name is ignored (vLLM's exact-match rule) —
+    and upcasts wk to bf16 whatever it gets. A trainer on the block-FP8 base sends wq_b requantised per block (our
+    model keeps it bf16); an engine that ignores it refuses that sync, naming it."""
+    from types import SimpleNamespace
+
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.quant.fp8 import Fp8Scheme
+    from moetune.model.quant.modules import quantize_model
+    from moetune.sync.plan import build_plan, plan_tensors
+    from moetune.sync.vllm_engine import check_header, expected_manifest
+
+    block, plain = Fp8Scheme((128, 128)), dict(BUILTIN["glm5"], num_hidden_layers=4)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    model = build_model(ModelConfig.from_hf_dict(plain), "meta")
+    quantize_model(model, block)
+    header = build_plan(model, plan_tensors(model, {**dict(model.named_parameters()),
+                                                    **dict(model.named_buffers())}), "fp8", "base").header
+
+    def engine(qc):
+        cfg = dict(plain, quantization_config=qc)
+        return SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: cfg))
+
+    q = "model.layers.0.self_attn.indexer.wq_b.weight"
+    want = expected_manifest(dict(plain, quantization_config=qc), "fp8")
+    assert want[q][1] == "float8_e4m3fn" and q + "_scale_inv" in want
+    assert want["model.layers.0.self_attn.indexer.wk.weight"][1] == "bfloat16"
+    assert check_header(engine(qc), header, {}) is None
+    ignoring = dict(qc, modules_to_not_convert=[q[: -len(".weight")]])
+    assert q + "_scale_inv" in check_header(engine(ignoring), header, {})

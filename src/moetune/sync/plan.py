@@ -30,7 +30,7 @@ import torch
 
 from moetune.model.quant.fp8 import ROWWISE, Fp8Scheme
 from moetune.model.quant.modules import fp8_weights, scale_name
-from moetune.names import FUSED_EXPERT_RE as _EXPERTS_RE, LAYER_RE as _LAYER_RE
+from moetune.names import FUSED_EXPERT_RE as _EXPERTS_RE, INDEXER_FP8_RE, LAYER_RE as _LAYER_RE
 from moetune.sync.fp8 import BLOCK, scale_shape
 from moetune.sync.wire import VERSION, dtype_name, expert_nbytes, layout_bucket, nbytes
 
@@ -224,10 +224,15 @@ def plan_tensors(model, tensors: dict) -> dict:
 
 def _wire_fp8(model, fmt: str) -> dict[str, str]:
     """{weight: scale kind} of the base weights a format sends in fp8 besides format fp8's routed experts: fp8_rows
-    those the base stores in fp8 with one scale per row (it needs such a base), fp8 those it stores block-scaled."""
+    those the base stores in fp8 with one scale per row (it needs such a base), fp8 those it stores block-scaled and,
+    then, the DSA indexer's query projection, which the model keeps in bf16 but the block-FP8 releases store (and vLLM
+    loads) in fp8."""
     stored = fp8_weights(model)
     if fmt == "fp8":
-        return {name: "block" for name, q in stored if q.block is not None and not _EXPERTS_RE.match(name)}
+        out = {name: "block" for name, q in stored if q.block is not None and not _EXPERTS_RE.match(name)}
+        if out:
+            out.update((name, "block") for name, _ in model.named_parameters() if INDEXER_FP8_RE.search(name))
+        return out
     if fmt != "fp8_rows":
         return {}
     if not stored:

@@ -278,6 +278,7 @@ def expected_manifest(hf_config: dict, fmt: str) -> dict:
     from moetune.model.config import ModelConfig
     from moetune.model.quant.checkpoint import not_quantised
     from moetune.model.quant.modules import quantize_model
+    from moetune.names import INDEXER_FP8_RE
     from moetune.sync.plan import WIRE_SCHEMES, build_plan, plan_tensors
 
     model = build_model(ModelConfig.from_hf_dict(hf_config), "meta")
@@ -286,7 +287,13 @@ def expected_manifest(hf_config: dict, fmt: str) -> dict:
         quantize_model(model, WIRE_SCHEMES["row" if fmt == "fp8_rows" else "block"], keep=lambda name: not
                        not_quantised(qc, name + ".0.gate_proj" if name.endswith(".experts") else name))
     tensors = plan_tensors(model, {**dict(model.named_parameters()), **dict(model.named_buffers())})
-    return manifest(build_plan(model, tensors, fmt, "base").header)
+    out = manifest(build_plan(model, tensors, fmt, "base").header)
+    if fmt == "fp8":  # the DSA indexer's query projection: fp8 in vLLM unless its exact name is ignored (vLLM's rule)
+        ignored = set(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+        for name in [n for n in out if INDEXER_FP8_RE.search(n) and n[: -len(".weight")] in ignored]:
+            out[name] = (out[name][0], "bfloat16")
+            del out[name + "_scale_inv"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- an in-process client
