@@ -198,7 +198,7 @@ def build_plan(model, tensors: dict[str, torch.Tensor], fmt: str, lora: str, buc
     per_expert_wire = max((expert_nbytes(1, I, H, *expert_format(p)) for p, _, I, H in expert_items), default=1)
     c = max(1, min(max_experts_per_unit, budget // per_expert, bucket // per_expert_wire))
     # a weight requantised per 128×128 block is staged whole blocks of rows at a time, never fewer than 128 rows
-    block_staging = max((min(u.shape[0], BLOCK) * _unit_row_staging(tensors, u) for items in groups.values()
+    block_staging = max((min(u.shape[0], BLOCK) * row_staging(tensors, u) for items in groups.values()
                          for u in items if isinstance(u, TensorUnit) and u.scales == "block"), default=0)
 
     # pass 2: units, then buckets
@@ -282,22 +282,18 @@ def _layout(layer, units) -> dict:
     return layout_bucket(layer, plain, section)
 
 
-def staging_rows(budget: int, row_elems: int, src_itemsize: int, rank: int = 0) -> int:
-    """Rows of a plain tensor merged at once: its gathered rows + fp32 scratch + B's rows in fp32 fit the budget."""
-    return max(1, budget // max(row_staging(row_elems, src_itemsize, rank), 1))
+def staging_rows(budget: int, tensors, u: TensorUnit) -> int:
+    """Rows of a plain unit merged (or requantised) at once within the staging budget."""
+    return max(1, budget // row_staging(tensors, u))
 
 
-def row_staging(row_elems: int, src_itemsize: int, rank: int = 0) -> int:
-    """Staging bytes of one row of a plain tensor (see staging_rows). An fp8 weight's `src_itemsize` is 1 + 4: its
-    rows gathered, then dequantised."""
-    return row_elems * (src_itemsize + 4) + 4 * rank
-
-
-def _unit_row_staging(tensors, u: TensorUnit) -> int:
-    """row_staging of a plain unit: its source weight (fp8 or not), its LoRA rank."""
+def row_staging(tensors, u: TensorUnit) -> int:
+    """Staging bytes of one row of a plain unit: its gathered row (an fp8 weight's twice: its fp8 row, then
+    dequantised in fp32) + fp32 scratch + B's row in fp32."""
     W = tensors[u.src]
+    itemsize = 1 + 4 if W.element_size() == 1 else W.element_size()
     rank = tensors[u.lora[0]].shape[0] if u.lora else 0
-    return row_staging(math.prod(u.shape[1:]), 1 + 4 if W.element_size() == 1 else W.element_size(), rank)
+    return max(1, math.prod(u.shape[1:]) * (itemsize + 4) + 4 * rank)
 
 
 __all__ = ["Plan", "PlannedBucket", "TensorUnit", "ExpertUnit", "build_plan", "lora_sources", "plan_tensors",

@@ -81,9 +81,9 @@ class ModelUpdater:
         """Why this model cannot take the sync described by `header` (None: it can)."""
         problems = []
         for meta in header["buckets"]:
-            scales = _plain_scales(meta)
+            scales = {scale for scale, _ in _plain_scales(meta).values()}
             for name, _, shape, _ in meta["tensors"]:
-                if name in scales.values():
+                if name in scales:
                     continue  # read with its weight
                 t = self.targets.get(name)
                 if t is None or tuple(t.shape) != tuple(shape):
@@ -115,12 +115,13 @@ class ModelUpdater:
     @torch.no_grad()
     def __call__(self, bucket: Bucket) -> None:
         scales = _plain_scales(bucket.meta)
+        scale_names = {scale for scale, _ in scales.values()}
         for name, t in bucket.plain():
-            if name in scales.values():
+            if name in scale_names:
                 continue
             if name in scales:
-                s = bucket.tensor(scales[name])
-                t = dequantize(t, s) if scales[name].endswith("_inv") else t.float() * s  # blocks, else rows
+                scale, scheme = scales[name]
+                t = scheme.dequantize(t, bucket.tensor(scale))
             self._target(name, t.shape).copy_(t)
         ex = bucket.experts
         if ex is None:
@@ -147,16 +148,12 @@ class ModelUpdater:
             down[e].copy_(dequantize(ex.w2[i], ex.w2_scale[i]))
 
 
-def _plain_scales(meta: dict) -> dict[str, str]:
-    """{fp8 weight: its scale} of a bucket's plain tensors: `X.weight_scale` (rows, fp8_rows) or
+def _plain_scales(meta: dict) -> dict[str, tuple]:
+    """{fp8 weight: (its scale, its wire scheme)} of a bucket's plain tensors: `X.weight_scale` (rows, fp8_rows) or
     `X.weight_scale_inv` (blocks, fp8) follows `X.weight`."""
     names = {name for name, _, _, _ in meta["tensors"]}
-    out = {}
-    for name, dtype, _, _ in meta["tensors"]:
-        for scheme in WIRE_SCHEMES.values() if dtype == "float8_e4m3fn" else ():
-            if scale_name(name, scheme) in names:
-                out[name] = scale_name(name, scheme)
-    return out
+    return {name: (scale_name(name, scheme), scheme) for name, dtype, _, _ in meta["tensors"]
+            if dtype == "float8_e4m3fn" for scheme in WIRE_SCHEMES.values() if scale_name(name, scheme) in names}
 
 
 def receive_into(group: SyncGroup, model) -> dict:

@@ -20,7 +20,6 @@ Plain copies (no LoRA, bf16) are gathered straight into the bucket.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -219,9 +218,7 @@ class WeightSender:
         rank = self.shards.tensors[A_name].shape[0] if u.lora else 0
         step = rows  # a copy as it is: whole, received straight into the bucket
         if u.lora or u.scales or dtype_name(src.dtype) != u.dtype:  # staged: as many rows as the budget holds
-            # an fp8 weight is staged twice: its fp8 rows gathered, then dequantised (fp32)
-            itemsize = 1 + 4 if u.src in self.shards.fp8 else src.element_size()
-            step = staging_rows(self.plan.staging_budget, math.prod(u.shape[1:]), itemsize, rank)
+            step = staging_rows(self.plan.staging_budget, self.shards.tensors, u)
             if u.scales == "block" and step < rows:  # whole 128-row blocks: each chunk fills its own rows of the grid
                 step = max(BLOCK, step - step % BLOCK)
         for r0 in range(0, rows, step):
