@@ -84,11 +84,12 @@ def test_grouped_experts_match_a_per_expert_loop():
     torch.testing.assert_close(gy, gr)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypatch, compiled):
+@pytest.mark.parametrize("compiled,gather_sum", [(False, "reduce"), (True, "reduce"), (True, "unrolled")])
+def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypatch, compiled, gather_sum):
     """experts.GATHER_BACKWARD: permute_rows / unpermute whose backward gathers (each token's k row gradients summed;
     each row reading its token's gradient) give the gradients autograd's scatters into zeros give — the same sums
-    in another order (fp64 here: equal to rounding) — and the same forward, eager and compiled in one graph."""
+    in another order (fp64 here: equal to rounding) — and the same forward, eager and compiled in one graph; with
+    experts.GATHER_SUM "unrolled" (compiled code sums the k rows as k gathers added) too."""
     from moetune.model import experts
 
     torch.manual_seed(2)
@@ -100,6 +101,7 @@ def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypat
 
     def run(gather):
         monkeypatch.setattr(experts, "GATHER_BACKWARD", gather)
+        monkeypatch.setattr(experts, "GATHER_SUM", gather_sum if gather else "reduce")
         x = x0.clone().requires_grad_()
 
         def f(x):
@@ -109,7 +111,7 @@ def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypat
         return y.detach(), x.grad
 
     (y0, gx0), (y1, gx1) = run(False), run(True)
-    assert torch.equal(y0, y1)
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-12)
     want = torch.stack([sum(g[t] * w[perm.inverse[t * k + j]] for j in range(k)) for t in range(T)])
     torch.testing.assert_close(gx1, want, rtol=1e-12, atol=1e-12)

@@ -33,6 +33,10 @@ GROUPED_GEMM = "torch"
 # BENCHMARKS.md, eleventh session): a candidate of issue 21, prepared and CPU-tested, measured by the harness's `_gp`
 # rows before it becomes the default.
 GATHER_BACKWARD = False
+# How compiled code sums each token's k rows: "reduce" (a [n, k, H] gather summed over k) or "unrolled" (k gathers
+# added); a candidate of issue 21 measured by the harness's `_gpu` rows (with GATHER_BACKWARD, whose backward is
+# the same sum).
+GATHER_SUM = "reduce"
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -116,8 +120,21 @@ def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch
 
 def _gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     """out[t] = Σ_j rows[index[t·k + j]]: n groups of k consecutive indices."""
+    if GATHER_SUM == "unrolled" and torch.compiler.is_compiling():
+        return _gather_sum_unrolled(rows, index, n)
     picked = rows[index]
     return picked.view(n, -1, picked.shape[-1]).sum(dim=1)
+
+
+def _gather_sum_unrolled(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """The same sum written as k gathers added in fp32: Inductor makes it one element-wise kernel whose threads run
+    along a row's columns, where the [n, k, H] reduction becomes a reduction kernel over k (~0.9 TB/s on an H200)."""
+    idx = index.view(n, -1)
+    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+    acc = rows[idx[:, 0]].to(acc_dtype)
+    for j in range(1, idx.shape[1]):
+        acc = acc + rows[idx[:, j]].to(acc_dtype)
+    return acc.to(rows.dtype)
 
 
 class _Gather(torch.autograd.Function):
