@@ -1,13 +1,11 @@
 """The MoE layer's permutation on one GPU, apart from the GEMMs: each token's row copied once per routed expert and
 sorted by expert (`experts.permute_rows`), each token's k rows summed back (`experts.unpermute`), forward and
-backward, in the ways `model/experts.py` can write them:
+backward, two ways:
 
-- `autograd`: the default — x[token_idx] and a [T, k, H] gather summed over k, backward by autograd (scatters into
-  zeros);
-- `gp`: `experts.GATHER_BACKWARD` — both backwards as gathers (each token's k gradients summed; each row reading
-  its token's gradient), the sums still [T, k, H] reductions;
-- `gpu`: `gp` with every sum of k rows written as k gathers added (`experts.GATHER_SUM = "unrolled"`);
-and, for the forward's sum alone, the expert-parallel exchange's Triton `bag_sum` (eager).
+- `autograd`: x[token_idx] and a [T, k, H] gather summed over k, backward by autograd (scatters into zeros) — what
+  `model/experts.py` ran until the twelfth session (BENCHMARKS.md);
+- `ours`: `model/experts.py` — both backwards gathers, every compiled sum of k rows written as k gathers added;
+and, for the forward's sum alone, the Triton `bag_sum` kernel (`model/kernels.py`, the eager path).
 
     python benchmarks/permutation_kernels.py            # GPU: Air (EP-8 rank and AIR-8: 4,096 tokens × top-8,
                                                         # hidden 4096) and GLM-4.7-Flash (top-4, hidden 2048)
@@ -38,9 +36,18 @@ OUT = os.environ.get("OUT", "/tmp")
 SHAPES = {"air": dict(T=4096, k=8, H=4096, E=16), "flash": dict(T=4096, k=4, H=2048, E=64)}
 if CPU:
     SHAPES = {"air": dict(T=64, k=8, H=64, E=16), "flash": dict(T=64, k=4, H=32, E=8)}
-MODES = {"autograd": dict(GATHER_BACKWARD=False, GATHER_SUM="reduce"),
-         "gp": dict(GATHER_BACKWARD=True, GATHER_SUM="reduce"),
-         "gpu": dict(GATHER_BACKWARD=True, GATHER_SUM="unrolled")}
+
+
+def autograd_permute_rows(x, perm):
+    return x[perm.token_idx]
+
+
+def autograd_unpermute(rows, perm, T):
+    picked = rows[perm.inverse]
+    return picked.view(T, -1, picked.shape[-1]).sum(dim=1)
+
+
+MODES = {"autograd": (autograd_permute_rows, autograd_unpermute), "ours": (experts.permute_rows, experts.unpermute)}
 
 
 def timed(fn, iters=50):
@@ -83,15 +90,13 @@ def main():
         g = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
         rows = torch.randn(T * k, H, device=DEV, dtype=torch.bfloat16)
         ref = rows.float()[perm.inverse].view(T, k, H).sum(1)
-        for mode, settings in MODES.items():
-            for attr, value in settings.items():
-                setattr(experts, attr, value)
+        for mode, (permute_rows, unpermute) in MODES.items():
             torch._dynamo.reset()
 
             def f(x):
-                return experts.unpermute(experts.permute_rows(x, perm) * w, perm, T)
+                return unpermute(permute_rows(x, perm) * w, perm, T)
             fc = torch.compile(f, fullgraph=True)
-            summed = torch.compile(lambda r: experts.unpermute(r, perm, T), fullgraph=True)
+            summed = torch.compile(lambda r: unpermute(r, perm, T), fullgraph=True)
 
             def fwd_bwd():
                 x.grad = None
@@ -111,8 +116,6 @@ def main():
                                 host_ms=round(host_ms, 4), tb_per_s=round(T * k * H * 2 / gpu_ms / 1e9, 2)))
             print(json.dumps(results[-1]), flush=True)
             json.dump(results, open(path, "w"), indent=1)
-    for attr, value in MODES["autograd"].items():
-        setattr(experts, attr, value)
 
 
 if __name__ == "__main__":

@@ -170,13 +170,6 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # the input gradient fp8 x fp8 from the stack as stored (_g8), and with the forward's Triton kernel (_g8f)
     VARIANTS[f"{_base}_g8"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"})
     VARIANTS[f"{_base}_g8f"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "triton"})
-# the permutation's backward as gathers instead of scatters into zeros (experts.GATHER_BACKWARD): _gp
-for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_qkvo_4x1024",
-              "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo", "ours_flash_mlaexperts_1x4096"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_gp"] = (_s, _b, _t, _tg, {**_x, "gather_backward": True})
-    # ... with the sums of k rows, both ways, as k gathers added (experts.GATHER_SUM "unrolled"): _gpu
-    VARIANTS[f"{_base}_gpu"] = (_s, _b, _t, _tg, {**_x, "gather_backward": True, "gather_sum": "unrolled"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -254,11 +247,6 @@ def build_ours(cfg: dict, targets, extra, device):
 
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
-    if extra.get("gather_backward"):  # a candidate setting, measured against the default
-        import moetune.model.experts as experts_module
-
-        experts_module.GATHER_BACKWARD = True
-        experts_module.GATHER_SUM = extra.get("gather_sum", experts_module.GATHER_SUM)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

@@ -84,12 +84,12 @@ def test_grouped_experts_match_a_per_expert_loop():
     torch.testing.assert_close(gy, gr)
 
 
-@pytest.mark.parametrize("compiled,gather_sum", [(False, "reduce"), (True, "reduce"), (True, "unrolled")])
-def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypatch, compiled, gather_sum):
-    """experts.GATHER_BACKWARD: permute_rows / unpermute whose backward gathers (each token's k row gradients summed;
-    each row reading its token's gradient) give the gradients autograd's scatters into zeros give — the same sums
-    in another order (fp64 here: equal to rounding) — and the same forward, eager and compiled in one graph; with
-    experts.GATHER_SUM "unrolled" (compiled code sums the k rows as k gathers added) too."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_permutation_gathers_give_autograds_values_and_gradients(compiled):
+    """permute_rows / unpermute, whose backwards are gathers (each token's k row gradients summed; each row reading its
+    token's gradient) and whose compiled sums are k gathers added, give the values and gradients of x[token_idx] and
+    of the [T, k, H] sum under autograd (its scatters into zeros) — the same sums in another order (fp64 here: equal
+    to rounding) — eager (the torch reference of the bag-sum kernel) and compiled in one graph."""
     from moetune.model import experts
 
     torch.manual_seed(2)
@@ -99,18 +99,19 @@ def test_the_permutation_backward_as_gathers_gives_autograds_gradients(monkeypat
     x0, g = torch.randn(T, H, dtype=torch.float64), torch.randn(T, H, dtype=torch.float64)
     w = torch.randn(T * k, H, dtype=torch.float64)
 
-    def run(gather):
-        monkeypatch.setattr(experts, "GATHER_BACKWARD", gather)
-        monkeypatch.setattr(experts, "GATHER_SUM", gather_sum if gather else "reduce")
-        x = x0.clone().requires_grad_()
+    def ours(x):
+        return experts.unpermute(experts.permute_rows(x, perm) * w, perm, T)
 
-        def f(x):
-            return experts.unpermute(experts.permute_rows(x, perm) * w, perm, T)
-        y = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(x)
+    def autograds(x):
+        return (x[perm.token_idx] * w)[perm.inverse].view(T, k, H).sum(1)
+
+    def run(f):
+        x = x0.clone().requires_grad_()
+        y = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled and f is ours else f)(x)
         y.backward(g)
         return y.detach(), x.grad
 
-    (y0, gx0), (y1, gx1) = run(False), run(True)
+    (y0, gx0), (y1, gx1) = run(autograds), run(ours)
     torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gx1, gx0, rtol=1e-12, atol=1e-12)
     want = torch.stack([sum(g[t] * w[perm.inverse[t * k + j]] for j in range(k)) for t in range(T)])

@@ -566,7 +566,7 @@ def test_compiled_activation_formula_matches_what_inductor_saves(name, ac):
     """Compiled, a layer keeps its attention's normed input when a projection reading it trains (Inductor never
     recomputes what the backward must materialise for a matmul: LoRA A's gradient), and MLA's kv latent as a view of
     kv_a_proj_with_mqa's whole output. Tolerance: CENSUS_MARGIN, or 32 bytes a token (under a quarter of b·H here, so
-    a missed b·H fails) for the router's rounding (8E + 32k bytes against the 4E + 40k the graph keeps) on layers
+    a missed b·H fails) for the router's rounding (8E + 24k bytes against the 4E + 32k the graph keeps) on layers
     this small."""
     from moetune.parallel.apply import apply_compile
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
-from moetune.model.kernels import weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
+from moetune.model.kernels import bag_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_grouped_linear
 from moetune.model.quant.modules import FrozenFp8
 from moetune.model.recompute import Rebuilt
@@ -28,15 +28,6 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 # The frozen base stacks' GEMMs (bf16, or fp8 with row scales) on CUDA: "torch" (torch._grouped_mm, and the fp8 path of
 # model/quant/matmul.py) or "triton" (model/grouped_gemm.py). LoRA's trainable A/B always take torch._grouped_mm.
 GROUPED_GEMM = "torch"
-# The permutation's backward as gathers — each token's k rows summed, each row reading its token's gradient — instead
-# of autograd's scatters into zeros (`index_put` after `new_zeros`, ~20 ms of a traced EP-8 rank of Air's step,
-# BENCHMARKS.md, eleventh session): a candidate of issue 21, prepared and CPU-tested, measured by the harness's `_gp`
-# rows before it becomes the default.
-GATHER_BACKWARD = False
-# How compiled code sums each token's k rows: "reduce" (a [n, k, H] gather summed over k) or "unrolled" (k gathers
-# added); a candidate of issue 21 measured by the harness's `_gpu` rows (with GATHER_BACKWARD, whose backward is
-# the same sum).
-GATHER_SUM = "reduce"
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -106,30 +97,24 @@ def permute(topk_idx: torch.Tensor, num_experts: int) -> Permutation:
 
 def permute_rows(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
     """Each token's row once per slot, sorted by expert: x[perm.token_idx]."""
-    if GATHER_BACKWARD:
-        return _Gather.apply(x, perm.token_idx, perm.inverse)
-    return x[perm.token_idx]
+    return _Gather.apply(x, perm.token_idx, perm.inverse)
 
 
 def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch.Tensor:
     """Sum of each token's k (already weighted) expert outputs, as a gather (deterministic, no atomics)."""
-    if GATHER_BACKWARD:
-        return _GatherSum.apply(y_perm, perm.inverse, perm.token_idx, num_tokens)
-    return _gather_sum(y_perm, perm.inverse, num_tokens)
+    return _GatherSum.apply(y_perm, perm.inverse, perm.token_idx, num_tokens)
 
 
+# Both directions of the permutation are gathers, forward and backward. Autograd's own backward of x[token_idx] and
+# of the [n, k, H] sum scatters into zeros (`index_put` after `new_zeros`), and Inductor writes a [n, k, H] sum as a
+# reduction kernel over k that reads the rows at ~0.9 TB/s on an H200; k gathers added compile to one element-wise
+# kernel running along each row's columns (2.9 TB/s; permutation forward + backward of Air's 32,768 rows 0.40 ms
+# against 0.84, BENCHMARKS.md, twelfth session).
 def _gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """out[t] = Σ_j rows[index[t·k + j]]: n groups of k consecutive indices."""
-    if GATHER_SUM == "unrolled" and torch.compiler.is_compiling():
-        return _gather_sum_unrolled(rows, index, n)
-    picked = rows[index]
-    return picked.view(n, -1, picked.shape[-1]).sum(dim=1)
-
-
-def _gather_sum_unrolled(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """The same sum written as k gathers added in fp32: Inductor makes it one element-wise kernel whose threads run
-    along a row's columns, where the [n, k, H] reduction becomes a reduction kernel over k (~0.9 TB/s on an H200)."""
-    idx = index.view(n, -1)
+    """out[t] = Σ_j rows[index[t·k + j]] (n groups of k consecutive indices), accumulated in fp32 in j order."""
+    idx = index.view(n, index.numel() // max(n, 1))
+    if not torch.compiler.is_compiling():  # eager: one Triton kernel on CUDA, its torch reference elsewhere
+        return bag_sum(rows, idx)
     acc_dtype = torch.promote_types(rows.dtype, torch.float32)
     acc = rows[idx[:, 0]].to(acc_dtype)
     for j in range(1, idx.shape[1]):
@@ -138,8 +123,8 @@ def _gather_sum_unrolled(rows: torch.Tensor, index: torch.Tensor, n: int) -> tor
 
 
 class _Gather(torch.autograd.Function):
-    """x[token_idx] (k rows per token, sorted by expert), whose backward gathers each token's k row gradients and sums
-    them (`inverse`: the permuted row of each (token, slot)) instead of scattering them into zeros."""
+    """x[token_idx] (k rows per token, sorted by expert), whose backward sums each token's k row gradients
+    (`inverse`: the permuted row of each (token, slot))."""
 
     @staticmethod
     def forward(ctx, x, token_idx, inverse):
@@ -154,8 +139,7 @@ class _Gather(torch.autograd.Function):
 
 
 class _GatherSum(torch.autograd.Function):
-    """unpermute's sum of each token's k rows, whose backward reads each row's token's gradient (a gather) instead of
-    scattering the expanded gradient into zeros."""
+    """unpermute's sum of each token's k rows, whose backward reads each row's token's gradient."""
 
     @staticmethod
     def forward(ctx, y_perm, inverse, token_idx, num_tokens):

@@ -40,7 +40,8 @@ def bag_sum_torch(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     m, H = slots.shape[0], src.shape[1]
     padded = torch.cat([src, src.new_zeros(1, H)])
     picked = padded[torch.where(slots >= 0, slots, src.shape[0])]  # [m, J, H]
-    return picked.float().sum(1).to(src.dtype) if m else src.new_zeros(0, H)
+    acc_dtype = torch.promote_types(src.dtype, torch.float32)
+    return picked.to(acc_dtype).sum(1).to(src.dtype) if m else src.new_zeros(0, H)
 
 
 def bag_sum(src: torch.Tensor, slots: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:

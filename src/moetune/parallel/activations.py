@@ -46,7 +46,7 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
   Layer 0 of a LoRA run saves nothing for its input norm (no gradient flows into the embeddings).
   torch.compile (per layer) recomputes the element-wise chains instead of saving them: per layer it keeps
              2b·H (layer input, residual after attention) + b·D·(2nH + 2nKV) + 4nH + [2b·I dense |
-             2b·k·Im + 2b·Is + 8E + 32k MoE] (+ the same full-mode/LoRA expert inputs), + b·H (the attention's normed
+             2b·k·Im + 2b·Is + 8E + 24k MoE] (+ the same full-mode/LoRA expert inputs), + b·H (the attention's normed
              input) when q/k/v (MLA: q_proj, q_a_proj, kv_a_proj_with_mqa) have LoRA or in full mode: Inductor's
              partitioner never recomputes a tensor the backward must materialise for a matmul anyway (LoRA A's or the
              weight's gradient reads it), so it keeps it as eager does. Checked against a census of what Inductor's
@@ -62,7 +62,7 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
   attention  activation checkpointing recomputes the attention block (its norm, q/k/v/o, RoPE, attention) from the
              layer input, which its checkpoint keeps (b·H, in layer 0 too), and keeps the MLP/MoE half as without
              recompute (eager: its norm and everything after). Compiled, Inductor recomputes the residual after
-             attention from the layer input too (CPU census): b·H + [2b·I dense | 2b·k·Im + 2b·Is + 8E + 32k MoE]
+             attention from the layer input too (CPU census): b·H + [2b·I dense | 2b·k·Im + 2b·Is + 8E + 24k MoE]
              (+ the full-mode/LoRA inputs). One attention block is recomputed at a time.
   full activation checkpointing keeps each layer's input (b·H) and recomputes one layer at a time (under EP a MoE
              layer's attention and expert work one after the other: the larger of the two).
@@ -175,7 +175,7 @@ def layer_terms(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: b
                 "self_attn": (b * H if qkv_input else 0) + attention}
         ffn = {"residual after attention (compiled graph)": b * H}
         if moe:
-            ffn.update({"mlp.gate": 8 * E + 32 * k, "mlp.experts": 2 * b * k * Im + expert_inputs + experts_lora_a,
+            ffn.update({"mlp.gate": 8 * E + 24 * k, "mlp.experts": 2 * b * k * Im + expert_inputs + experts_lora_a,
                         "mlp.shared_experts": 2 * b * Is + shared_inputs + shared_lora_a})
         else:
             ffn["mlp"] = 2 * b * I + mlp_inputs + dense_lora_a
@@ -363,9 +363,10 @@ def ep_layer_bytes_per_token(m, mode: str, ac: str, b: int, lora: set, full: boo
         return attention + topk + norm + shared + 8 * E + 32 * k + experts
     local_mode = mode
     local = activation_bytes_per_token(m, True, local_mode, b, lora, full, first, rank, seq, ac, topk_in)
-    # Compiled, the dispatcher is a graph break: the shared expert runs inside it, eagerly (3b·Is, not 2b·Is), and
-    # under attention recompute the residual after attention is the compiled graph's output, kept (b·H).
-    graph_break = b * Is + (b * H if ac == "attention" else 0) if mode == "compiled" else 0
+    # Compiled, the dispatcher is a graph break: the shared expert runs inside it, eagerly (3b·Is, not 2b·Is), under
+    # attention recompute the residual after attention is the compiled graph's output, kept (b·H), and the exchange's
+    # plan keeps one int64 a pair more than the local permutation's two (8E + 32k with the router, as under `full`).
+    graph_break = b * Is + (b * H if ac == "attention" else 0) + 8 * k if mode == "compiled" else 0
     return local - expert_row_bytes_per_token(m, local_mode, b, lora, full, rank) + experts + graph_break
 
 
