@@ -77,6 +77,11 @@ VARIANTS = {
     # ours_qkvo_4x1024 this is what the dispatcher costs besides the network (graph break, eager work, host sync)
     "ours_ep1_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"compile": True, "dispatch": True}),
     "ours_ep1_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True}),
+    # one EP-8 rank of full-size Air (as ours_ep8rank_qkvo_1x4096_packed) through the dispatcher on a world of one: the
+    # rank's compute as a real EP rank runs it (the exchange's plan, gathers and graph break; not the network, and a
+    # token travels as one row, not ~5.3), where the 8-GPU projection adds the dispatcher's cost measured on AIR-8
+    "ours_ep8rank_qkvo_1x4096_packed_dispatch": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True,
+                                                                         "docs": 4, "dispatch": True}),
     "ours_ep1_experts_4x1024_ac": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True,
                                                                           "ac": "full"}),
     "ours_ep1_experts_4x1024_acattn": ("ours", 4, 1024, QKVO + ["experts"], {"compile": True, "dispatch": True,
