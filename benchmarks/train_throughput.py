@@ -152,6 +152,13 @@ for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096"
     VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
     VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
+# Inductor's options against host-bound steps (Flash's demo rows: the GPU idles while the host launches): kernels
+# launched from a C++ wrapper instead of Python (_cppw), independent kernels combined into one launch (_combo)
+for _base in ("ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo", "ours_qkvo_4x1024",
+              "ours_ep8rank_qkvo_1x4096_packed"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_cppw"] = (_s, _b, _t, _tg, {**_x, "inductor": {"cpp_wrapper": True}})
+    VARIANTS[f"{_base}_combo"] = (_s, _b, _t, _tg, {**_x, "inductor": {"combo_kernels": True}})
 # the trainer's step with its layers replayed as CUDA graphs: on these rows the harness gained 37% from them,
 # `moetune train` nothing (BENCHMARKS.md, issue 21's call 3); this row tells the step from the loop around it
 VARIANTS["trainer_flash_mla_1x4096_demo_cg"] = (*VARIANTS["trainer_flash_mla_1x4096_demo"][:4],
@@ -261,6 +268,10 @@ def build_ours(cfg: dict, targets, extra, device):
     model.attn_implementation = extra.get("attn", "auto")  # model.attn_implementation (packed rows: flex, varlen)
     apply_ac(model, extra.get("ac", "none"))
     if extra.get("compile"):
+        import torch._inductor.config as inductor_config
+
+        for option, value in extra.get("inductor", {}).items():  # a candidate: Inductor options for every graph
+            setattr(inductor_config, option, value)
         if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode
             compile_layers(model, extra["compile_mode"])
         else:
