@@ -4,9 +4,10 @@ also the path off CUDA; the tests run the kernels on the CPU under Triton's inte
 against those references.
 
 - `bag_sum`: out[m] = Σ_j src[slots[m, j]] over the slots ≥ 0, accumulated in fp32 in slot order (deterministic:
-  no atomics) — the exchange's combines. torch has no single op for it: `embedding_bag` does one scalar load per
-  thread, and the EP-2 step's element-wise work ran at 4× the compiled single-GPU figure with it (34.6 against
-  8.1 ms on an H200, BENCHMARKS.md); a padded gather materialises [m, J, H].
+  no atomics) — the exchange's combines, and the local permutation's sums of k rows in eager code
+  (model/experts.py). torch has no single op for it: `embedding_bag` does one scalar load per thread, and the EP-2
+  step's element-wise work ran at 4× the compiled single-GPU figure with it (34.6 against 8.1 ms on an H200,
+  BENCHMARKS.md); a padded gather materialises [m, J, H].
 - `weighted_swiglu_fwd` / `_bwd`: silu(gate)·up·w per row and its gradients in one pass each, where eager torch
   takes five kernels forward and twelve backward over the [rows, intermediate] activations.
 """
