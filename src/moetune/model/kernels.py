@@ -39,10 +39,11 @@ def _use_kernel(t: torch.Tensor, use_kernel: bool | None) -> bool:
 # ------------------------------------------------------------------------------------------------ bag sum
 def bag_sum_torch(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     m, H = slots.shape[0], src.shape[1]
-    padded = torch.cat([src, src.new_zeros(1, H)])
-    picked = padded[torch.where(slots >= 0, slots, src.shape[0])]  # [m, J, H]
-    acc_dtype = torch.promote_types(src.dtype, torch.float32)
-    return picked.to(acc_dtype).sum(1).to(src.dtype) if m else src.new_zeros(0, H)
+    if not m or not src.shape[0]:  # no bags, or only empty ones
+        return src.new_zeros(m, H)
+    picked = src[slots.clamp(min=0)]  # [m, J, H]; the empty slots' rows zeroed below (no padded copy of src)
+    picked[slots < 0] = 0
+    return picked.sum(1, dtype=torch.promote_types(src.dtype, torch.float32)).to(src.dtype)
 
 
 def bag_sum(src: torch.Tensor, slots: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
