@@ -133,6 +133,10 @@ FP8_VARIANTS = {
     # fp8 grouped GEMM has room to beat bf16
     "ours_fp8_ep8rank_qkvo_1x4096_packed": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True,
                                                                     "docs": 4, "quantize": "fp8"}),
+    # the same rank through the expert-parallel dispatcher on a world of one (as ours_ep8rank_qkvo_1x4096_packed_dispatch)
+    "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16,
+                                                                             "compile": True, "docs": 4,
+                                                                             "quantize": "fp8", "dispatch": True}),
     "ours_fp8_flash_mlaexperts_1x4096": ("ours", 1, 4096, FLASH_MLA + ["experts"],
                                          {"model": "glm47-flash", "quantize": "fp8"}),
 }
