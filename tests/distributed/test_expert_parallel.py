@@ -123,6 +123,65 @@ def test_dispatch_combine_equals_non_ep(world):
     mp.spawn(_dispatch_combine_worker, args=(free_port(), world), nprocs=world)
 
 
+def _compiled_worker(rank, port):
+    from moetune.parallel.mesh import shutdown_distributed
+
+    _compiled_checks(rank, _ep_mesh(rank, port, WORLD))
+    shutdown_distributed(finished=True)
+
+
+def _compiled_checks(rank, mesh):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import moetune.model.expert_parallel as ep_module
+    from moetune.parallel.apply import shard_experts
+
+    torch._dynamo.reset()
+    shared = torch.nn.Linear(H, H).to(torch.bfloat16)
+    # frozen experts (their local work compiled whole), expert LoRA recomputed in full (compiled inside the
+    # checkpoint); bf16, as on a GPU (torch's grouped GEMM traces in bf16 only)
+    for lora, recompute in ((False, "none"), (True, "full")):
+        results = []
+        for compiled in (False, True):
+            counter = CompileCounterWithBackend("aot_eager")  # traced as Inductor would, without its code generation
+            ep_module.COMPILE, ep_module.BACKEND = compiled, counter
+            try:
+                ex = _experts()
+                with torch.no_grad():
+                    for name in ("gate_up_proj", "down_proj"):
+                        getattr(ex, name).data = getattr(ex, name).data.to(torch.bfloat16)
+                        getattr(ex, name).requires_grad_(False)
+                if not lora:
+                    ex.lora = None
+                shard_experts(ex, mesh, overlap_chunks=2)
+                x, idx, w, g = _inputs(rank, list(range(E)))
+                x, w = x.to(torch.bfloat16).requires_grad_(), w.requires_grad_()
+                y, counts, side = ex(x, idx, w, side_work=lambda: shared(x), recompute=recompute)
+                ((y + side).float() * g).sum().backward()
+            finally:
+                ep_module.COMPILE, ep_module.BACKEND = None, "inductor"
+            grads = {n: p.grad.to_local() for n, p in ex.named_parameters() if p.grad is not None}
+            results.append((y, side, counts, x.grad, w.grad, grads, counter.frame_count))
+        (y0, s0, c0, xg0, wg0, g0, frames0), (y1, s1, c1, xg1, wg1, g1, frames1) = results
+        # eager compiles nothing; compiled: the send plan, the receive plan, the local experts, the shared expert
+        assert frames0 == 0 and frames1 >= 4, (frames0, frames1)
+        what = f"lora={lora} recompute={recompute}"
+        torch.testing.assert_close(y1, y0, msg=what)
+        torch.testing.assert_close(s1, s0, msg=what)
+        torch.testing.assert_close(c1, c0, msg=what)
+        torch.testing.assert_close(xg1, xg0, msg=what)
+        torch.testing.assert_close(wg1, wg0, msg=what)
+        assert g1.keys() == g0.keys() and (len(g0) == 4 if lora else not g0), what
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], msg=f"{what}: {name}")
+
+
+def test_the_exchange_compiled_equals_eager():
+    """What runs between the exchange's collectives, compiled on its own as on a GPU (the plans, the local expert
+    work, the shared expert), computes what the eager exchange computes, forward and backward."""
+    mp.spawn(_compiled_worker, args=(free_port(),), nprocs=WORLD)
+
+
 def _buffers_worker(rank, port):
     from moetune.parallel.mesh import shutdown_distributed
 

@@ -13,6 +13,13 @@ routing has no static bound on them short of padding every rank's buffers to the
 not need those sizes — the send-side plan, the gather of the rows to send, their routing, the expert counts and the
 shared expert — is queued before the copy, so the GPU works while the host waits, and after it the host only
 launches the exchange and the expert GEMMs.
+
+The exchange is a graph break, so the work between its collectives would run eagerly: some seventy small kernels a
+layer for the two plans, each launched by the host while the GPU waits, and on an fp8 base the activations'
+quantisation unfused (one EP-8 rank of Air on one H200 through the exchange: 5,253 tokens/s against 9,836 locally,
+BENCHMARKS.md). On CUDA that work is compiled on its own (`COMPILE`): the send plan with the layer's shapes, the
+receive plan and the local expert computation with the received rows' count dynamic, the shared expert as the
+layer's code.
 """
 
 from __future__ import annotations
@@ -28,6 +35,36 @@ from moetune.model.kernels import bag_sum
 from moetune.model.experts import count_values
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
+
+# Compile the exchange's local work (module docstring): None on CUDA only (the CPU runs it eagerly: the gloo tests'
+# processes would each compile it; the tests compile it on purpose where that is what they check).
+COMPILE: bool | None = None
+BACKEND = "inductor"
+
+
+def _compiling(t: torch.Tensor) -> bool:
+    return t.is_cuda if COMPILE is None else COMPILE
+
+
+@functools.cache
+def _compiled(fn, dynamic: bool | None, backend):
+    """fn compiled on its own, once per function (every layer's call shares its graphs; `dynamic` None: static
+    shapes until a second shape is seen)."""
+    return torch.compile(fn, dynamic=dynamic, backend=backend)
+
+
+def _maybe_compiled(fn, dynamic: bool | None, t: torch.Tensor):
+    return _compiled(fn, dynamic, BACKEND) if _compiling(t) else fn
+
+
+# Compiled, each is one graph for every layer's `fn` (a bound method or closure of the layer's module); two
+# functions, so that the experts (rows dynamic) and the shared expert (the layer's shapes) keep apart caches.
+def _local_experts(fn, *args):
+    return fn(*args)
+
+
+def _shared_expert(fn):
+    return fn()
 
 
 @dataclass
@@ -83,8 +120,14 @@ class _SendPlan:
 
 
 def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_local: int, chunks: int) -> _SendPlan:
-    T, k = topk_idx.shape
+    T = topk_idx.shape[0]
     bounds = [T * c // chunks for c in range(chunks + 1)]
+    plan = _maybe_compiled(_send_plan_tensors, None, topk_idx)
+    bag, slots, routing, counts = plan(topk_idx, topk_weights.detach(), ep, n_local, bounds)
+    return _SendPlan(Bags(bag, slots), routing, counts, bounds)
+
+
+def _send_plan_tensors(topk_idx, topk_weights, ep: int, n_local: int, bounds: list[int]):
     bags, slots, routing, counts = [], [], [], []
     for a, b in zip(bounds, bounds[1:]):
         t = b - a
@@ -98,9 +141,9 @@ def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_lo
         slots.append(torch.where(flat, position, -1).view(ep, t).t())
         local = topk_idx[a:b][token] - (order // max(t, 1) * n_local).unsqueeze(1)
         local = torch.where((local >= 0) & (local < n_local), local, n_local)
-        routing.append(torch.cat([topk_weights[a:b][token].detach().float(), local.float()], 1))
+        routing.append(torch.cat([topk_weights[a:b][token].float(), local.float()], 1))
         counts.append(torch.stack([hits.sum(0), count_values(dest, ep)], -1))
-    return _SendPlan(Bags(torch.cat(bags), torch.cat(slots)), torch.cat(routing), torch.stack(counts, 1), bounds)
+    return torch.cat(bags), torch.cat(slots), torch.cat(routing), torch.stack(counts, 1)
 
 
 @dataclass
@@ -132,12 +175,23 @@ class _Received:
 
 
 def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype) -> _Received:
+    plan = _maybe_compiled(_receive_plan_tensors, True, routing)
+    order, offs, slots, weights = plan(routing, k, n_local, weights_dtype)
+    order = order[:n_pairs]  # the local pairs (the host knows their number from the counts exchange)
+    return _Received(Bags(bag=order // k, slots=slots), order, offs, weights)
+
+
+def _receive_plan_tensors(routing: torch.Tensor, k: int, n_local: int, weights_dtype):
+    """(every (row, slot) sorted by local expert, the slots of other ranks' experts last; group ends; each row's
+    slots' pair or −1; the rows' weights). Shapes follow the rows only, not the number of local pairs: compiled once
+    with the rows dynamic."""
     weights, key = routing[:, :k].to(weights_dtype), routing[:, k:].long().flatten()  # key n_local: not here
-    order = torch.argsort(key, stable=True)[:n_pairs]
-    offs = count_values(key, n_local + 1)[:n_local].cumsum(0).to(torch.int32)
-    slots = torch.full_like(key, -1)
-    slots[order] = torch.arange(n_pairs, device=key.device)
-    return _Received(Bags(bag=order // k, slots=slots.view(-1, k)), order, offs, weights)
+    order = torch.argsort(key, stable=True)
+    offs = count_values(key, n_local + 1)[:n_local].cumsum(0)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=key.device)
+    slots = torch.where(position < offs[-1], position, -1)
+    return order, offs.to(torch.int32), slots.view(-1, k), weights
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, out=None):
@@ -192,12 +246,19 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 w_in = rec.weights.detach().requires_grad_(grad and row_weights.requires_grad)
                 local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
 
-                def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt):
+                # Compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective recompute tags its
+                # ops as they dispatch (an eager dispatch mode): both must see the ops one by one.
+                if rebuilt is not None or recompute == "selective":
+                    local_compute = functools.partial(compute, rebuilt=rebuilt)
+                else:
+                    local_compute = functools.partial(_maybe_compiled(_local_experts, True, r), compute)
+
+                def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt, local_compute=local_compute):
                     pair_rows = _Expand.apply(r_rows, rec.pairs)
                     if rebuilt is not None:
                         rebuilt.add(pair_rows, functools.partial(_expand, r_rows.detach(), rec.pairs))
                     pair_weights = w_rows.reshape(-1)[rec.order]
-                    y = compute(pair_rows, rec.offs, pair_weights, *local_weights, rebuilt=rebuilt)
+                    y = local_compute(pair_rows, rec.offs, pair_weights, *local_weights)
                     return _Combine.apply(y, rec.pairs)
 
                 y = recompute_fn(run, recompute, r_in, w_in, *local)
@@ -293,7 +354,7 @@ class AllToAllDispatcher:
         rows = _Expand.apply(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
         counts = count_values(topk_idx, num_experts)
-        side = side_work() if side_work is not None else None
+        side = _maybe_compiled(_shared_expert, None, x)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
         recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
