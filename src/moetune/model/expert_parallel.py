@@ -47,18 +47,18 @@ def _compiling(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _compiled(fn, dynamic: bool | None, backend):
-    """fn compiled on its own, once per function (every layer's call shares its graphs; `dynamic` None: static
-    shapes until a second shape is seen)."""
-    return torch.compile(fn, dynamic=dynamic, backend=backend)
+def _compiled(fn, backend):
+    """fn compiled on its own, once per function: every layer's call shares its graphs, static shapes until a
+    dimension is seen to change (the received rows), which then becomes dynamic."""
+    return torch.compile(fn, backend=backend)
 
 
-def _maybe_compiled(fn, dynamic: bool | None, t: torch.Tensor):
-    return _compiled(fn, dynamic, BACKEND) if _compiling(t) else fn
+def _maybe_compiled(fn, t: torch.Tensor):
+    return _compiled(fn, BACKEND) if _compiling(t) else fn
 
 
 # Compiled, each is one graph for every layer's `fn` (a bound method or closure of the layer's module); two
-# functions, so that the experts (rows dynamic) and the shared expert (the layer's shapes) keep apart caches.
+# functions, so that the experts (rows dynamic) and the shared expert (the layer's shapes) keep their own caches.
 def _local_experts(fn, *args):
     return fn(*args)
 
@@ -122,7 +122,7 @@ class _SendPlan:
 def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_local: int, chunks: int) -> _SendPlan:
     T = topk_idx.shape[0]
     bounds = [T * c // chunks for c in range(chunks + 1)]
-    plan = _maybe_compiled(_send_plan_tensors, None, topk_idx)
+    plan = _maybe_compiled(_send_plan_tensors, topk_idx)
     bag, slots, routing, counts = plan(topk_idx, topk_weights.detach(), ep, n_local, bounds)
     return _SendPlan(Bags(bag, slots), routing, counts, bounds)
 
@@ -175,7 +175,7 @@ class _Received:
 
 
 def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype) -> _Received:
-    plan = _maybe_compiled(_receive_plan_tensors, True, routing)
+    plan = _maybe_compiled(_receive_plan_tensors, routing)
     order, offs, slots, weights = plan(routing, k, n_local, weights_dtype)
     order = order[:n_pairs]  # the local pairs (the host knows their number from the counts exchange)
     return _Received(Bags(bag=order // k, slots=slots), order, offs, weights)
@@ -183,8 +183,8 @@ def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, we
 
 def _receive_plan_tensors(routing: torch.Tensor, k: int, n_local: int, weights_dtype):
     """(every (row, slot) sorted by local expert, the slots of other ranks' experts last; group ends; each row's
-    slots' pair or −1; the rows' weights). Shapes follow the rows only, not the number of local pairs: compiled once
-    with the rows dynamic."""
+    slots' pair or −1; the rows' weights). Shapes follow the rows only, not the number of local pairs, so that one
+    graph with the rows dynamic serves every layer and step."""
     weights, key = routing[:, :k].to(weights_dtype), routing[:, k:].long().flatten()  # key n_local: not here
     order = torch.argsort(key, stable=True)
     offs = count_values(key, n_local + 1)[:n_local].cumsum(0)
@@ -251,7 +251,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 if rebuilt is not None or recompute == "selective":
                     local_compute = functools.partial(compute, rebuilt=rebuilt)
                 else:
-                    local_compute = functools.partial(_maybe_compiled(_local_experts, True, r), compute)
+                    local_compute = functools.partial(_maybe_compiled(_local_experts, r), compute)
 
                 def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt, local_compute=local_compute):
                     pair_rows = _Expand.apply(r_rows, rec.pairs)
@@ -354,7 +354,7 @@ class AllToAllDispatcher:
         rows = _Expand.apply(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
         counts = count_values(topk_idx, num_experts)
-        side = _maybe_compiled(_shared_expert, None, x)(side_work) if side_work is not None else None
+        side = _maybe_compiled(_shared_expert, x)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
         recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
