@@ -116,6 +116,7 @@ class _SendPlan:
     routing: torch.Tensor  # [ep·T, 2k] fp32 per send-buffer row: its token's routing weights | expert ids local
     #                        to the destination rank (n_local: not there)
     counts: torch.Tensor  # [ep, chunks, 2] per destination rank and chunk: (rows, (token, expert) pairs)
+    expert_counts: torch.Tensor  # [E] this rank's (token, expert) pairs per expert
     bounds: list[int]  # chunk c holds tokens bounds[c]:bounds[c+1] and send-buffer rows from ep·bounds[c]
 
 
@@ -123,8 +124,8 @@ def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_lo
     T = topk_idx.shape[0]
     bounds = [T * c // chunks for c in range(chunks + 1)]
     plan = _maybe_compiled(_send_plan_tensors, topk_idx)
-    bag, slots, routing, counts = plan(topk_idx, topk_weights.detach(), ep, n_local, bounds)
-    return _SendPlan(Bags(bag, slots), routing, counts, bounds)
+    bag, slots, routing, counts, expert_counts = plan(topk_idx, topk_weights.detach(), ep, n_local, bounds)
+    return _SendPlan(Bags(bag, slots), routing, counts, expert_counts, bounds)
 
 
 def _send_plan_tensors(topk_idx, topk_weights, ep: int, n_local: int, bounds: list[int]):
@@ -143,7 +144,8 @@ def _send_plan_tensors(topk_idx, topk_weights, ep: int, n_local: int, bounds: li
         local = torch.where((local >= 0) & (local < n_local), local, n_local)
         routing.append(torch.cat([topk_weights[a:b][token].float(), local.float()], 1))
         counts.append(torch.stack([hits.sum(0), count_values(dest, ep)], -1))
-    return torch.cat(bags), torch.cat(slots), torch.cat(routing), torch.stack(counts, 1)
+    return (torch.cat(bags), torch.cat(slots), torch.cat(routing), torch.stack(counts, 1),
+            count_values(topk_idx, ep * n_local))
 
 
 @dataclass
@@ -353,7 +355,6 @@ class AllToAllDispatcher:
         # shared expert.
         rows = _Expand.apply(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
-        counts = count_values(topk_idx, num_experts)
         side = _maybe_compiled(_shared_expert, x)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
@@ -371,7 +372,7 @@ class AllToAllDispatcher:
 
         y = _ExchangeAndCompute.apply(self.group, chunks, plan, compute, recompute, torch.is_grad_enabled(), rows,
                                       row_weights, *weights)
-        return _Combine.apply(y, send.origin), counts, side
+        return _Combine.apply(y, send.origin), send.expert_counts, side
 
     def _to_host(self, make, work, routed) -> list[int]:
         """`make()` (the split sizes, computed once the counts exchange `work` is done) on the host. On a GPU this
