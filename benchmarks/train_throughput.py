@@ -168,6 +168,7 @@ for _base in ("ours_ep1_qkvo_4x1024", "ours_ep1_experts_4x1024", "ours_ep8rank_q
               "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep1_experts_4x1024_ac"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_epeager"] = (_s, _b, _t, _tg, {**_x, "ep_compile": False})
+    VARIANTS[f"{_base}_epplans"] = (_s, _b, _t, _tg, {**_x, "ep_compile": "plans"})  # the expert work eager
 # the trainer's step with its layers replayed as CUDA graphs: on these rows the harness gained 37% from them,
 # `moetune train` nothing (BENCHMARKS.md, issue 21's call 3); this row tells the step from the loop around it
 VARIANTS["trainer_flash_mla_1x4096_demo_cg"] = (*VARIANTS["trainer_flash_mla_1x4096_demo"][:4],
@@ -288,7 +289,8 @@ def build_ours(cfg: dict, targets, extra, device):
     if "ep_compile" in extra:  # a candidate setting: the exchange's local work compiled (None: on CUDA) or eager
         import moetune.model.expert_parallel as ep_module
 
-        ep_module.COMPILE = extra["ep_compile"]
+        ep_module.COMPILE = extra["ep_compile"] is not False
+        ep_module.COMPILE_EXPERTS = extra["ep_compile"] != "plans"
     if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
         from moetune.parallel.apply import apply_ep, apply_fsdp
         from moetune.parallel.layout import make_layout
