@@ -133,7 +133,7 @@ FP8_VARIANTS = {
     # fp8 grouped GEMM has room to beat bf16
     "ours_fp8_ep8rank_qkvo_1x4096_packed": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16, "compile": True,
                                                                     "docs": 4, "quantize": "fp8"}),
-    # the same rank through the expert-parallel dispatcher on a world of one (as ours_ep8rank_qkvo_1x4096_packed_dispatch)
+    # the same rank through the expert-parallel dispatcher on a world of one (as the bf16 rank's _dispatch row)
     "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch": ("ours", 1, 4096, QKVO, {"layers": 46, "experts": 16,
                                                                              "compile": True, "docs": 4,
                                                                              "quantize": "fp8", "dispatch": True}),
@@ -163,12 +163,11 @@ for _base in ("ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo", "ours_qkvo_
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cppw"] = (_s, _b, _t, _tg, {**_x, "inductor": {"cpp_wrapper": True}})
     VARIANTS[f"{_base}_combo"] = (_s, _b, _t, _tg, {**_x, "inductor": {"combo_kernels": True}})
-# the expert-parallel exchange's local work (plans, expert MLP, shared expert) run eagerly, as before it was compiled
+# the expert-parallel exchange's local work (plans, expert MLP, shared expert) compiled on its own (ep.COMPILE)
 for _base in ("ours_ep1_qkvo_4x1024", "ours_ep1_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed_dispatch",
               "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep1_experts_4x1024_ac"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_epeager"] = (_s, _b, _t, _tg, {**_x, "ep_compile": False})
-    VARIANTS[f"{_base}_epplans"] = (_s, _b, _t, _tg, {**_x, "ep_compile": "plans"})  # the expert work eager
+    VARIANTS[f"{_base}_epcompile"] = (_s, _b, _t, _tg, {**_x, "ep_compile": True})
 # the trainer's step with its layers replayed as CUDA graphs: on these rows the harness gained 37% from them,
 # `moetune train` nothing (BENCHMARKS.md, issue 21's call 3); this row tells the step from the loop around it
 VARIANTS["trainer_flash_mla_1x4096_demo_cg"] = (*VARIANTS["trainer_flash_mla_1x4096_demo"][:4],
@@ -286,11 +285,10 @@ def build_ours(cfg: dict, targets, extra, device):
             compile_layers(model, extra["compile_mode"])
         else:
             apply_compile(model)
-    if "ep_compile" in extra:  # a candidate setting: the exchange's local work compiled (None: on CUDA) or eager
+    if "ep_compile" in extra:  # a candidate setting: the exchange's local work compiled on its own
         import moetune.model.expert_parallel as ep_module
 
-        ep_module.COMPILE = extra["ep_compile"] is not False
-        ep_module.COMPILE_EXPERTS = extra["ep_compile"] != "plans"
+        ep_module.COMPILE = extra["ep_compile"]
     if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
         from moetune.parallel.apply import apply_ep, apply_fsdp
         from moetune.parallel.layout import make_layout

@@ -159,7 +159,7 @@ def _compiled_checks(rank, mesh):
                 y, counts, side = ex(x, idx, w, side_work=lambda: shared(x), recompute=recompute)
                 ((y + side).float() * g).sum().backward()
             finally:
-                ep_module.COMPILE, ep_module.BACKEND = None, "inductor"
+                ep_module.COMPILE, ep_module.BACKEND = False, "inductor"
             grads = {n: p.grad.to_local() for n, p in ex.named_parameters() if p.grad is not None}
             results.append((y, side, counts, x.grad, w.grad, grads, counter.frame_count))
         (y0, s0, c0, xg0, wg0, g0, frames0), (y1, s1, c1, xg1, wg1, g1, frames1) = results
@@ -177,7 +177,7 @@ def _compiled_checks(rank, mesh):
 
 
 def test_the_exchange_compiled_equals_eager():
-    """What runs between the exchange's collectives, compiled on its own as on a GPU (the plans, the local expert
+    """What runs between the exchange's collectives, compiled on its own (`COMPILE`: the plans, the local expert
     work, the shared expert), computes what the eager exchange computes, forward and backward."""
     mp.spawn(_compiled_worker, args=(free_port(),), nprocs=WORLD)
 

@@ -14,12 +14,13 @@ not need those sizes — the send-side plan, the gather of the rows to send, the
 shared expert — is queued before the copy, so the GPU works while the host waits, and after it the host only
 launches the exchange and the expert GEMMs.
 
-The exchange is a graph break, so the work between its collectives would run eagerly: some seventy small kernels a
-layer for the two plans, each launched by the host while the GPU waits, and on an fp8 base the activations'
-quantisation unfused (one EP-8 rank of Air on one H200 through the exchange: 5,253 tokens/s against 9,836 locally,
-BENCHMARKS.md). On CUDA that work is compiled on its own (`COMPILE`): the send plan with the layer's shapes, the
-receive plan and the local expert computation with the received rows' count dynamic, the shared expert as the
-layer's code.
+The exchange is a graph break, so the work between its collectives runs eagerly: some seventy small kernels a layer
+for the two plans, and on an fp8 base the activations' quantisation unfused (one EP-8 rank of Air through the
+exchange on one H200: 5,253 tokens/s against 9,836 locally, BENCHMARKS.md). `COMPILE` compiles that work on its own
+(the send plan with the layer's shapes, the receive plan and the local expert computation with the received rows
+dynamic, the shared expert). It is off: measured on one H100 it was +3% on the bf16 rank and −1 to −3% on AIR-8,
+slower by a third in some runs for reasons not found, and on the fp8 rank Inductor's partitioner moved the input
+gradient's transposed copies of the fp8 stacks into the forward and kept them (+11.6 GiB on full-size Air).
 """
 
 from __future__ import annotations
@@ -36,15 +37,9 @@ from moetune.model.experts import count_values
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
 
-# Compile the exchange's local work (module docstring): None on CUDA only (the CPU runs it eagerly: the gloo tests'
-# processes would each compile it; the tests compile it on purpose where that is what they check).
-COMPILE: bool | None = None
-COMPILE_EXPERTS = True  # a candidate setting (measured against): the local expert work stays eager, the rest compiled
+# Compile the exchange's local work (module docstring): a candidate setting, off.
+COMPILE = False
 BACKEND = "inductor"
-
-
-def _compiling(t: torch.Tensor) -> bool:
-    return t.is_cuda if COMPILE is None else COMPILE
 
 
 @functools.cache
@@ -54,8 +49,8 @@ def _compiled(fn, backend):
     return torch.compile(fn, backend=backend)
 
 
-def _maybe_compiled(fn, t: torch.Tensor):
-    return _compiled(fn, BACKEND) if _compiling(t) else fn
+def _maybe_compiled(fn):
+    return _compiled(fn, BACKEND) if COMPILE else fn
 
 
 # Compiled, each is one graph for every layer's `fn` (a bound method or closure of the layer's module); two
@@ -124,7 +119,7 @@ class _SendPlan:
 def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_local: int, chunks: int) -> _SendPlan:
     T = topk_idx.shape[0]
     bounds = [T * c // chunks for c in range(chunks + 1)]
-    plan = _maybe_compiled(_send_plan_tensors, topk_idx)
+    plan = _maybe_compiled(_send_plan_tensors)
     bag, slots, routing, counts, expert_counts = plan(topk_idx, topk_weights.detach(), ep, n_local, bounds)
     return _SendPlan(Bags(bag, slots), routing, counts, expert_counts, bounds)
 
@@ -178,7 +173,7 @@ class _Received:
 
 
 def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype) -> _Received:
-    plan = _maybe_compiled(_receive_plan_tensors, routing)
+    plan = _maybe_compiled(_receive_plan_tensors)
     order, offs, slots, weights = plan(routing, k, n_local, weights_dtype)
     order = order[:n_pairs]  # the local pairs (the host knows their number from the counts exchange)
     return _Received(Bags(bag=order // k, slots=slots), order, offs, weights)
@@ -251,10 +246,10 @@ class _ExchangeAndCompute(torch.autograd.Function):
 
                 # Compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective recompute tags its
                 # ops as they dispatch (an eager dispatch mode): both must see the ops one by one.
-                if rebuilt is not None or recompute == "selective" or not COMPILE_EXPERTS:
+                if rebuilt is not None or recompute == "selective":
                     local_compute = functools.partial(compute, rebuilt=rebuilt)
                 else:
-                    local_compute = functools.partial(_maybe_compiled(_local_experts, r), compute)
+                    local_compute = functools.partial(_maybe_compiled(_local_experts), compute)
 
                 def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt, local_compute=local_compute):
                     pair_rows = _Expand.apply(r_rows, rec.pairs)
@@ -356,7 +351,7 @@ class AllToAllDispatcher:
         # shared expert.
         rows = _Expand.apply(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
-        side = _maybe_compiled(_shared_expert, x)(side_work) if side_work is not None else None
+        side = _maybe_compiled(_shared_expert)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
         recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
