@@ -66,6 +66,34 @@ def test_scaled_mm_kernel_calls_equal_their_references():
     assert _rel(reference_fp8_dgrad(g, w8, s), g @ w) < 0.05
 
 
+def test_eager_quantisation_compiled_equals_op_by_op(monkeypatch):
+    """`EAGER_QUANT = "compiled"` (a candidate for the eager code of the expert-parallel exchange): each operand's
+    quantisation runs as a compiled function of its own, with the values op-by-op torch gives."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from moetune.model.quant import matmul
+
+    torch.manual_seed(0)
+    x, g = torch.randn(24, 64).bfloat16(), torch.randn(24, 48).bfloat16()
+    w8, s = quantize_rows(torch.randn(48, 64) * 0.05)
+    offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)
+    stack_scale = torch.rand(4, 48, 1) + 0.5
+
+    def run():
+        return (_mm_fwd(x, w8, s, None), _mm_dgrad(g, w8, s), *matmul._quantized(quantize_rows, x),
+                *matmul._quantized(matmul._gmm_dgrad_operand, g, stack_scale, offs))
+
+    torch._dynamo.reset()
+    eager = run()
+    counter = CompileCounterWithBackend("aot_eager")  # traced as Inductor would, without its code generation
+    monkeypatch.setattr(matmul, "EAGER_QUANT", "compiled")
+    monkeypatch.setattr(matmul, "EAGER_QUANT_BACKEND", counter)
+    compiled = run()
+    assert counter.frame_count == 3  # quantize_rows, the dense and the grouped input-gradient operands
+    for a, b in zip(compiled, eager):
+        assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
+
+
 @pytest.mark.parametrize("scheme", [ROWWISE, Fp8Scheme((16, 16))], ids=["rowwise", "block"])
 def test_dequantise_path_equals_the_dequantised_product_and_saves_no_weight(scheme):
     torch.manual_seed(0)

@@ -14,6 +14,8 @@ same way): the tests hold the kernels to them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -52,10 +54,29 @@ DGRAD = "fp8"
 # without the copy).
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
+# How code outside a compiled graph (the expert-parallel exchange's local work, an eager model) quantises the fp8
+# GEMMs' operands: "torch", op by op (some six passes over an fp32 copy of the rows: one EP-8 rank of Air through the
+# exchange spent 434 ms a step in element-wise kernels against 36 locally, BENCHMARKS.md), or "compiled", each
+# quantisation compiled on its own (`EAGER_QUANT_BACKEND`) — a candidate, not yet measured on a GPU.
+EAGER_QUANT = "torch"
+EAGER_QUANT_BACKEND = "inductor"
+
+
+@functools.cache
+def _compiled(fn, backend):
+    return torch.compile(fn, backend=backend)
+
+
+def _quantized(fn, *args):
+    """fn(*args), a quantisation of a GEMM operand; compiled on its own in eager code when EAGER_QUANT says so (in a
+    compiled graph Inductor fuses it with its neighbours)."""
+    if EAGER_QUANT == "compiled" and not torch.compiler.is_compiling():
+        return _compiled(fn, EAGER_QUANT_BACKEND)(*args)
+    return fn(*args)
 
 
 def _mm_fwd(x2, w8, scale, bias):
-    xq, sx = quantize_rows(x2)
+    xq, sx = _quantized(quantize_rows, x2)
     # _scaled_mm takes a bias only for a 16-bit output
     fused_bias = bias is not None and x2.dtype != torch.float32
     y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
@@ -64,8 +85,13 @@ def _mm_fwd(x2, w8, scale, bias):
     return y + bias.to(y.dtype) if bias is not None and not fused_bias else y
 
 
+def _mm_dgrad_operand(g2, scale):
+    """dy with the weight's row scales folded in (they lie inside the sum over `out`), quantised per row."""
+    return quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
+
+
 def _mm_dgrad(g2, w8, scale, fast_accum=None):
-    gq, sg = quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
+    gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
     return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
@@ -127,7 +153,7 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _gmm_fwd(x, w8, scale, offs):
-    xq, sx = quantize_rows(x)
+    xq, sx = _quantized(quantize_rows, x)
     if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
@@ -140,7 +166,7 @@ def _gmm_dgrad_operand(g, scale, offs):
 
 
 def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
-    gq, sg = _gmm_dgrad_operand(g, scale, offs)
+    gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
