@@ -19,8 +19,9 @@ for the two plans, and on an fp8 base the activations' quantisation unfused (one
 exchange on one H200: 5,253 tokens/s against 9,836 locally, BENCHMARKS.md). `COMPILE` compiles that work on its own
 (the send plan with the layer's shapes, the receive plan and the local expert computation with the received rows
 dynamic, the shared expert). It is off: measured on one H100 it was +3% on the bf16 rank and −1 to −3% on AIR-8,
-slower by a third in some runs for reasons not found, and on the fp8 rank Inductor's partitioner moved the input
-gradient's transposed copies of the fp8 stacks into the forward and kept them (+11.6 GiB on full-size Air).
+slower by a fifth to a third in some runs for reasons not found, and on the fp8 rank Inductor's partitioner moved the
+input gradient's transposed copies of the fp8 stacks into the forward and kept them (+11.6 GiB on one EP-8 rank of
+full-size Air).
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 w_in = rec.weights.detach().requires_grad_(grad and row_weights.requires_grad)
                 local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
 
-                # Compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective recompute tags its
-                # ops as they dispatch (an eager dispatch mode): both must see the ops one by one.
+                # With COMPILE, compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective
+                # recompute tags its ops as they dispatch (an eager dispatch mode): both must see the ops one by one.
                 if rebuilt is not None or recompute == "selective":
                     local_compute = functools.partial(compute, rebuilt=rebuilt)
                 else:
