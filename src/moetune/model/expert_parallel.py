@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetune.model.kernels import bag_sum
+from moetune.model.kernels import bag_sum, compiled_for_eager
 from moetune.model.experts import count_values
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
@@ -43,15 +43,8 @@ COMPILE = False
 BACKEND = "inductor"
 
 
-@functools.cache
-def _compiled(fn, backend):
-    """fn compiled on its own, once per function: every layer's call shares its graphs, static shapes until a
-    dimension is seen to change (the received rows), which then becomes dynamic."""
-    return torch.compile(fn, backend=backend)
-
-
 def _maybe_compiled(fn):
-    return _compiled(fn, BACKEND) if COMPILE else fn
+    return compiled_for_eager(fn, BACKEND) if COMPILE else fn
 
 
 # Compiled, each is one graph for every layer's `fn` (a bound method or closure of the layer's module); two

@@ -14,6 +14,7 @@ against those references.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,13 @@ except ImportError:
     triton = None
 
 BLOCK = 1024  # columns per program of bag_sum: 8 bf16 (16 bytes) per thread with 4 warps
+
+
+@functools.cache
+def compiled_for_eager(fn, backend="inductor"):
+    """fn compiled on its own, once per function, for eager code to call (what a compiled graph would fuse, where
+    there is none): every caller shares its graphs, static shapes until a dimension is seen to change."""
+    return torch.compile(fn, backend=backend)
 
 
 def kernel_available(device: torch.device) -> bool:

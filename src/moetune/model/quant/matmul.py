@@ -14,12 +14,11 @@ same way): the tests hold the kernels to them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import grouped_mm_fp8, grouped_mm_fp8_dgrad, kernel_supported, kernel_supported_w8a8
+from moetune.model.kernels import compiled_for_eager
 from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -62,16 +61,11 @@ EAGER_QUANT = "torch"
 EAGER_QUANT_BACKEND = "inductor"
 
 
-@functools.cache
-def _compiled(fn, backend):
-    return torch.compile(fn, backend=backend)
-
-
 def _quantized(fn, *args):
     """fn(*args), a quantisation of a GEMM operand; compiled on its own in eager code when EAGER_QUANT says so (in a
     compiled graph Inductor fuses it with its neighbours)."""
     if EAGER_QUANT == "compiled" and not torch.compiler.is_compiling():
-        return _compiled(fn, EAGER_QUANT_BACKEND)(*args)
+        return compiled_for_eager(fn, EAGER_QUANT_BACKEND)(*args)
     return fn(*args)
 
 
