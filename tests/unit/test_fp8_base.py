@@ -94,6 +94,61 @@ def test_eager_quantisation_compiled_equals_op_by_op(monkeypatch):
         assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
 
 
+def test_a_compiled_fp8_layer_keeps_no_copy_of_its_weights_for_backward(monkeypatch):
+    """The input gradient reads each fp8 weight K-major, a transposed copy. Compiled, the partitioner must not compute
+    that copy in the forward and keep it for the backward (a second copy of every stack: 11.6 GiB on one EP-8 rank of
+    Air, BENCHMARKS.md): every fp8 tensor the forward graph saves is one of its inputs (a weight) or a view of one.
+    The fp8 tensor-core path is forced on and only traced (the CPU has no `_scaled_grouped_mm` to run it)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from moetune.model.config import ModelConfig
+    from moetune.model.glm4_moe import rope_cos_sin
+    from moetune.model.hf_io import build_model, cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.model.quant import matmul
+    from moetune.model.quant.modules import quantize_model
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
+    cfg = ModelConfig.from_hf_dict(dict(vocab_size=64, hidden_size=64, intermediate_size=48, moe_intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1))
+    model = build_model(cfg, "meta")
+    cast_model(model, torch.bfloat16)
+    quantize_model(model, ROWWISE)
+    apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.02, seed=0)
+    saved_fp8 = []
+
+    class Traced(Exception):
+        pass
+
+    def forward_compiler(gm, _):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        for node in outputs:
+            if isinstance(node, torch.fx.Node) and node.meta["val"].dtype == FP8:
+                root = node
+                while root.op == "call_function" and root.target in (torch.ops.aten.transpose.int,
+                                                                      torch.ops.aten.t.default,
+                                                                      torch.ops.aten.view.default):
+                    root = root.args[0]
+                saved_fp8.append((node.name, root.op, str(root.target)))
+        raise Traced
+
+    backend = aot_autograd(fw_compiler=forward_compiler, partition_fn=min_cut_rematerialization_partition)
+    layer = model.model.layers[1]  # attention (fp8 q, k, v, o under LoRA) and the MoE (fp8 stacks, shared expert)
+    layer.compile(dynamic=False, backend=backend)
+    h = torch.randn(1, 24, 64, dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(24).unsqueeze(0)
+    cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, torch.bfloat16)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as traced:
+        layer(h, cos, sin, model.attn_meta(pos))
+    assert isinstance(traced.value.inner_exception, Traced), traced.value
+    assert saved_fp8, "the forward saves the fp8 weights the input gradients read"
+    assert all(op == "placeholder" for _, op, _ in saved_fp8), saved_fp8
+
+
 @pytest.mark.parametrize("scheme", [ROWWISE, Fp8Scheme((16, 16))], ids=["rowwise", "block"])
 def test_dequantise_path_equals_the_dequantised_product_and_saves_no_weight(scheme):
     torch.manual_seed(0)

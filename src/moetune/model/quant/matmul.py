@@ -69,6 +69,21 @@ def _quantized(fn, *args):
     return fn(*args)
 
 
+@torch.library.custom_op("moetune::k_major_copy", mutates_args=())
+def _k_major_copy(w8: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """w8 [..., out, in] copied to [..., in, out] contiguous (Hopper's fp8 GEMM takes both operands K-major), for the
+    input gradient. `grad`, the gradient it is for, is read by nothing: it makes the copy depend on backward's input.
+    As a plain `w8.transpose().contiguous()`, a function of the weight alone, torch.compile's partitioner may compute
+    it in the forward and keep it until the backward — a second copy of every fp8 stack (measured: 11.6 GiB on one
+    EP-8 rank of full-size Air, BENCHMARKS.md, thirteenth session)."""
+    return w8.transpose(-2, -1).contiguous()
+
+
+@_k_major_copy.register_fake
+def _(w8, grad):
+    return w8.new_empty(*w8.shape[:-2], w8.shape[-1], w8.shape[-2])
+
+
 def _mm_fwd(x2, w8, scale, bias):
     xq, sx = _quantized(quantize_rows, x2)
     # _scaled_mm takes a bias only for a 16-bit output
@@ -87,7 +102,7 @@ def _mm_dgrad_operand(g2, scale):
 def _mm_dgrad(g2, w8, scale, fast_accum=None):
     gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
-    return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
+    return torch._scaled_mm(gq, _k_major_copy(w8, g2).t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
@@ -164,7 +179,7 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
-    return torch._scaled_grouped_mm(gq, w8.transpose(-2, -1).contiguous().transpose(-2, -1), scale_a=sg.view(-1),
+    return torch._scaled_grouped_mm(gq, _k_major_copy(w8, g).transpose(-2, -1), scale_a=sg.view(-1),
                                     scale_b=ones, offs=offs, out_dtype=g.dtype,
                                     use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
