@@ -69,14 +69,20 @@ def _quantized(fn, *args):
     return fn(*args)
 
 
+def _transposed_copy(w8: torch.Tensor) -> torch.Tensor:
+    return w8.transpose(-2, -1).contiguous()
+
+
 @torch.library.custom_op("moetune::k_major_copy", mutates_args=())
 def _k_major_copy(w8: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """w8 [..., out, in] copied to [..., in, out] contiguous (Hopper's fp8 GEMM takes both operands K-major), for the
-    input gradient. `grad`, the gradient it is for, is read by nothing: it makes the copy depend on backward's input.
-    As a plain `w8.transpose().contiguous()`, a function of the weight alone, torch.compile's partitioner may compute
-    it in the forward and keep it until the backward — a second copy of every fp8 stack (measured: 11.6 GiB on one
-    EP-8 rank of full-size Air, BENCHMARKS.md, thirteenth session)."""
-    return w8.transpose(-2, -1).contiguous()
+    """An expert stack w8 [E, out, in] copied to [E, in, out] contiguous (Hopper's fp8 GEMM takes both operands
+    K-major), for the input gradient. `grad`, the gradient it is for, is read by nothing: it makes the copy depend on
+    backward's input. As a plain `w8.transpose().contiguous()`, a function of the weight alone, torch.compile's
+    partitioner may compute it in the forward and keep it until the backward — a second copy of every stack
+    (measured: 11.6 GiB on one EP-8 rank of full-size Air through the compiled exchange, BENCHMARKS.md, thirteenth
+    session; a dense weight's copy is not kept, tests/unit/test_fp8_base.py). On CUDA the copy is compiled on its own:
+    the transpose kernel Inductor wrote for it inside the compiled layers before."""
+    return (compiled_for_eager(_transposed_copy) if w8.is_cuda else _transposed_copy)(w8)
 
 
 @_k_major_copy.register_fake
@@ -102,7 +108,7 @@ def _mm_dgrad_operand(g2, scale):
 def _mm_dgrad(g2, w8, scale, fast_accum=None):
     gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
-    return torch._scaled_mm(gq, _k_major_copy(w8, g2).t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
+    return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
