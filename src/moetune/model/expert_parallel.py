@@ -21,7 +21,7 @@ exchange on one H200: 5,253 tokens/s against 9,836 locally, BENCHMARKS.md). `COM
 dynamic, the shared expert). It is off: measured on one H100 it was +3% on the bf16 rank and −1 to −3% on AIR-8,
 slower by a fifth to a third in some runs for reasons not found, and on the fp8 rank Inductor's partitioner moved the
 input gradient's transposed copies of the fp8 stacks into the forward and kept them (+11.6 GiB on one EP-8 rank of
-full-size Air).
+full-size Air; that copy is now a backward-only op, quant/matmul.py, not yet re-measured here).
 """
 
 from __future__ import annotations
