@@ -13,6 +13,9 @@
 #              at 72 GiB, where auto recomputes the attention of some layers
 # flash_varlen: flash_train with the packed documents through FlashAttention-2's varlen kernel
 # variants2:   a second list ($VARIANTS2), results in $OUT/v2
+# variants_old: $VARIANTS_OLD run by the harness of an earlier tree unpacked in .old/ (`rm -rf .old && mkdir .old &&
+#              git archive REV | tar -x -C .old`, carried to the device: carry [".whl", ".old"]), results in $OUT/old:
+#              the tree before a change against the tree after it, in one call
 # air_train:   full-size GLM-4.5-Air through `moetune train` on one GPU: QUANT (fp8), AIR_TARGETS, AIR_AC, AIR_EXTRA
 # air_auto:    the same with layout auto choosing the recompute
 # curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
@@ -76,5 +79,8 @@ for stage in ${STAGES:-attention trace variants}; do
       tail -n 5 "$LOGS/gpu_tests.log" | tee -a "$OUT/summary.txt" ;;
     variants2) run variants2 ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} \
       --variants $VARIANTS2 --out "$OUT/v2" ;;
+    variants_old) mkdir -p "$OUT/old"  # $VARIANTS_OLD from an earlier tree in .old/ (its harness imports its own src/)
+      run variants_old ${VARIANTS_LIMIT:-400} python3 .old/benchmarks/train_throughput.py \
+        --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS_OLD --out "$OUT/old" ;;
   esac
 done
