@@ -1,0 +1,86 @@
+"""The host's time a call for the expert-parallel exchange's pieces, eager against compiled (`expert_parallel.COMPILE`):
+one MoE layer through the dispatcher on a world of one (gloo), shapes small enough that the host's work, not the
+kernels, is what is timed. A proxy for what the host spends between the exchange's collectives on a GPU.
+
+    python benchmarks/exchange_host_time.py [--tokens 64] [--calls 200]
+
+Each mode runs in its own process (a compile cache of its own); one line per piece: microseconds a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+
+def measure(mode: str, tokens: int, calls: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moetune.model.expert_parallel as ep
+    from moetune.model.config import ModelConfig
+    from moetune.model.glm4_moe import Experts
+    from moetune.parallel.apply import shard_experts
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    E, k, H = 16, 8, 64
+    ex = Experts(ModelConfig(hidden_size=H, moe_intermediate_size=32, n_routed_experts=E, num_experts_per_tok=k))
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.02)
+        ex.down_proj.normal_(0, 0.02)
+    ex.to(torch.bfloat16).requires_grad_(False)
+    shard_experts(ex, mesh)
+    ep.COMPILE = mode == "compiled"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, H, generator=g).bfloat16().requires_grad_()
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g).requires_grad_()
+    routing = torch.cat([w.detach(), idx.float()], 1)
+    receive = ep._maybe_compiled(ep._receive_plan_tensors)
+
+    def layer():
+        y, _, side = ex(x, idx, w, side_work=lambda: x * 2)
+        (y + side).float().sum().backward()
+
+    pieces = (("send plan", lambda: ep._plan_send(idx, w, 1, E, 1)),
+              ("receive plan (no grad, as inside the exchange)", lambda: receive(routing, k, E, torch.float32)),
+              ("MoE layer forward + backward", layer))
+    for name, fn in pieces:
+        with torch.no_grad() if name.startswith("receive") else torch.enable_grad():
+            for _ in range(5):  # compiles, and recompiles, before the clock
+                fn()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+        print(f"{mode:9s} {name:48s} {(time.perf_counter() - t0) / calls * 1e6:8.0f} us", flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--mode", choices=["eager", "compiled"])
+    a = ap.parse_args()
+    if a.mode:
+        measure(a.mode, a.tokens, a.calls)
+        return
+    for mode in ("eager", "compiled"):
+        subprocess.run([sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--calls", str(a.calls)],
+                       check=True)
+
+
+if __name__ == "__main__":
+    main()
