@@ -2,8 +2,11 @@
 one MoE layer through the dispatcher on a world of one (gloo), shapes small enough that the host's work, not the
 kernels, is what is timed. A proxy for what the host spends between the exchange's collectives on a GPU.
 
-    python benchmarks/exchange_host_time.py [--tokens 64] [--calls 200]
+    python benchmarks/exchange_host_time.py [--tokens 64] [--calls 200] [--fp8]
 
+`--fp8`: the expert stacks frozen in fp8 (row scales) on the fp8 tensor-core path, as on a Hopper GPU: torch has no
+CPU `_scaled_grouped_mm`, so one `torch._grouped_mm` on the operands dequantised stands in for it (a kernel launch
+for a kernel launch); modes "eager_cq" (`quant.matmul.EAGER_QUANT = "compiled"`) and "compiled_cq" are added.
 Each mode runs in its own process (a compile cache of its own); one line per piece: microseconds a call.
 """
 
@@ -21,7 +24,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 
-def measure(mode: str, tokens: int, calls: int) -> None:
+def _scaled_grouped_mm_stand_in(a, b, scale_a, scale_b, offs, out_dtype, **_):
+    """One grouped GEMM in place of torch._scaled_grouped_mm (no CPU kernel): its launches, not its numerics."""
+    return torch._grouped_mm(a.to(out_dtype), b.to(out_dtype), offs=offs)
+
+
+def measure(mode: str, tokens: int, calls: int, fp8: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -41,8 +49,21 @@ def measure(mode: str, tokens: int, calls: int) -> None:
         ex.gate_up_proj.normal_(0, 0.02)
         ex.down_proj.normal_(0, 0.02)
     ex.to(torch.bfloat16).requires_grad_(False)
+    if fp8:
+        from moetune.model.quant import matmul
+        from moetune.model.quant.fp8 import ROWWISE
+        from moetune.model.quant.modules import _frozen, scale_name
+
+        for name in ("gate_up_proj", "down_proj"):
+            q, sc = ROWWISE.quantize(getattr(ex, name).data.float())
+            setattr(ex, name, _frozen(q))
+            setattr(ex, scale_name(name, ROWWISE), _frozen(sc, scale=True))
+        ex.quant = ROWWISE
+        matmul._fp8_kernels = lambda x, w8, scheme: x.dtype == torch.bfloat16
+        torch._scaled_grouped_mm = _scaled_grouped_mm_stand_in
+        matmul.EAGER_QUANT = "compiled" if mode.endswith("_cq") else "torch"
     shard_experts(ex, mesh)
-    ep.COMPILE = mode == "compiled"
+    ep.COMPILE = mode.startswith("compiled")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, H, generator=g).bfloat16().requires_grad_()
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
@@ -72,14 +93,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--mode", choices=["eager", "compiled"])
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--mode", choices=["eager", "compiled", "eager_cq", "compiled_cq"])
     a = ap.parse_args()
     if a.mode:
-        measure(a.mode, a.tokens, a.calls)
+        measure(a.mode, a.tokens, a.calls, a.fp8)
         return
-    for mode in ("eager", "compiled"):
-        subprocess.run([sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--calls", str(a.calls)],
-                       check=True)
+    for mode in ("eager", "compiled") + (("eager_cq", "compiled_cq") if a.fp8 else ()):
+        subprocess.run([sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--calls", str(a.calls)]
+                       + ["--fp8"] * a.fp8, check=True)
 
 
 if __name__ == "__main__":

@@ -168,11 +168,11 @@ for _base in ("ours_ep1_qkvo_4x1024", "ours_ep1_experts_4x1024", "ours_ep8rank_q
               "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep1_experts_4x1024_ac"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_epcompile"] = (_s, _b, _t, _tg, {**_x, "ep_compile": True})
-# an fp8 base's operands quantised in eager code by compiled functions (quant.matmul.EAGER_QUANT "compiled"): the
-# exchange's local work, an eager model
+# an fp8 base's operands quantised in eager code op by op (quant.matmul.EAGER_QUANT "torch"; the default compiles
+# each quantisation): the exchange's local work, an eager model
 for _base in ("ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_fp8_qkvo_4x1024_eager"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_cq"] = (_s, _b, _t, _tg, {**_x, "eager_quant": "compiled"})
+    VARIANTS[f"{_base}_tq"] = (_s, _b, _t, _tg, {**_x, "eager_quant": "torch"})
 # the trainer's step with its layers replayed as CUDA graphs: on these rows the harness gained 37% from them,
 # `moetune train` nothing (BENCHMARKS.md, issue 21's call 3); this row tells the step from the loop around it
 VARIANTS["trainer_flash_mla_1x4096_demo_cg"] = (*VARIANTS["trainer_flash_mla_1x4096_demo"][:4],

@@ -67,8 +67,8 @@ def test_scaled_mm_kernel_calls_equal_their_references():
 
 
 def test_eager_quantisation_compiled_equals_op_by_op(monkeypatch):
-    """`EAGER_QUANT = "compiled"` (a candidate for the eager code of the expert-parallel exchange): each operand's
-    quantisation runs as a compiled function of its own, with the values op-by-op torch gives."""
+    """`EAGER_QUANT = "compiled"` (the eager code of the expert-parallel exchange): each operand's quantisation runs
+    as a compiled function of its own, with the values op-by-op torch gives."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from moetune.model.quant import matmul
@@ -84,6 +84,7 @@ def test_eager_quantisation_compiled_equals_op_by_op(monkeypatch):
                 *matmul._quantized(matmul._gmm_dgrad_operand, g, stack_scale, offs))
 
     torch._dynamo.reset()
+    monkeypatch.setattr(matmul, "EAGER_QUANT", "torch")
     eager = run()
     counter = CompileCounterWithBackend("aot_eager")  # traced as Inductor would, without its code generation
     monkeypatch.setattr(matmul, "EAGER_QUANT", "compiled")

@@ -54,10 +54,10 @@ DGRAD = "fp8"
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
 # How code outside a compiled graph (the expert-parallel exchange's local work, an eager model) quantises the fp8
-# GEMMs' operands: "torch", op by op (some six passes over an fp32 copy of the rows: one EP-8 rank of Air through the
-# exchange spent 434 ms a step in element-wise kernels against 36 locally, BENCHMARKS.md), or "compiled", each
-# quantisation compiled on its own (`EAGER_QUANT_BACKEND`) — a candidate, not yet measured on a GPU.
-EAGER_QUANT = "torch"
+# GEMMs' operands: "compiled", each quantisation compiled on its own (`EAGER_QUANT_BACKEND`), or "torch", op by op
+# (some six passes over an fp32 copy of the rows). One EP-8 rank of Air on an fp8 base through the exchange, one
+# H200, same call: 6,542 tokens/s compiled against 5,136 op by op (BENCHMARKS.md, fourteenth session).
+EAGER_QUANT = "compiled"
 EAGER_QUANT_BACKEND = "inductor"
 
 
