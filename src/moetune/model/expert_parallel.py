@@ -15,13 +15,13 @@ shared expert — is queued before the copy, so the GPU works while the host wai
 launches the exchange and the expert GEMMs.
 
 The exchange is a graph break, so the work between its collectives runs eagerly: some seventy small kernels a layer
-for the two plans, and on an fp8 base the activations' quantisation unfused (one EP-8 rank of Air through the
-exchange on one H200: 5,253 tokens/s against 9,836 locally, BENCHMARKS.md). `COMPILE` compiles that work on its own
-(the send plan with the layer's shapes, the receive plan and the local expert computation with the received rows
-dynamic, the shared expert). It is off: measured on one H100 it was +3% on the bf16 rank and −1 to −3% on AIR-8,
-slower by a fifth to a third in some runs for reasons not found, and on the fp8 rank Inductor's partitioner moved the
-input gradient's transposed copies of the fp8 stacks into the forward and kept them (+11.6 GiB on one EP-8 rank of
-full-size Air; that copy is now a backward-only op, quant/matmul.py, not yet re-measured here).
+for the two plans, and on an fp8 base the activations' quantisations, each compiled on its own
+(`quant.matmul.EAGER_QUANT`; op by op they had made one EP-8 rank of Air through the exchange 5,253 tokens/s against
+9,836 locally, BENCHMARKS.md). `COMPILE` compiles the rest of that work on its own too (the send plan with the
+layer's shapes, the receive plan and the local expert computation with the received rows dynamic, the shared
+expert). It is off: on a bf16 base it measured −3% to +3% (AIR-8 and one EP-8 rank, on an H100); on the fp8 rank it
+was 5–10% ahead in each of three calls on one H200 (7,922 against 7,408 tokens/s in one), a gain not yet made a
+default that depends on the base's dtype.
 """
 
 from __future__ import annotations
