@@ -37,9 +37,11 @@ from moetune.model.quant import matmul  # noqa: E402
 from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
 
 DEV = torch.device("cpu" if CPU else "cuda")
+gg.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under the interpreter
 OUT = os.environ.get("OUT", "/tmp")
 SWEEP = os.environ.get("SWEEP", "quick")
-KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8").split(",")  # which Triton kinds to sweep (torch's always run)
+# which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA)
+KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8,tma,tma_w8a8").split(",")
 
 SHAPES = {  # experts here, all experts (routing), hidden, moe_intermediate, tokens, top-k
     "flash": dict(E=64, E_all=64, H=2048, I=1536, tokens=4096, k=4),
@@ -189,6 +191,9 @@ def run_shape(name, p, results):
         else:
             aq, sa = matmul._gmm_dgrad_operand(a, s8, offs)
             kinds.append(("w8a8", (w8, None, ref8)))
+        res["_ref"], res["_ref8"] = ref, ref8
+        run_tma(res, record, a, W, w8, s8, offs, transpose)
+        del res["_ref"], res["_ref8"]
         for kind, (w, s, reference) in [k for k in kinds if k[0] in KINDS]:
             best = None
             w8a8 = dict(x_scale=sa) if kind == "w8a8" else {}
@@ -208,8 +213,9 @@ def run_shape(name, p, results):
                        reference)
         save(results)
         line = [f"{op:14s} M={R} N={N} K={K}"]
-        for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "torch_fp8", "torch_fp8_gemm_only",
-                  "triton_fp8", "triton_fp8_autotuned", "triton_w8a8", "triton_w8a8_autotuned"):
+        for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "tma_bf16", "tma_bf16_autotuned",
+                  "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
+                  "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -221,6 +227,54 @@ def run_shape(name, p, results):
     del weights, fp8
     if not CPU:
         torch.cuda.empty_cache()
+
+
+TMA_QUICK = gg.AUTOTUNE_TMA + [(128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (64, 64, 64, 4, 4)]
+TMA_QUICK_FP8 = gg.AUTOTUNE_TMA_FP8 + [(128, 256, 128, 4, 8), (256, 128, 128, 3, 8), (64, 64, 128, 4, 4)]
+CPU_TMA = [(16, 16, 16, 1, 1)]
+
+
+def run_tma(res, record, a, W, w8, s8, offs, transpose):
+    """The TMA kernel (model/grouped_gemm.py): a bf16 stack (forward, and the input gradient read as stored), and
+    fp8 × fp8 (forward; the input gradient on a K-major copy of the stack made beforehand, as torch's
+    `_scaled_grouped_mm` on the same copy, "torch_fp8_on_copy"). A config sweep, then the module's autotuned
+    launch."""
+    ref = res["_ref"]
+    ref8 = res["_ref8"]
+    cands = []
+    if "tma" in KINDS and (CPU or gg.tma_supported(a, W, transpose)):
+        cands.append(("tma_bf16", a, W, None, transpose, {}, ref, CPU_TMA if CPU else TMA_QUICK))
+    if "tma_w8a8" in KINDS and w8 is not None:
+        if transpose:
+            aq, sa = quantize_rows(a)
+            cands.append(("tma_w8a8", aq, w8, s8, True, dict(x_scale=sa), ref8, CPU_TMA if CPU else TMA_QUICK_FP8))
+        else:
+            gq, sg = matmul._gmm_dgrad_operand(a, s8, offs)
+            copy = w8.transpose(-2, -1).contiguous()
+            cands.append(("tma_w8a8", gq, copy, None, True, dict(x_scale=sg), ref8,
+                          CPU_TMA if CPU else TMA_QUICK_FP8))
+            if not CPU and hasattr(torch, "_scaled_grouped_mm"):
+                ones = torch.ones(copy.shape[0], copy.shape[1], device=DEV, dtype=torch.float32)
+                record("torch_fp8_on_copy", lambda: torch._scaled_grouped_mm(
+                    gq, copy.transpose(-2, -1), scale_a=sg.view(-1), scale_b=ones, offs=offs,
+                    out_dtype=torch.bfloat16, use_fast_accum=matmul.FAST_ACCUM_DGRAD), ref8)
+    for kind, x, w, s, tr, extra, reference, base in cands:
+        best = None
+        for BM, BN, BK, stages, warps in base:
+            if stages * BK * (BM + BN) * x.element_size() > SMEM_LIMIT:
+                continue
+            if not tr and w.shape[1] % BK:
+                continue
+            cfg = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, num_warps=warps, num_stages=stages)
+            tag = f"{BM}x{BN}x{BK}_s{stages}_w{warps}"
+            r = record(f"{kind}[{tag}]", lambda: gg.grouped_gemm_tma(x, w, offs, s, tr, config=cfg, **extra),
+                       reference, config=cfg)
+            if "ms" in r and r["finite"] and (best is None or r["ms"] < best[1]["ms"]):
+                best = (tag, r)
+        if best is not None:
+            res["methods"][kind] = dict(best[1], best_config=best[0])
+        if not CPU:
+            record(f"{kind}_autotuned", lambda: gg.grouped_gemm_tma(x, w, offs, s, tr, **extra), reference)
 
 
 # ------------------------------------------------------------------------------------------------ CPU: sm_90 compile

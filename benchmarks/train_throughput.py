@@ -196,6 +196,15 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # the input gradient fp8 x fp8 from the stack as stored (_g8), and with the forward's Triton kernel (_g8f)
     VARIANTS[f"{_base}_g8"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"})
     VARIANTS[f"{_base}_g8f"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "triton"})
+# the fp8 stacks' grouped GEMMs both through the Triton kernel (TMA on Hopper): the forward, and the input gradient on
+# the K-major copy (_tt); bf16 stacks take it with "_tg" above
+for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash_mla_1x4096",
+              "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_tt"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "triton", "grouped_forward": "triton"})
+for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})

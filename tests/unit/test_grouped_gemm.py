@@ -195,3 +195,87 @@ def test_fp8_grouped_linear_through_the_triton_kernels(switch, monkeypatch):
         assert calls == [True]
         gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
         _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))
+
+
+# ------------------------------------------------------------------------------------------------ the TMA kernel
+TMA_OUT, TMA_IN = 48, 32  # TMA wants 16-byte rows: fp8 rows are IN bytes, a K-major copy's OUT bytes
+
+
+def _tma_case(fp8: bool, pad: int, seed: int):
+    torch.manual_seed(seed)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    w = torch.randn(E, TMA_OUT, TMA_IN) / TMA_IN ** 0.5
+    return sum(COUNTS) + pad, offs, w
+
+
+@pytest.fixture
+def tma_on_cpu(monkeypatch):
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(gg, "TMA_BK_NMAJOR", gg._INTERPRETER_CONFIG["BK"])
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "fp8_forward", "fp8_dgrad_on_k_major_copy"])
+def test_tma_kernel_matches_reference(case, pad, tma_on_cpu):
+    """The TMA kernel on every operand form it takes: a bf16 stack forward (K-major) and input gradient (read as
+    stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient on a K-major copy
+    (the weight's scales folded into the fp8 gradient rows). Groups end mid-tile and are empty; padding rows get
+    zeros; the rows a tile reads past its group are not stored."""
+    rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
+    if case.startswith("bf16"):
+        transpose = case.endswith("forward")
+        wb = w.bfloat16()
+        x = torch.randn(rows, TMA_IN if transpose else TMA_OUT).bfloat16()
+        assert gg.tma_supported(x, wb, transpose)
+        y = gg.grouped_gemm_tma(x, wb, offs, None, transpose)
+        want = grouped_mm_reference(x, wb, offs, None, transpose)
+    elif case == "fp8_forward":
+        w8, scale = quantize_rows(w)
+        x8, sx = quantize_rows(torch.randn(rows, TMA_IN))
+        assert gg.tma_supported(x8, w8, True)
+        y = gg.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx)
+        want = grouped_mm_reference(x8.float() * sx, w8, offs, scale)
+    else:
+        w8, _ = quantize_rows(w)
+        g8, sg = quantize_rows(torch.randn(rows, TMA_OUT))
+        copy = w8.transpose(-2, -1).contiguous()
+        assert not gg.tma_supported(g8, w8, False)  # Hopper's fp8 MMA takes no N-major operand: the copy is needed
+        y = gg.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg)
+        want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
+    assert y.shape == want.shape and y.dtype == torch.bfloat16
+    _close(y, want)
+    assert (y[sum(COUNTS):] == 0).all()
+
+
+def test_tma_refuses_what_it_cannot_load(tma_on_cpu):
+    """Rows that are not 16-byte aligned, a stride-0 gradient, and an N-major K that a K tile would cross."""
+    _, offs, w = _tma_case(fp8=False, pad=0, seed=1)
+    wb = w.bfloat16()
+    assert gg.tma_supported(torch.randn(4, TMA_IN).bfloat16(), wb, True)
+    assert not gg.tma_supported(torch.randn(4, TMA_IN + 4).bfloat16()[:, :TMA_IN], wb, True)  # 72-byte row stride
+    assert not gg.tma_supported(torch.randn(1, TMA_OUT).bfloat16().expand(4, TMA_OUT), wb, False)
+    w40 = torch.randn(E, 40, TMA_IN).bfloat16()
+    assert gg.tma_supported(torch.randn(4, TMA_IN).bfloat16(), w40, True)
+    assert not gg.tma_supported(torch.randn(4, 40).bfloat16(), w40, False)  # 40 % BK != 0
+
+
+def test_fp8_grouped_input_gradient_through_the_triton_kernel_on_a_k_major_copy(monkeypatch, tma_on_cpu):
+    """GROUPED_DGRAD "triton": the fp8 path's input gradient (dy with the scales folded in, quantised per row) on the
+    K-major copy, through the TMA kernel: equal to that path's reference."""
+    from moetune.model.quant import matmul
+    from moetune.model.quant.fp8 import scheme_named
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
+    monkeypatch.setattr(matmul, "GROUPED_DGRAD", "triton")
+    monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
+    calls = []
+    real = gg.grouped_gemm_tma
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    rows, offs, w = _tma_case(fp8=True, pad=0, seed=4)
+    w8, scale = quantize_rows(w)
+    x = torch.randn(rows, TMA_IN).bfloat16().requires_grad_()
+    g = torch.randn(rows, TMA_OUT).bfloat16()
+    matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme_named("fp8")).backward(g)
+    assert calls == [(E, TMA_IN, TMA_OUT)]  # the TMA kernel ran, on the copy
+    gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
+    _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))

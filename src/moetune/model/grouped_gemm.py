@@ -64,19 +64,10 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tens
 # ------------------------------------------------------------------------------------------------ kernel
 if triton is not None:
     @triton.jit
-    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K,
-                             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                             stride_se, stride_ss,
-                             E, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                             SWAP: tl.constexpr, PREFETCH: tl.constexpr = False):
-        """C[rows of g] = A[rows of g] · B[g] with B[g][k, n] at b_ptr + g·stride_be + k·stride_bk + n·stride_bn.
-        SCALE 0: none; 1: C[:, n] *= s[g, n] (forward); 2: A[:, k] *= s[g, k] as loaded (input gradient);
-        3: A and B both fp8 (an fp8 × fp8 MMA), C[m, n] *= a_s[m] · s[g, n] (the forward, W8A8);
-        4: A and B both fp8, C[m, n] *= a_s[m] (the input gradient, W8A8: the weight's scales are in A already).
-        PREFETCH: B's next tile is loaded into registers while this one multiplies — for a B the MMA needs
-        transposed (fp8 read as stored), which Triton stages through registers and does not pipeline itself."""
-        pid = tl.program_id(0)
+    def _tile(pid, offs_ptr, M, N, E, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              GROUP_M: tl.constexpr):
+        """Program `pid`'s output tile: its group g (E: the padding rows past the last end), its first row `row0`,
+        the group's end `row_b` (row0 >= row_b: a virtual tile with nothing to do) and its column tile `tn`."""
         num_m = M // BM + E + 1  # virtual row tiles (see the module's docstring)
         num_n = tl.cdiv(N, BN)
         # grouped order: GROUP_M row tiles (a few experts) sweep the column tiles together, so each weight tile is
@@ -95,6 +86,22 @@ if triton is not None:
         row_b = tl.sum(tl.where(idx == g + 1, prev, 0), axis=0) + tl.where(g == E, M, 0)
         row_b = tl.minimum(row_b, M)
         row0 = row_a + (tm - (row_a // BM + g)) * BM
+        return g, row0, row_b, tn
+
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K,
+                             stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                             stride_se, stride_ss,
+                             E, E_POW2: tl.constexpr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                             SWAP: tl.constexpr, PREFETCH: tl.constexpr = False):
+        """C[rows of g] = A[rows of g] · B[g] with B[g][k, n] at b_ptr + g·stride_be + k·stride_bk + n·stride_bn.
+        SCALE 0: none; 1: C[:, n] *= s[g, n] (forward); 2: A[:, k] *= s[g, k] as loaded (input gradient);
+        3: A and B both fp8 (an fp8 × fp8 MMA), C[m, n] *= a_s[m] · s[g, n] (the forward, W8A8);
+        4: A and B both fp8, C[m, n] *= a_s[m] (the input gradient, W8A8: the weight's scales are in A already).
+        PREFETCH: B's next tile is loaded into registers while this one multiplies — for a B the MMA needs
+        transposed (fp8 read as stored), which Triton stages through registers and does not pipeline itself."""
+        g, row0, row_b, tn = _tile(tl.program_id(0), offs_ptr, M, N, E, E_POW2, BM, BN, GROUP_M)
         if row0 >= row_b:
             return
 
@@ -148,6 +155,54 @@ if triton is not None:
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+    @triton.jit
+    def _grouped_gemm_tma_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
+                                 stride_am, stride_cm, stride_se,
+                                 E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
+                                 SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
+        asynchronous copy per tile into shared memory, which Triton pipelines over K). B_KMAJOR: the stack is
+        [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major copy); else [E, K, N] (a
+        16-bit stack's input gradient, read as stored; K % BK == 0). SCALE_A: C[m, :] *= a_s[m] (fp8 rows);
+        SCALE_B: C[:, n] *= s[g, n] (a row-scaled fp8 stack's forward).
+
+        The descriptors see A as [M, K] and the stack as one [E·N, K] (or [E·K, N]) matrix: a row tile running past
+        its group reads the next group's rows (or TMA's zeros past the end), and those rows are never stored; a
+        column tile running past N reads the next expert's rows, whose columns are never stored either. K past the
+        end is zero in both operands; with B N-major a K tile never crosses an expert (K % BK == 0)."""
+        g, row0, row_b, tn = _tile(tl.program_id(0), offs_ptr, M, N, E, E_POW2, BM, BN, GROUP_M)
+        if row0 >= row_b:
+            return
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
+        if B_KMAJOR:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BK, BN])
+        ge = tl.minimum(g, E - 1)  # the padding group (zeros) reads expert E − 1 (in bounds, finite)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
+        for k0 in range(0, k_end, BK):
+            a = a_desc.load([row0, k0])
+            if B_KMAJOR:
+                b = tl.trans(b_desc.load([ge * N + tn * BN, k0]))
+            else:
+                b = b_desc.load([ge * K + k0, tn * BN])
+            if DOT_FP32:  # Triton's interpreter gets bf16 and fp8 dots wrong; their products are exact in fp32
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        rm = row0 + tl.arange(0, BM)
+        rn = tn * BN + tl.arange(0, BN)
+        m_mask = rm < row_b
+        n_mask = rn < N
+        if SCALE_B:
+            acc = acc * tl.load(scale_ptr + ge.to(tl.int64) * stride_se + rn, mask=n_mask, other=0.0)[None, :]
+        if SCALE_A:
+            acc = acc * tl.load(ascale_ptr + rm, mask=m_mask, other=0.0)[:, None]
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
     return triton.Config(dict(BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, SWAP=SWAP, PREFETCH=PREFETCH), num_warps=warps,
@@ -197,8 +252,8 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
     w8a8 = x.dtype == torch.float8_e4m3fn
     assert x.shape[1] == K and offs.shape == (E,), (x.shape, weight.shape, offs.shape)
-    if w8a8:
-        assert weight.dtype == x.dtype and (scale is not None) == transpose and x_scale is not None
+    if w8a8:  # the input gradient: the weight's scales folded into x (on a stack as stored, or a K-major copy)
+        assert weight.dtype == x.dtype and (scale is None or transpose) and x_scale is not None
     else:
         assert weight.dtype in (x.dtype, torch.float8_e4m3fn) and (scale is None) == (weight.dtype == x.dtype)
     y = x.new_empty(M, N, dtype=torch.bfloat16 if w8a8 else x.dtype)
@@ -233,6 +288,104 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
     return y
 
 
+# The TMA kernel's candidates (BM, BN, BK, stages, warps). A stack read N-major (a 16-bit input gradient) takes only
+# tiles whose BK divides its K (TMA_BK_NMAJOR), so that no K tile crosses into the next expert.
+TMA_BK_NMAJOR = 64
+AUTOTUNE_TMA = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 4, 8),
+                (128, 64, 64, 4, 4), (128, 128, 64, 3, 4)]
+AUTOTUNE_TMA_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4, 4), (64, 256, 128, 4, 8),
+                    (128, 64, 128, 4, 4), (128, 128, 64, 4, 8)]
+# Operands the TMA kernel takes go through it (Hopper and later; tests: the interpreter): see `tma_supported`.
+TMA = True
+
+
+
+def _tma_config(BM, BN, BK, stages, warps, GROUP_M=8):
+    return triton.Config(dict(BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M), num_warps=warps, num_stages=stages)
+
+
+if triton is not None:
+    _tma_autotuned = triton.autotune(configs=[_tma_config(*c) for c in AUTOTUNE_TMA],
+                                     key=["N", "K", "E", "B_KMAJOR", "SCALE_A", "SCALE_B"])(_grouped_gemm_tma_kernel)
+    _tma_fp8_autotuned = triton.autotune(configs=[_tma_config(*c) for c in AUTOTUNE_TMA_FP8],
+                                         key=["N", "K", "E", "B_KMAJOR", "SCALE_A", "SCALE_B"])(
+        _grouped_gemm_tma_kernel)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """What a TMA descriptor takes: a 16-byte aligned start, unit inner stride, outer strides positive multiples of
+    16 bytes (an expanded, stride-0 gradient is none)."""
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(
+        st > 0 and (st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
+
+
+def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> bool:
+    """Whether the TMA kernel takes y = x · op(W[e]): a GPU with TMA (compute capability 9.0+; or the
+    interpreter), x and the stack in one dtype (bf16, or fp8 e4m3 with row scales for x), 16-byte aligned rows with
+    unit inner strides; op(W) = Wᵀ (K-major) for either dtype, W itself only for 16-bit stacks whose K (the stack's
+    `out`) is a multiple of TMA_BK_NMAJOR (Hopper's fp8 MMA takes no N-major operand)."""
+    if triton is None or not TMA or weight.dim() != 3 or x.dim() != 2 or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return False
+    if x.is_cuda:
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif not (_interpreting() and KERNEL_ON_CPU):
+        return False
+    if not (_aligned(x) and _aligned(weight) and weight.is_contiguous()):
+        return False
+    return transpose or (x.dtype != torch.float8_e4m3fn and weight.shape[1] % TMA_BK_NMAJOR == 0)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device=_TMA_DEVICE)
+
+
+_TMA_DEVICE = "cpu"
+
+
+def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
+                     transpose: bool = True, x_scale: torch.Tensor | None = None,
+                     config: dict | None = None) -> torch.Tensor:
+    """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
+    (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient
+    on a K-major copy, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
+    operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages)."""
+    global _TMA_DEVICE
+    E, n_out, n_in = weight.shape
+    M = x.shape[0]
+    N, K = (n_out, n_in) if transpose else (n_in, n_out)
+    fp8 = x.dtype == torch.float8_e4m3fn
+    assert x.shape[1] == K and offs.shape == (E,) and (x_scale is not None) == fp8, (x.shape, weight.shape)
+    y = x.new_empty(M, N, dtype=torch.bfloat16 if fp8 else x.dtype)
+    if M == 0 or N == 0:
+        return y
+    if K == 0 or E == 0:
+        return y.zero_()
+    scale_t = offs if scale is None else scale.reshape(E, n_out)  # offs: an unread placeholder
+    assert scale is None or (transpose and scale_t.stride(1) == 1)
+    x_scale = x_scale.reshape(M).float().contiguous() if fp8 else offs
+    args = (x, weight, y, scale_t, x_scale, offs.to(torch.int32), M, N, K, E, x.stride(0), y.stride(0),
+            scale_t.stride(0) if scale is not None else 0)
+    meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
+                DOT_FP32=_interpreting())
+    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else None)
+    if config is not None:
+        config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
+    _TMA_DEVICE = x.device  # descriptors built on the device take scratch memory from torch's allocator
+    triton.set_allocator(_tma_scratch)
+
+    def grid(m):
+        return ((M // m["BM"] + E + 1) * triton.cdiv(N, m["BN"]),)
+
+    if config is None:
+        (_tma_fp8_autotuned if fp8 else _tma_autotuned)[grid](*args, **meta)
+    else:
+        _grouped_gemm_tma_kernel[grid(config)](*args, **meta, **config)
+    return y
+
+
 def kernel_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether the kernel takes these operands: 16-bit activations, a weight in their dtype or fp8 with row scales."""
     if triton is None or x.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 3:
@@ -249,6 +402,8 @@ def kernel_supported_w8a8(x8: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _run(x, weight, offs, scale, transpose):
+    if (x.is_cuda or KERNEL_ON_CPU) and scale is None and tma_supported(x, weight, transpose):
+        return grouped_gemm_tma(x, weight, offs, None, transpose)
     if (x.is_cuda or KERNEL_ON_CPU) and kernel_supported(x, weight, scale):
         return grouped_gemm(x, weight, offs, scale, transpose)
     return grouped_mm_reference(x.contiguous(), weight, offs, scale, transpose)
@@ -269,10 +424,13 @@ def _grouped_mm_frozen_dgrad_op(grad: torch.Tensor, weight: torch.Tensor, offs: 
 
 @torch.library.custom_op("moetune::grouped_mm_fp8", mutates_args=())
 def grouped_mm_fp8(x8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                   scale: torch.Tensor) -> torch.Tensor:
+                   scale: torch.Tensor | None) -> torch.Tensor:
     """The fp8 × fp8 forward (W8A8): rows x8 [N, in] e4m3 with row scales `x_scale` [N, 1] × each expert's e4m3 weight
     [E, out, in] with row scales `scale` [E, out, 1], fp32 accumulation, bf16 out — the numerics of
-    torch._scaled_grouped_mm's row-wise path. No autograd (model/quant/matmul.py gives the input gradient)."""
+    torch._scaled_grouped_mm's row-wise path. `scale` None: the input gradient on a K-major copy of the stack, the
+    weight's scales folded into x8. No autograd (model/quant/matmul.py gives the input gradient)."""
+    if (x8.is_cuda or KERNEL_ON_CPU) and tma_supported(x8, weight, True):
+        return grouped_gemm_tma(x8, weight, offs, scale, True, x_scale=x_scale)
     if (x8.is_cuda or KERNEL_ON_CPU) and kernel_supported_w8a8(x8, weight):
         return grouped_gemm(x8, weight, offs, scale, True, x_scale=x_scale)
     return grouped_mm_reference(x8.float() * x_scale.reshape(-1, 1).float(), weight, offs, scale,

@@ -50,7 +50,8 @@ DGRAD = "fp8"
 # (dy with the scales folded in, quantised per row, × a K-major copy of the stack through _scaled_grouped_mm) or
 # "w8a16" (the Triton kernel reads the stack as stored and converts it to bf16 in registers: no copy, no
 # quantisation of the gradient) or "w8a8" (the Triton kernel, fp8 × fp8 on the stack as stored: the "fp8" numerics
-# without the copy).
+# without the copy) or "triton" (the "fp8" numerics, the Triton kernel on the K-major copy). The Triton kernels take
+# their operands by TMA on Hopper (grouped_gemm.TMA).
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
 # How code outside a compiled graph (the expert-parallel exchange's local work, an eager model) quantises the fp8
@@ -184,6 +185,8 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
     gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
+    if GROUPED_DGRAD == "triton" and kernel_supported_w8a8(gq, w8):
+        return grouped_mm_fp8(gq, sg, _k_major_copy(w8, g), offs, None)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
     return torch._scaled_grouped_mm(gq, _k_major_copy(w8, g).transpose(-2, -1), scale_a=sg.view(-1),
                                     scale_b=ones, offs=offs, out_dtype=g.dtype,
