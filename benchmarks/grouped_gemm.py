@@ -215,7 +215,7 @@ def run_shape(name, p, results):
         line = [f"{op:14s} M={R} N={N} K={K}"]
         for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "tma_bf16", "tma_bf16_autotuned",
                   "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
-                  "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned"):
+                  "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -229,16 +229,25 @@ def run_shape(name, p, results):
         torch.cuda.empty_cache()
 
 
-TMA_QUICK = gg.AUTOTUNE_TMA + [(128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (64, 64, 64, 4, 4)]
-TMA_QUICK_FP8 = gg.AUTOTUNE_TMA_FP8 + [(128, 256, 128, 4, 8), (256, 128, 128, 3, 8), (64, 64, 128, 4, 4)]
+# (BM, BN, BK, stages, warps)
+TMA_QUICK = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 4, 8),
+             (128, 64, 64, 4, 4), (128, 128, 64, 3, 4), (128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (64, 64, 64, 4, 4)]
+TMA_QUICK_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4, 4), (64, 256, 128, 4, 8),
+                 (128, 64, 128, 4, 4), (128, 128, 64, 4, 8), (128, 256, 128, 4, 8), (256, 128, 128, 3, 8),
+                 (64, 64, 128, 4, 4)]
 CPU_TMA = [(16, 16, 16, 1, 1)]
+TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (128, 128, 128, 4, 4), (64, 128, 128, 4, 4),
+                  (128, 256, 64, 4, 8)]
+if os.environ.get("GG_TMA_CONFIGS") == "fixed":  # the module's launch configs only (and the N-major candidates)
+    _f = lambda c: [(c["BM"], c["BN"], c["BK"], c["num_stages"], c["num_warps"])]  # noqa: E731
+    TMA_QUICK, TMA_QUICK_FP8 = _f(gg.TMA_CONFIG), _f(gg.TMA_CONFIG_FP8)
 
 
 def run_tma(res, record, a, W, w8, s8, offs, transpose):
     """The TMA kernel (model/grouped_gemm.py): a bf16 stack (forward, and the input gradient read as stored), and
     fp8 × fp8 (forward; the input gradient on a K-major copy of the stack made beforehand, as torch's
-    `_scaled_grouped_mm` on the same copy, "torch_fp8_on_copy"). A config sweep, then the module's autotuned
-    launch."""
+    `_scaled_grouped_mm` on the same copy, "torch_fp8_on_copy"; and on the stack as stored, "tma_w8a8_nmajor").
+    A sweep of launch configs (GG_TMA_CONFIGS=fixed: the module's own)."""
     ref = res["_ref"]
     ref8 = res["_ref8"]
     cands = []
@@ -253,6 +262,9 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose):
             copy = w8.transpose(-2, -1).contiguous()
             cands.append(("tma_w8a8", gq, copy, None, True, dict(x_scale=sg), ref8,
                           CPU_TMA if CPU else TMA_QUICK_FP8))
+            # the stack as stored (N-major: Triton transposes each tile on chip), no copy
+            cands.append(("tma_w8a8_nmajor", gq, w8, None, False, dict(x_scale=sg), ref8,
+                          CPU_TMA if CPU else TMA_NMAJOR_FP8))
             if not CPU and hasattr(torch, "_scaled_grouped_mm"):
                 ones = torch.ones(copy.shape[0], copy.shape[1], device=DEV, dtype=torch.float32)
                 record("torch_fp8_on_copy", lambda: torch._scaled_grouped_mm(
@@ -273,8 +285,6 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose):
                 best = (tag, r)
         if best is not None:
             res["methods"][kind] = dict(best[1], best_config=best[0])
-        if not CPU:
-            record(f"{kind}_autotuned", lambda: gg.grouped_gemm_tma(x, w, offs, s, tr, **extra), reference)
 
 
 # ------------------------------------------------------------------------------------------------ CPU: sm_90 compile

@@ -196,12 +196,15 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # the input gradient fp8 x fp8 from the stack as stored (_g8), and with the forward's Triton kernel (_g8f)
     VARIANTS[f"{_base}_g8"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"})
     VARIANTS[f"{_base}_g8f"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "triton"})
-# the fp8 stacks' grouped GEMMs both through the Triton kernel (TMA on Hopper): the forward, and the input gradient on
+# the fp8 stacks' grouped GEMMs both through the Triton TMA kernel (Hopper): the forward, and the input gradient on
 # the K-major copy (_tt); bf16 stacks take it with "_tg" above
 for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash_mla_1x4096",
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_tt"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "triton", "grouped_forward": "triton"})
+    VARIANTS[f"{_base}_tt"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma"})
+    # the input gradient on the stack as stored (N-major fp8 tiles transposed on chip), no copy
+    VARIANTS[f"{_base}_tn"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "tma",
+                                                 "tma_fp8_n_major": True})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
@@ -283,6 +286,9 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.EAGER_QUANT = extra.get("eager_quant", fp8_matmul.EAGER_QUANT)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
+        import moetune.model.grouped_gemm as gg
+
+        gg.TMA_FP8_N_MAJOR = extra.get("tma_fp8_n_major", gg.TMA_FP8_N_MAJOR)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

@@ -211,16 +211,16 @@ def _tma_case(fp8: bool, pad: int, seed: int):
 @pytest.fixture
 def tma_on_cpu(monkeypatch):
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
-    monkeypatch.setattr(gg, "TMA_BK_NMAJOR", gg._INTERPRETER_CONFIG["BK"])
+    monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
 
 
 @pytest.mark.parametrize("pad", [0, 3])
 @pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "fp8_forward", "fp8_dgrad_on_k_major_copy"])
-def test_tma_kernel_matches_reference(case, pad, tma_on_cpu):
+def test_tma_kernel_matches_reference(case, pad, tma_on_cpu, monkeypatch):
     """The TMA kernel on every operand form it takes: a bf16 stack forward (K-major) and input gradient (read as
     stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient on a K-major copy
-    (the weight's scales folded into the fp8 gradient rows). Groups end mid-tile and are empty; padding rows get
-    zeros; the rows a tile reads past its group are not stored."""
+    (the weight's scales folded into the fp8 gradient rows), or on the stack as stored when switched on. Groups end
+    mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not stored."""
     rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
     if case.startswith("bf16"):
         transpose = case.endswith("forward")
@@ -241,6 +241,11 @@ def test_tma_kernel_matches_reference(case, pad, tma_on_cpu):
         copy = w8.transpose(-2, -1).contiguous()
         assert not gg.tma_supported(g8, w8, False)  # Hopper's fp8 MMA takes no N-major operand: the copy is needed
         y = gg.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg)
+        _close(y, grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False))
+        monkeypatch.setattr(gg, "TMA_FP8_N_MAJOR", True)  # unless Triton transposes each tile (measured, off)
+        monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=gg._INTERPRETER_CONFIG["BK"]))
+        assert gg.tma_supported(g8, w8, False)
+        y = torch.ops.moetune.grouped_mm_fp8_dgrad(g8, sg, w8, offs)
         want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
     assert y.shape == want.shape and y.dtype == torch.bfloat16
     _close(y, want)
@@ -260,13 +265,13 @@ def test_tma_refuses_what_it_cannot_load(tma_on_cpu):
 
 
 def test_fp8_grouped_input_gradient_through_the_triton_kernel_on_a_k_major_copy(monkeypatch, tma_on_cpu):
-    """GROUPED_DGRAD "triton": the fp8 path's input gradient (dy with the scales folded in, quantised per row) on the
+    """GROUPED_DGRAD "tma": the fp8 path's input gradient (dy with the scales folded in, quantised per row) on the
     K-major copy, through the TMA kernel: equal to that path's reference."""
     from moetune.model.quant import matmul
     from moetune.model.quant.fp8 import scheme_named
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
-    monkeypatch.setattr(matmul, "GROUPED_DGRAD", "triton")
+    monkeypatch.setattr(matmul, "GROUPED_DGRAD", "tma")
     monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
     calls = []
     real = gg.grouped_gemm_tma

@@ -288,34 +288,27 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
     return y
 
 
-# The TMA kernel's candidates (BM, BN, BK, stages, warps). A stack read N-major (a 16-bit input gradient) takes only
-# tiles whose BK divides its K (TMA_BK_NMAJOR), so that no K tile crosses into the next expert.
-TMA_BK_NMAJOR = 64
-AUTOTUNE_TMA = [(128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 4, 8),
-                (128, 64, 64, 4, 4), (128, 128, 64, 3, 4)]
-AUTOTUNE_TMA_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4, 4), (64, 256, 128, 4, 8),
-                    (128, 64, 128, 4, 4), (128, 128, 64, 4, 8)]
-# Operands the TMA kernel takes go through it (Hopper and later; tests: the interpreter): see `tma_supported`.
+# The TMA kernel's launch configs (BM, BN, BK, GROUP_M, warps, stages): the fastest of a sweep on one H200 on Air's,
+# Flash's and an EP-8 rank's expert shapes, forward and input gradient (BENCHMARKS.md, fifteenth session); Triton's
+# autotuner picked slower ones (10–30%) there, and tuning at the first step costs time of its own. A stack read
+# N-major (a 16-bit input gradient) needs its K to be a multiple of BK, so that no K tile crosses into the next expert.
+TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
+# Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
+# interpreter): see `tma_supported`.
 TMA = True
-
-
-
-def _tma_config(BM, BN, BK, stages, warps, GROUP_M=8):
-    return triton.Config(dict(BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M), num_warps=warps, num_stages=stages)
-
-
-if triton is not None:
-    _tma_autotuned = triton.autotune(configs=[_tma_config(*c) for c in AUTOTUNE_TMA],
-                                     key=["N", "K", "E", "B_KMAJOR", "SCALE_A", "SCALE_B"])(_grouped_gemm_tma_kernel)
-    _tma_fp8_autotuned = triton.autotune(configs=[_tma_config(*c) for c in AUTOTUNE_TMA_FP8],
-                                         key=["N", "K", "E", "B_KMAJOR", "SCALE_A", "SCALE_B"])(
-        _grouped_gemm_tma_kernel)
+# An fp8 stack read N-major (the input gradient without a K-major copy): Hopper's fp8 MMA takes no N-major operand,
+# so Triton moves each tile through registers to transpose it. Off unless measured faster than the copy.
+TMA_FP8_N_MAJOR = False
 
 
 def _aligned(t: torch.Tensor) -> bool:
     """What a TMA descriptor takes: a 16-byte aligned start, unit inner stride, outer strides positive multiples of
-    16 bytes (an expanded, stride-0 gradient is none)."""
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(
+    16 bytes (an expanded, stride-0 gradient is none). While torch.compile traces, tensors have no address: the
+    launch checks it again (the custom ops fall back to the pointer kernel)."""
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16:
+        return False
+    return t.stride(-1) == 1 and all(
         st > 0 and (st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
 
 
@@ -323,7 +316,7 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
     """Whether the TMA kernel takes y = x · op(W[e]): a GPU with TMA (compute capability 9.0+; or the
     interpreter), x and the stack in one dtype (bf16, or fp8 e4m3 with row scales for x), 16-byte aligned rows with
     unit inner strides; op(W) = Wᵀ (K-major) for either dtype, W itself only for 16-bit stacks whose K (the stack's
-    `out`) is a multiple of TMA_BK_NMAJOR (Hopper's fp8 MMA takes no N-major operand)."""
+    `out`) is a multiple of TMA_CONFIG's BK (Hopper's fp8 MMA takes no N-major operand)."""
     if triton is None or not TMA or weight.dim() != 3 or x.dim() != 2 or x.dtype != weight.dtype:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
@@ -335,7 +328,10 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
         return False
     if not (_aligned(x) and _aligned(weight) and weight.is_contiguous()):
         return False
-    return transpose or (x.dtype != torch.float8_e4m3fn and weight.shape[1] % TMA_BK_NMAJOR == 0)
+    if transpose:
+        return True
+    fp8 = x.dtype == torch.float8_e4m3fn
+    return (TMA_FP8_N_MAJOR or not fp8) and weight.shape[1] % (TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)["BK"] == 0
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -370,19 +366,12 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
             scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
                 DOT_FP32=_interpreting())
-    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else None)
-    if config is not None:
-        config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
+    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)
+    config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     _TMA_DEVICE = x.device  # descriptors built on the device take scratch memory from torch's allocator
     triton.set_allocator(_tma_scratch)
-
-    def grid(m):
-        return ((M // m["BM"] + E + 1) * triton.cdiv(N, m["BN"]),)
-
-    if config is None:
-        (_tma_fp8_autotuned if fp8 else _tma_autotuned)[grid](*args, **meta)
-    else:
-        _grouped_gemm_tma_kernel[grid(config)](*args, **meta, **config)
+    grid = ((M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"]),)
+    _grouped_gemm_tma_kernel[grid](*args, **meta, **config)
     return y
 
 
@@ -443,6 +432,8 @@ def grouped_mm_fp8_dgrad(g8: torch.Tensor, g_scale: torch.Tensor, weight: torch.
     """The fp8 × fp8 input gradient (W8A8): rows g8 [N, out] e4m3 — the incoming gradient with each row's expert's
     weight scales folded in, then quantised per row (`g_scale` [N, 1]) — × each expert's e4m3 weight [E, out, in]
     read as stored: dx [N, in] bf16, fp32 accumulation. The numerics of model/quant/matmul.py's `_gmm_dgrad`."""
+    if (g8.is_cuda or KERNEL_ON_CPU) and tma_supported(g8, weight, False):
+        return grouped_gemm_tma(g8, weight, offs, None, False, x_scale=g_scale)
     if (g8.is_cuda or KERNEL_ON_CPU) and kernel_supported_w8a8(g8, weight):
         return grouped_gemm(g8, weight, offs, None, False, x_scale=g_scale)
     return grouped_mm_reference(g8.float() * g_scale.reshape(-1, 1).float(), weight, offs, None,

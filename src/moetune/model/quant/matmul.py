@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.model.grouped_gemm import grouped_mm_fp8, grouped_mm_fp8_dgrad, kernel_supported, kernel_supported_w8a8
+from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, kernel_supported, kernel_supported_w8a8,
+                                        tma_supported)
 from moetune.model.kernels import compiled_for_eager
 from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
 
@@ -50,8 +51,8 @@ DGRAD = "fp8"
 # (dy with the scales folded in, quantised per row, × a K-major copy of the stack through _scaled_grouped_mm) or
 # "w8a16" (the Triton kernel reads the stack as stored and converts it to bf16 in registers: no copy, no
 # quantisation of the gradient) or "w8a8" (the Triton kernel, fp8 × fp8 on the stack as stored: the "fp8" numerics
-# without the copy) or "triton" (the "fp8" numerics, the Triton kernel on the K-major copy). The Triton kernels take
-# their operands by TMA on Hopper (grouped_gemm.TMA).
+# without the copy). "tma": the Triton TMA kernel (fp8 × fp8, Hopper) for the forward, and for the input gradient on
+# the K-major copy (the "fp8" numerics), where it takes the operands; torch's kernels elsewhere.
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
 # How code outside a compiled graph (the expert-parallel exchange's local work, an eager model) quantises the fp8
@@ -170,6 +171,8 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _gmm_fwd(x, w8, scale, offs):
     xq, sx = _quantized(quantize_rows, x)
+    if GROUPED_FORWARD == "tma" and tma_supported(xq, w8, True):
+        return grouped_mm_fp8(xq, sx, w8, offs, scale)
     if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
@@ -185,7 +188,8 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
     gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
-    if GROUPED_DGRAD == "triton" and kernel_supported_w8a8(gq, w8):
+    # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
+    if GROUPED_DGRAD == "tma" and tma_supported(gq, w8, True):
         return grouped_mm_fp8(gq, sg, _k_major_copy(w8, g), offs, None)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
     return torch._scaled_grouped_mm(gq, _k_major_copy(w8, g).transpose(-2, -1), scale_a=sg.view(-1),
