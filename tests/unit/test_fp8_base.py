@@ -705,3 +705,74 @@ def test_an_export_config_names_what_it_writes_in_bf16_whatever_the_bases_exclus
     assert got["modules_to_not_convert"] == fp8["modules_to_not_convert"] + names[1:]  # a suffix excludes the router
     assert declare_unquantised(fp8, names[:1]) is fp8 and declare_unquantised({"quant_method": "fp8"}, names[:1]) == {
         "quant_method": "fp8", "modules_to_not_convert": names[:1]}
+
+
+def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, **_):
+    """torch._scaled_grouped_mm's product in fp32 (it has no CPU kernel): rows a [N, K] sorted by group × b[g] [K, O],
+    row scales scale_a [N], column scales scale_b [E, O]."""
+    x, out, start = a.float() * scale_a.float()[:, None], torch.zeros(a.shape[0], b.shape[-1]), 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ (b[g].float() * scale_b[g].float()[None, :])
+        start = end
+    return out.to(out_dtype)
+
+
+def test_kept_transposed_copies_give_the_input_gradients_of_copies_made_each_backward(monkeypatch):
+    """On the fp8 tensor-core path (forced on: torch._scaled_mm runs on the CPU, the grouped GEMM its fp32 stand-in)
+    the input gradient through each fp8 weight reads it K-major. Copies kept for the run (Layout.fp8_copies) give the
+    LoRA gradients of copies made in each backward, bitwise, and no stack is copied in backward; the copies are read
+    (zeroed, the gradients change); no state_dict, parameter or buffer list sees them; dequantize_model drops them."""
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.hf_io import cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.model.quant import matmul
+    from moetune.model.quant.modules import dequantize_model, keep_transposed_copies, quantize_model, transposed_copy
+    from moetune.train.setup import init_lora
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu)
+    copied = []
+    real_copy = matmul._k_major_copy
+    monkeypatch.setattr(matmul, "_k_major_copy", lambda w8, g: copied.append(tuple(w8.shape)) or real_copy(w8, g))
+    model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=2)), "meta")
+    cast_model(model, torch.bfloat16)
+    quantize_model(model, ROWWISE)
+    apply_lora(model, ["q_proj", "v_proj", "dense_mlp", "shared_experts"], 4, 8)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.05, seed=0)
+    init_lora(model, seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:  # B ≠ 0: every path counts
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    ids = torch.randint(0, 160, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=torch.roll(ids, -1, 1)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    state = set(model.state_dict())
+    made_each_backward = grads()
+    assert copied and len(copied) == len(list(model.moe_layers())) * 2  # gate_up and down of each MoE layer
+    nbytes = keep_transposed_copies(model)
+    weights = fp8_weights(model)
+    assert nbytes == sum(model.get_parameter(n).numel() for n, _ in weights)  # one byte each
+    copied.clear()
+    kept = grads()
+    assert not copied
+    assert kept.keys() == made_each_backward.keys()
+    for n in kept:
+        assert torch.equal(kept[n], made_each_backward[n]), n
+    assert set(model.state_dict()) == state and not any(n.endswith("_transposed") for n, _ in model.named_buffers())
+    for kind in ("weight", "_proj"):  # the copies are what the gradients read: the linears', then the stacks'
+        for name, _ in weights:
+            owner, _, attr = name.rpartition(".")
+            if attr.endswith(kind):
+                copy = transposed_copy(model.get_submodule(owner), attr)
+                copy.copy_(copy.flip(0))
+        assert any(not torch.equal(g, kept[n]) for n, g in grads().items()), kind
+        keep_transposed_copies(model)
+    dequantize_model(model)
+    assert not any(transposed_copy(m, a) is not None for m in model.modules() for a in ("weight", "gate_up_proj"))

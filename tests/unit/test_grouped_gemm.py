@@ -181,12 +181,12 @@ def test_fp8_grouped_linear_through_the_triton_kernels(switch, monkeypatch):
     g = torch.randn(rows, OUT).bfloat16()
     scheme = scheme_named("fp8")
     if switch[0] == "GROUPED_FORWARD":
-        y = matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
+        y = matmul.fp8_grouped_linear(x, w8, scale, offs, scheme)
         _close(y, matmul.reference_fp8_grouped_linear(x.detach(), w8, scale, offs))
         assert calls == [True]  # the W8A8 kernel ran
         return
     monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
-    y = matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
+    y = matmul.fp8_grouped_linear(x, w8, scale, offs, scheme)
     y.backward(g)
     if switch[1] == "w8a16":
         assert calls == [False]  # the backward ran the W8A16 kernel
@@ -280,7 +280,7 @@ def test_fp8_grouped_input_gradient_through_the_triton_kernel_on_a_k_major_copy(
     w8, scale = quantize_rows(w)
     x = torch.randn(rows, TMA_IN).bfloat16().requires_grad_()
     g = torch.randn(rows, TMA_OUT).bfloat16()
-    matmul._Fp8GroupedLinear.apply(x, w8, scale, offs, scheme_named("fp8")).backward(g)
+    matmul.fp8_grouped_linear(x, w8, scale, offs, scheme_named("fp8")).backward(g)
     assert calls == [(E, TMA_IN, TMA_OUT)]  # the TMA kernel ran, on the copy
     gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
     _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))

@@ -58,7 +58,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, ba
             if not q.requires_grad and kernel_supported(x, q, scale):
                 return grouped_mm_frozen(x, q, offs, scale)
     if isinstance(weight, FrozenFp8):
-        return fp8_grouped_linear(x, local_tensor(weight.q), local_tensor(weight.scale), offs, weight.scheme)
+        return fp8_grouped_linear(x, local_tensor(weight.q), local_tensor(weight.scale), offs, weight.scheme,
+                                  weight.transposed)
     weight = local_tensor(weight)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)

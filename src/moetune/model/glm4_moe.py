@@ -23,7 +23,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.experts import experts_forward, permute, permute_rows, unpermute
-from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name
+from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name, transposed_copy
 from moetune.model.recompute import recompute, split_modes
 
 
@@ -164,16 +164,23 @@ class Experts(nn.Module):
         return unpermute(y, perm, x.shape[0]), perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):
-        """The tensors the dispatcher hands `_compute` (this rank's shards): base stacks, their fp8 scales, LoRA."""
+        """The tensors the dispatcher hands `_compute` (this rank's shards): base stacks, their fp8 scales (and kept
+        transposed copies), LoRA."""
         lora, q = self.lora, self.quant
         scales = () if q is None else tuple(getattr(self, scale_name(n, q)) for n in ("gate_up_proj", "down_proj"))
+        copies = tuple(c for c in (transposed_copy(self, "gate_up_proj"), transposed_copy(self, "down_proj"))
+                       if c is not None)
         extra = () if lora is None else (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-        return (self.gate_up_proj, self.down_proj, *scales, *extra)
+        return (self.gate_up_proj, self.down_proj, *scales, *copies, *extra)
 
     def _compute(self, rows, offs, row_weights, gate_up, down, *rest, rebuilt=None):
         if self.quant is not None:
             (gate_up_scale, down_scale), rest = rest[:2], rest[2:]
-            gate_up, down = FrozenFp8(gate_up, gate_up_scale, self.quant), FrozenFp8(down, down_scale, self.quant)
+            copies = (None, None)
+            if transposed_copy(self, "gate_up_proj") is not None:
+                copies, rest = rest[:2], rest[2:]
+            gate_up = FrozenFp8(gate_up, gate_up_scale, self.quant, copies[0])
+            down = FrozenFp8(down, down_scale, self.quant, copies[1])
         return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, rest or None, rebuilt)
 
 

@@ -107,17 +107,19 @@ def _mm_dgrad_operand(g2, scale):
     return quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
 
 
-def _mm_dgrad(g2, w8, scale, fast_accum=None):
+def _mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
+    """dx through w8 [out, in]: the GEMM reads it K-major, `transposed` [in, out] (a kept copy) or a copy made here."""
     gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
-    return torch._scaled_mm(gq, w8.t().contiguous().t(), scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
+    k_major = (w8.t().contiguous() if transposed is None else transposed).t()
+    return torch._scaled_mm(gq, k_major, scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w8, scale, bias, scheme):
-        ctx.save_for_backward(w8, scale)
+    def forward(ctx, x, w8, scale, bias, scheme, transposed):
+        ctx.save_for_backward(w8, scale, transposed)
         ctx.scheme = scheme
         x2 = x.reshape(-1, x.shape[-1])
         if _fp8_kernels(x2, w8, scheme):
@@ -128,22 +130,23 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        w8, scale = ctx.saved_tensors
+        w8, scale, transposed = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
             if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
-                dx = _mm_dgrad(g2, w8, scale)
+                dx = _mm_dgrad(g2, w8, scale, transposed=transposed)
             else:
                 dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
             dx = dx.view(*g.shape[:-1], w8.shape[1])
         dbias = g2.sum(0) if ctx.needs_input_grad[3] else None
-        return dx, None, None, dbias, None
+        return dx, None, None, dbias, None, None
 
 
-def fp8_linear(x, w8, scale, scheme: Fp8Scheme, bias=None):
-    """x · dequant(w8, scale)ᵀ + bias for a frozen fp8 weight [out, in]."""
-    return _Fp8Linear.apply(x, w8, scale, bias, scheme)
+def fp8_linear(x, w8, scale, scheme: Fp8Scheme, bias=None, transposed=None):
+    """x · dequant(w8, scale)ᵀ + bias for a frozen fp8 weight [out, in]; `transposed`: its kept copy [in, out] for
+    the input gradient (quant.modules.keep_transposed_copies), or None."""
+    return _Fp8Linear.apply(x, w8, scale, bias, scheme, transposed)
 
 
 def reference_fp8_linear(x, w8, scale, bias=None):
@@ -184,23 +187,26 @@ def _gmm_dgrad_operand(g, scale, offs):
     return quantize_rows(g.float() * _row_scales(scale)[expert_of_rows(offs, g.shape[0])])
 
 
-def _gmm_dgrad(g, w8, scale, offs, fast_accum=None):
+def _gmm_dgrad(g, w8, scale, offs, fast_accum=None, transposed=None):
+    """dx through the stack w8 [E, out, in], read K-major: `transposed` [E, in, out] (a kept copy) or a copy made
+    here (fp8 paths), or as stored (the Triton kernels' w8a8)."""
     gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
     # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
     if GROUPED_DGRAD == "tma" and tma_supported(gq, w8, True):
-        return grouped_mm_fp8(gq, sg, _k_major_copy(w8, g), offs, None)
+        return grouped_mm_fp8(gq, sg, _k_major_copy(w8, g) if transposed is None else transposed, offs, None)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
-    return torch._scaled_grouped_mm(gq, _k_major_copy(w8, g).transpose(-2, -1), scale_a=sg.view(-1),
+    k_major = _k_major_copy(w8, g) if transposed is None else transposed
+    return torch._scaled_grouped_mm(gq, k_major.transpose(-2, -1), scale_a=sg.view(-1),
                                     scale_b=ones, offs=offs, out_dtype=g.dtype,
                                     use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w8, scale, offs, scheme):
-        ctx.save_for_backward(w8, scale, offs)
+    def forward(ctx, x, w8, scale, offs, scheme, transposed):
+        ctx.save_for_backward(w8, scale, offs, transposed)
         ctx.scheme = scheme
         if _fp8_kernels(x, w8, scheme):
             return _gmm_fwd(x, w8, scale, offs)
@@ -208,18 +214,22 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        w8, scale, offs = ctx.saved_tensors
+        w8, scale, offs, transposed = ctx.saved_tensors
         g = g.contiguous()
         if DGRAD == "fp8" and _fp8_kernels(g, w8, ctx.scheme):
             if GROUPED_DGRAD == "w8a16" and kernel_supported(g, w8, scale):
-                return torch.ops.moetune.grouped_mm_frozen_dgrad(g, w8, offs, scale), None, None, None, None
-            return _gmm_dgrad(g, w8, scale, offs), None, None, None, None
-        return _grouped_mm(g, ctx.scheme.dequantize(w8, scale, g.dtype), offs=offs), None, None, None, None
+                dx = torch.ops.moetune.grouped_mm_frozen_dgrad(g, w8, offs, scale)
+            else:
+                dx = _gmm_dgrad(g, w8, scale, offs, transposed=transposed)
+        else:
+            dx = _grouped_mm(g, ctx.scheme.dequantize(w8, scale, g.dtype), offs=offs)
+        return dx, None, None, None, None, None
 
 
-def fp8_grouped_linear(x, w8, scale, offs, scheme: Fp8Scheme):
-    """Rows x [N, in] sorted by expert (group ends `offs`) × each expert's frozen fp8 weight [E, out, in]."""
-    return _Fp8GroupedLinear.apply(x, w8, scale, offs, scheme)
+def fp8_grouped_linear(x, w8, scale, offs, scheme: Fp8Scheme, transposed=None):
+    """Rows x [N, in] sorted by expert (group ends `offs`) × each expert's frozen fp8 weight [E, out, in];
+    `transposed`: the stack's kept copy [E, in, out] for the input gradient, or None."""
+    return _Fp8GroupedLinear.apply(x, w8, scale, offs, scheme, transposed)
 
 
 def reference_fp8_grouped_linear(x, w8, scale, offs):

@@ -21,14 +21,17 @@ from torch import nn
 from moetune.model.quant.fp8 import FP8, Fp8Scheme
 from moetune.model.quant.matmul import fp8_linear
 from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
+from moetune.tensors import local_tensor
 
 
 class FrozenFp8(NamedTuple):
-    """An fp8 weight with its scales, as the grouped GEMM takes it (tensors may be this rank's local shards)."""
+    """An fp8 weight with its scales, as the grouped GEMM takes it (tensors may be this rank's local shards), and its
+    transposed copy when the run keeps one (`keep_transposed_copies`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     scheme: Fp8Scheme
+    transposed: torch.Tensor | None = None
 
 
 def _frozen(t: torch.Tensor, scale: bool = False) -> nn.Parameter:
@@ -66,7 +69,8 @@ def frozen_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     quant = getattr(module, "quant", None)
     if quant is None:
         return F.linear(x, module.weight, module.bias)
-    return fp8_linear(x, module.weight, getattr(module, quant.scale_suffix), quant, module.bias)
+    return fp8_linear(x, module.weight, getattr(module, quant.scale_suffix), quant, module.bias,
+                      transposed_copy(module, "weight"))
 
 
 def expert_weight(experts: nn.Module, name: str):
@@ -75,7 +79,44 @@ def expert_weight(experts: nn.Module, name: str):
     quant = getattr(experts, "quant", None)
     if quant is None:
         return w
-    return FrozenFp8(w, getattr(experts, scale_name(name, quant)), quant)
+    return FrozenFp8(w, getattr(experts, scale_name(name, quant)), quant, transposed_copy(experts, name))
+
+
+# --------------------------------------------------------------------------------------------- transposed copies
+# Hopper's fp8 GEMMs take both operands K-major, so the input gradient through a frozen fp8 weight [.., out, in] reads
+# it as [.., in, out]: a transposed copy, made in every backward (model/quant/matmul.py), or kept for the run when the
+# layout has memory for it (Layout.fp8_copies: the fp8 weights' bytes a second time). Kept copies are plain
+# attributes, not parameters or buffers: nothing that saves, exports or streams the model sees them, and they never
+# go stale because the weights they copy never train.
+TRANSPOSED = "_transposed"
+
+
+def transposed_copy(module: nn.Module, weight_name: str) -> torch.Tensor | None:
+    """The kept transposed copy of `module.<weight_name>` (None: the input gradient makes its own)."""
+    return module.__dict__.get(weight_name + TRANSPOSED)
+
+
+@torch.no_grad()
+def keep_transposed_copies(model) -> int:
+    """Give every row-scaled fp8 weight of `model` (as this rank computes with it: an expert-parallel rank's own
+    experts) a kept transposed copy for its input gradient; returns the bytes they take. Not for weights FSDP
+    shards (a rank would copy its shard, not the weight it computes with): Layout.fp8_copies is never set there."""
+    total = 0
+    for mod in model.modules():
+        quant = getattr(mod, "quant", None)
+        if quant is None or quant.block is not None:  # block-scaled weights are dequantised just in time
+            continue
+        for name in ("weight",) if hasattr(mod, "in_features") else ("gate_up_proj", "down_proj"):
+            copy = local_tensor(getattr(mod, name)).transpose(-2, -1).contiguous()
+            mod.__dict__[name + TRANSPOSED] = copy
+            total += copy.numel() * copy.element_size()
+    return total
+
+
+def drop_transposed_copies(model) -> None:
+    for mod in model.modules():
+        for key in [k for k in mod.__dict__ if k.endswith(TRANSPOSED)]:
+            del mod.__dict__[key]
 
 
 def stacked_parts(weight_name: str) -> int:
@@ -163,6 +204,7 @@ def fp8_parameters(model) -> dict[str, tuple[nn.Parameter, Fp8Scheme]]:
 def dequantize_model(model, dtype=torch.float32):
     """Turn every fp8 weight back into a plain `dtype` one (q · scale), in place: a model whose weights can be
     merged into, compared or sent like an unquantised one."""
+    drop_transposed_copies(model)
     for mname, mod in list(model.named_modules()):
         quant = getattr(mod, "quant", None)
         if quant is None:
