@@ -201,7 +201,15 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
 for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash_mla_1x4096",
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_tt"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma"})
+    VARIANTS[f"{_base}_tt"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma",
+                                                 "tma_launch": "custom_op"})
+    # launched by torch.compile's own code (a triton_op), with the kept copies
+    VARIANTS[f"{_base}_tto"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma",
+                                                  "tma_launch": "triton_op", "fp8_copies": True})
+    # the fp8 weights' transposed copies kept for the run: with torch's kernels (_km) and the TMA kernel (_ttkm)
+    VARIANTS[f"{_base}_km"] = (_s, _b, _t, _tg, {**_x, "fp8_copies": True})
+    VARIANTS[f"{_base}_ttkm"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma",
+                                                   "tma_launch": "custom_op", "fp8_copies": True})
     # the input gradient on the stack as stored (N-major fp8 tiles transposed on chip), no copy
     VARIANTS[f"{_base}_tn"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "tma",
                                                  "tma_fp8_n_major": True})
@@ -286,6 +294,7 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
         fp8_matmul.EAGER_QUANT = extra.get("eager_quant", fp8_matmul.EAGER_QUANT)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
+        fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)
         import moetune.model.grouped_gemm as gg
 
         gg.TMA_FP8_N_MAJOR = extra.get("tma_fp8_n_major", gg.TMA_FP8_N_MAJOR)
@@ -335,6 +344,10 @@ def build_ours(cfg: dict, targets, extra, device):
         from moetune.parallel.apply import place_buffers
 
         place_buffers(model, device)
+    if extra.get("fp8_copies"):  # the fp8 weights' transposed copies kept for the run (Layout.fp8_copies)
+        from moetune.model.quant.modules import keep_transposed_copies
+
+        keep_transposed_copies(model)
     if extra.get("skew"):  # Zipf-distributed correction bias: a few experts take most tokens, as trained routers do
         E = mcfg.n_routed_experts
         zipf = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** extra["skew"]

@@ -284,3 +284,18 @@ def test_fp8_grouped_input_gradient_through_the_triton_kernel_on_a_k_major_copy(
     assert calls == [(E, TMA_IN, TMA_OUT)]  # the TMA kernel ran, on the copy
     gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
     _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))
+
+
+def test_tma_triton_op_equals_the_direct_launch(tma_on_cpu):
+    """The TMA kernel as a triton_op (torch.compile traces into it and launches the kernel from its own code; on the
+    CPU the interpreter cannot be traced, so the op runs eagerly here): the direct launch's values, for the fp8
+    forward and the input gradient on a K-major copy."""
+    rows, offs, w = _tma_case(fp8=True, pad=3, seed=7)
+    w8, scale = quantize_rows(w)
+    x8, sx = quantize_rows(torch.randn(rows, TMA_IN))
+    g8, sg = quantize_rows(torch.randn(rows, TMA_OUT))
+    copy = w8.transpose(-2, -1).contiguous()
+    assert torch.equal(torch.ops.moetune.grouped_mm_tma(x8, w8, offs, scale, sx, True),
+                       gg.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx))
+    assert torch.equal(torch.ops.moetune.grouped_mm_tma(g8, copy, offs, None, sg, True),
+                       gg.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg))

@@ -343,11 +343,12 @@ _TMA_DEVICE = "cpu"
 
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, launch=None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient
     on a K-major copy, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
-    operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages)."""
+    operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
+    `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself)."""
     global _TMA_DEVICE
     E, n_out, n_in = weight.shape
     M = x.shape[0]
@@ -371,8 +372,19 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     _TMA_DEVICE = x.device  # descriptors built on the device take scratch memory from torch's allocator
     triton.set_allocator(_tma_scratch)
     grid = ((M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"]),)
-    _grouped_gemm_tma_kernel[grid](*args, **meta, **config)
+    (launch or (lambda k: k))(_grouped_gemm_tma_kernel)[grid](*args, **meta, **config)
     return y
+
+
+if triton is not None:
+    @torch.library.triton_op("moetune::grouped_mm_tma", mutates_args=())
+    def grouped_mm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None,
+                       x_scale: torch.Tensor | None, transpose: bool) -> torch.Tensor:
+        """`grouped_gemm_tma` as an op torch.compile sees into: Inductor launches the kernel from its own wrapper
+        code, without a Python call per launch (the host time of an opaque custom op's launch showed on the
+        GLM-4.7-Flash step, BENCHMARKS.md, fifteenth session). Operands as `tma_supported` says, which the caller
+        checks."""
+        return grouped_gemm_tma(x, weight, offs, scale, transpose, x_scale, launch=torch.library.wrap_triton)
 
 
 def kernel_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> bool:

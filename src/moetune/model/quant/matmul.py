@@ -55,6 +55,9 @@ DGRAD = "fp8"
 # the K-major copy (the "fp8" numerics), where it takes the operands; torch's kernels elsewhere.
 GROUPED_FORWARD = "scaled_mm"
 GROUPED_DGRAD = "fp8"
+# How "tma" launches: "triton_op" (torch.compile launches the Triton kernel from its own code) or "custom_op" (an
+# opaque op whose Python launches it, as the other Triton paths)
+TMA_LAUNCH = "triton_op"
 # How code outside a compiled graph (the expert-parallel exchange's local work, an eager model) quantises the fp8
 # GEMMs' operands: "compiled", each quantisation compiled on its own (`EAGER_QUANT_BACKEND`), or "torch", op by op
 # (some six passes over an fp32 copy of the rows). One EP-8 rank of Air on an fp8 base through the exchange, one
@@ -175,6 +178,8 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 def _gmm_fwd(x, w8, scale, offs):
     xq, sx = _quantized(quantize_rows, x)
     if GROUPED_FORWARD == "tma" and tma_supported(xq, w8, True):
+        if TMA_LAUNCH == "triton_op":
+            return torch.ops.moetune.grouped_mm_tma(xq, w8, offs, scale, sx, True)
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
     if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
@@ -195,7 +200,10 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None, transposed=None):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
     # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
     if GROUPED_DGRAD == "tma" and tma_supported(gq, w8, True):
-        return grouped_mm_fp8(gq, sg, _k_major_copy(w8, g) if transposed is None else transposed, offs, None)
+        k_major = _k_major_copy(w8, g) if transposed is None else transposed
+        if TMA_LAUNCH == "triton_op":
+            return torch.ops.moetune.grouped_mm_tma(gq, k_major, offs, None, sg, True)
+        return grouped_mm_fp8(gq, sg, k_major, offs, None)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
     k_major = _k_major_copy(w8, g) if transposed is None else transposed
     return torch._scaled_grouped_mm(gq, k_major.transpose(-2, -1), scale_a=sg.view(-1),
