@@ -455,6 +455,27 @@ def test_train_on_an_fp8_base_resumes_exactly(tmp_path):
     assert step_losses(resumed) == losses
 
 
+def test_a_run_keeping_the_transposed_copies_trains_as_one_without(tmp_path, monkeypatch):
+    """parallel.fp8_transposed_copies true: the layout keeps them, setup makes them, and the run's losses are those of
+    the run without (on the CPU the fp8 weights are dequantised just in time: the copies are only made here, their
+    reading is test_kept_transposed_copies_...)."""
+    from helpers import run_inprocess, small_run_args, step_losses
+    from moetune.model.quant import modules
+
+    kept = []
+    real = modules.keep_transposed_copies
+    monkeypatch.setattr(modules, "keep_transposed_copies", lambda m: kept.append(real(m)) or kept[-1])
+    import moetune.train.setup as setup
+
+    monkeypatch.setattr(setup, "keep_transposed_copies", modules.keep_transposed_copies)
+    over = {"model.quantize": "fp8", "train.steps": 3}
+    without = step_losses(run_inprocess(small_run_args(tmp_path, "without", **over)))
+    assert not kept  # auto on a CPU run: nothing reads them
+    copies = step_losses(run_inprocess(small_run_args(tmp_path, "copies", **over,
+                                                      **{"parallel.fp8_transposed_copies": "true"})))
+    assert len(kept) == 1 and kept[0] > 0 and copies == without
+
+
 def test_generation_rebuilds_the_fp8_base_a_run_trained_on(tmp_path):
     """A run with model.quantize records it in its adapter; `load_for_generation(run)` rebuilds the random base,
     stores it in fp8 as training did, and gives the trained model's logits (the same base draw quantised, the

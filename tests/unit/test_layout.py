@@ -511,3 +511,35 @@ def test_lora_gradients_live_through_the_forward_only_when_micro_batches_accumul
     end = static + rows["gradients"]  # the last layer's backward done
     want = forward + rows["gradients"] if accum > 1 else max(forward, end)
     assert layout.estimate_gib == pytest.approx(want, abs=1e-6)
+
+
+def _fp8_layout(path, world, gpu, *over):
+    from moetune.model.config import model_config_for
+
+    cfg = load_config(path, [*AS_FLASH, "--model.quantize", "fp8", *over])
+    m = model_config_for(cfg)
+    counts = count_params(build_meta_model(cfg, m))
+    return resolve_layout(cfg, world, gpu, model_config=m, counts=counts), cfg, m, counts
+
+
+def test_fp8_transposed_copies_are_kept_where_the_layout_fits_with_them_and_fsdp_does_not_shard():
+    """parallel.fp8_transposed_copies auto: GLM-4.7-Flash on an fp8 base keeps them on an H200 (their row: the
+    row-scaled fp8 weights' bytes again) and not on a 72 GiB GPU, where they would not fit; never where FSDP shards
+    the weights (a rank would copy its shard); `false` never, `true` under FSDP an error naming the key."""
+    from moetune.parallel.estimate import estimate_memory
+
+    h200, cfg, m, counts = _fp8_layout(FLASH, 1, H200)
+    assert h200.fp8_copies and counts.fp8_copy_bytes > 20 * 2**30  # ~27 GiB of fp8 weights
+    rows = {name: gib for name, gib, _ in estimate_memory(cfg, m, counts, h200).rows}
+    assert rows["fp8 transposed copies"] == pytest.approx(counts.fp8_copy_bytes / 2**30)
+    assert h200.estimate_gib <= FIT_FRACTION * H200 and "fp8 transposed copies kept" in h200.summary()
+    assert any(r.startswith("fp8 transposed copies: kept") for r in h200.reasons)
+    small, *_ = _fp8_layout(FLASH, 1, 72.0)  # fits under 68.4 GiB without them (47.6), not with them (74.9)
+    assert not small.fp8_copies and small.recompute == h200.recompute and small.estimate_gib <= FIT_FRACTION * 72
+    assert any(r.startswith("fp8 transposed copies: not kept") and "over 68.4" in r for r in small.reasons)
+    off, *_ = _fp8_layout(FLASH, 1, H200, "--parallel.fp8_transposed_copies", "false")
+    assert not off.fp8_copies and off.estimate_gib < h200.estimate_gib
+    fsdp, *_ = _fp8_layout(FLASH, 2, H200, "--parallel.dp_shard", "2")
+    assert fsdp.fsdp and not fsdp.fp8_copies
+    with pytest.raises(ConfigError, match="parallel.fp8_transposed_copies true: FSDP shards"):
+        _fp8_layout(FLASH, 2, H200, "--parallel.dp_shard", "2", "--parallel.fp8_transposed_copies", "true")

@@ -163,6 +163,10 @@ class ParamCounts:
     layer_rest_frozen: Frozen = Frozen()
     # every parameter as FSDP2 shards it (dim 0), for what CPU offload keeps in host memory (host_bytes)
     tensors: tuple[TensorShape, ...] = ()
+    # the row-scaled fp8 weights' bytes, all and those of the routed experts: what their kept transposed copies take
+    # (Layout.fp8_copies)
+    fp8_copy_bytes: float = 0
+    fp8_copy_expert_bytes: float = 0
 
 
 @dataclass(frozen=True)
@@ -212,12 +216,17 @@ def count_params(model) -> ParamCounts:
     tensors = tuple(TensorShape(p.shape[0] if p.dim() else 1, p.numel(),
                                 p.element_size() if is_fp8_storage(p) and not p.requires_grad else 0,
                                 p.requires_grad, ".mlp.experts." in n) for n, p in params.items())
+    from moetune.model.quant.modules import fp8_weights
+
+    copies = [(n, params[n].numel()) for n, scheme in fp8_weights(model) if scheme.block is None]
     return ParamCounts(total, trainable, lora, root, unit[0], rest[0], model.lm_head.weight.requires_grad,
                        sum(e for e, _ in expert_units), experts_trainable, experts_lora,
                        frozen=Frozen.of(params.values()),
                        experts_frozen=Frozen.of(p for n, p in params.items() if ".mlp.experts." in n),
                        root_frozen=Frozen.of(p for n, p in params.items() if not n.startswith("model.layers.")),
-                       expert_unit_frozen=unit[1], layer_rest_frozen=rest[1], tensors=tensors)
+                       expert_unit_frozen=unit[1], layer_rest_frozen=rest[1], tensors=tensors,
+                       fp8_copy_bytes=sum(n for _, n in copies),
+                       fp8_copy_expert_bytes=sum(n for name, n in copies if ".mlp.experts." in name))
 
 
 def _pow2(n: int) -> int:
@@ -308,6 +317,9 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
         notes.append(f"the bad-step rollback copies the LoRA state to host memory, twice: "
                      f"~{24 * P_lora / GIB:.1f} GiB per rank (train/bad_steps.py)")
+    if layout.fp8_copies:
+        add("fp8 transposed copies", counts.fp8_copy_bytes - counts.fp8_copy_expert_bytes
+            + counts.fp8_copy_expert_bytes / ep, f"the row-scaled fp8 weights once more, transposed{per}")
     static = sum(r[1] for r in rows) * GIB
     host = 0.0
     if offload:
@@ -413,11 +425,13 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         layer_ws = skew * (layer_ws + T * b * H * ranks_per_token(m, ep))
         ws_how += f", + the rows received (b·H per token and rank it reaches), × {skew:.2f} (skew)"
     if counts.frozen.stored and m.n_routed_experts:
-        # the input gradient through an fp8 expert stack (model/quant/matmul.py): the stack transposed (fp8) and the
-        # gradient rows with the weight's row scales folded in (fp32), for gate_up, the larger of the two
-        stack = 2 * Im * H * m.n_routed_experts / ep
+        # the input gradient through an fp8 expert stack (model/quant/matmul.py): the stack transposed (fp8; unless
+        # the layout keeps the copies) and the gradient rows with the weight's row scales folded in (fp32), for
+        # gate_up, the larger of the two
+        stack = 0 if layout.fp8_copies else 2 * Im * H * m.n_routed_experts / ep
         layer_ws += stack + T * k * 2 * Im * 4
-        ws_how += "; fp8 base: + the gate_up stack transposed (1 byte) + the folded gradient rows (4·k·2Im per token)"
+        ws_how += ("; fp8 base: + the folded gradient rows (4·k·2Im per token)" if layout.fp8_copies else
+                   "; fp8 base: + the gate_up stack transposed (1 byte) + the folded gradient rows (4·k·2Im per token)")
     if full and counts.lm_head_trains:  # the forward's chunks and the backward's cast do not coexist: the larger
         logits = max(2 * b * c * V + 4 * V * H, 10 * V * H)
         how = f"lm_head trains: max(a chunk's logits + their gradient 2·{b}·c·V + fp32 gradient 4VH, backward 10VH)"

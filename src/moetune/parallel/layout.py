@@ -84,6 +84,8 @@ class Layout:
     auto: bool = False  # chosen by `parallel.layout: auto` (some fields may still be the user's)
     memory: MemoryLimit | None = None  # the memory it was chosen for (None: no limit)
     estimate_gib: float | None = None  # estimated peak per process of this layout
+    # an fp8 base's weights kept a second time, transposed, for the input gradient (quant.modules.keep_transposed_copies)
+    fp8_copies: bool = False
     reasons: list[str] = field(default_factory=list, compare=False)
 
     def __post_init__(self):
@@ -104,6 +106,10 @@ class Layout:
             raise TypeError(f"Layout.recompute is each decoder layer's mode, got {self.recompute!r} (make_layout "
                             "spreads a setting over the layers)")
         layer_modes(self.recompute, len(self.recompute))  # known modes (the layers' number came from the model)
+        if self.fp8_copies and self.fsdp:
+            raise ConfigError("parallel.fp8_transposed_copies true: FSDP shards the weights here (dp_shard "
+                              f"{dp_shard}, cpu_offload {str(self.cpu_offload).lower()}), and a rank would copy its "
+                              "shard, not the weight it computes with; set it to auto or false")
 
     # ---- what the shape means
     @property
@@ -168,7 +174,7 @@ class Layout:
 
     def settings(self) -> str:
         return (f"{self.kind}, activation checkpointing {describe(self.activation_checkpointing)}, cpu_offload "
-                f"{str(self.cpu_offload).lower()}")
+                f"{str(self.cpu_offload).lower()}" + (", fp8 transposed copies kept" if self.fp8_copies else ""))
 
     def summary(self) -> str:
         per = "process" if self.memory is not None and self.memory.host else "GPU"
@@ -328,6 +334,27 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         return (f"cpu_offload needs {e.host_gib:.1f} GiB of host memory per process, over {host_limit:.1f} GiB "
                 f"({FIT_FRACTION:.0%} of this node's RAM per process, {memory.host_gib:.1f} GiB)")
 
+    def with_copies(layout, e, reasons):
+        """`layout` with the fp8 weights' transposed copies where parallel.fp8_transposed_copies asks for them: true
+        always (an error under FSDP), auto where FSDP does not shard the weights and the estimate with the copies
+        fits — after the layout is chosen, so they never cost a layer's recompute."""
+        want = cfg.parallel.fp8_transposed_copies
+        # on a CPU run the fp8 weights are dequantised just in time (no fp8 GEMM reads a copy)
+        if not counts.fp8_copy_bytes or want is False or (host and want == "auto"):
+            return layout, e
+        if layout.fsdp and want == "auto":
+            reasons.append("fp8 transposed copies: not kept (FSDP shards the weights)")
+            return layout, e
+        trial = replace(layout, fp8_copies=True)
+        et = estimate(trial)
+        if want is True or fits(et):
+            reasons.append(f"fp8 transposed copies: kept ({et.total_gib:.2f} GiB with them, {e.total_gib:.2f} "
+                           "without)" + ("" if fits(et) else f"; warning: over {limit:.1f} GiB, the run may run "
+                                         "out of memory"))
+            return trial, et
+        reasons.append(f"fp8 transposed copies: not kept ({et.total_gib:.2f} GiB with them, over {limit:.1f})")
+        return layout, e
+
     if len(pinned) == len(PINNABLE):
         layout = make_layout(world_size, pinned["ep"], pinned["dp_shard"], pinned["activation_checkpointing"],
                              pinned["cpu_offload"], auto=False, **common)
@@ -340,6 +367,7 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
                            "of memory (parallel.layout: auto would choose a layout that fits)")
         if over_host(e):
             reasons.append(f"warning: {host_line(e)}: the run may run out of host memory")
+        layout, e = with_copies(layout, e, reasons)
         return replace(layout, estimate_gib=e.total_gib, reasons=reasons)
 
     if "ep" in pinned or "dp_shard" in pinned:  # a pinned value no layout can use: say which, not "nothing fits"
@@ -411,6 +439,7 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         host_note = f" ({host_line(x)})" if over_host(x) else ""
         verdict = "chosen" if t is layout else "does not fit"
         reasons.append(f"{t.settings()}: {x.total_gib:.2f} GiB{host_note} — {verdict}")
+    layout, e = with_copies(layout, e, reasons)
     reasons += e.notes
     return replace(layout, estimate_gib=e.total_gib, reasons=reasons)
 

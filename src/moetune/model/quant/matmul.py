@@ -53,10 +53,15 @@ DGRAD = "fp8"
 # quantisation of the gradient) or "w8a8" (the Triton kernel, fp8 × fp8 on the stack as stored: the "fp8" numerics
 # without the copy). "tma": the Triton TMA kernel (fp8 × fp8, Hopper) for the forward, and for the input gradient on
 # the K-major copy (the "fp8" numerics), where it takes the operands; torch's kernels elsewhere.
-GROUPED_FORWARD = "scaled_mm"
-GROUPED_DGRAD = "fp8"
+# "tma" for both: on one H200 the kernel runs Air's and Flash's expert GEMMs at 650–1,130 TFLOP/s against 510–1,080
+# for torch 2.11's `_scaled_grouped_mm` (forward, and input gradient on the same copy); with the transposed copies
+# kept, AIR-8 q,k,v,o on an fp8 base 47,471 tokens/s against 39,006 with torch's kernels, 1.23x the bf16 base
+# (BENCHMARKS.md, fifteenth session).
+GROUPED_FORWARD = "tma"
+GROUPED_DGRAD = "tma"
 # How "tma" launches: "triton_op" (torch.compile launches the Triton kernel from its own code) or "custom_op" (an
-# opaque op whose Python launches it, as the other Triton paths)
+# opaque op whose Python launches it, as the other Triton paths: on the host-bound GLM-4.7-Flash step its host time
+# outweighed the kernel's gain)
 TMA_LAUNCH = "triton_op"
 # How code outside a compiled graph (the expert-parallel exchange's local work, an eager model) quantises the fp8
 # GEMMs' operands: "compiled", each quantisation compiled on its own (`EAGER_QUANT_BACKEND`), or "torch", op by op
