@@ -210,9 +210,6 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     VARIANTS[f"{_base}_km"] = (_s, _b, _t, _tg, {**_x, "fp8_copies": True})
     VARIANTS[f"{_base}_ttkm"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma",
                                                    "tma_launch": "custom_op", "fp8_copies": True})
-    # the input gradient on the stack as stored (N-major fp8 tiles transposed on chip), no copy
-    VARIANTS[f"{_base}_tn"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "grouped_forward": "tma",
-                                                 "tma_fp8_n_major": True})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
@@ -295,9 +292,6 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.EAGER_QUANT = extra.get("eager_quant", fp8_matmul.EAGER_QUANT)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
         fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)
-        import moetune.model.grouped_gemm as gg
-
-        gg.TMA_FP8_N_MAJOR = extra.get("tma_fp8_n_major", gg.TMA_FP8_N_MAJOR)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

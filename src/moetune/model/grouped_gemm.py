@@ -14,6 +14,12 @@ quantisation, so the numerics are the dequantised GEMM's up to accumulation orde
 output columns in the forward's epilogue, and the incoming gradient's columns as they are loaded in the input
 gradient (the scale lies inside that sum).
 
+A second kernel, `_grouped_gemm_tma_kernel`, has the same tile schedule with its operand tiles loaded by TMA (Hopper's
+tensor memory accelerator), pipelined by Triton: the fp8 × fp8 forward of a row-scaled fp8 stack and its input
+gradient on a K-major copy (model/quant/matmul.py's "tma", the default there), and bf16 stacks both ways (no faster
+than torch's `_grouped_mm`: not used by default). `grouped_mm_tma` is it as a triton_op, which torch.compile launches
+from its own code.
+
 `grouped_mm_frozen` is the autograd-facing op (a torch.library custom op, opaque to Inductor): it gives only the
 input's gradient (the weight is frozen). `grouped_mm_reference` is the torch computation, which is also the path off
 CUDA; the tests run the kernel on the CPU under Triton's interpreter against it.
@@ -297,9 +303,6 @@ TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages
 # Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
 # interpreter): see `tma_supported`.
 TMA = True
-# An fp8 stack read N-major (the input gradient without a K-major copy): Hopper's fp8 MMA takes no N-major operand,
-# so Triton moves each tile through registers to transpose it. Off unless measured faster than the copy.
-TMA_FP8_N_MAJOR = False
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -316,7 +319,9 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
     """Whether the TMA kernel takes y = x · op(W[e]): a GPU with TMA (compute capability 9.0+; or the
     interpreter), x and the stack in one dtype (bf16, or fp8 e4m3 with row scales for x), 16-byte aligned rows with
     unit inner strides; op(W) = Wᵀ (K-major) for either dtype, W itself only for 16-bit stacks whose K (the stack's
-    `out`) is a multiple of TMA_CONFIG's BK (Hopper's fp8 MMA takes no N-major operand)."""
+    `out`) is a multiple of TMA_CONFIG's BK. Hopper's fp8 MMA takes no N-major operand: Triton transposes such a tile
+    on chip, at 145–157 TFLOP/s on Air's and Flash's stacks against 750–800 on a K-major copy (BENCHMARKS.md,
+    fifteenth session), so fp8 is taken K-major only."""
     if triton is None or not TMA or weight.dim() != 3 or x.dim() != 2 or x.dtype != weight.dtype:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
@@ -328,10 +333,7 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
         return False
     if not (_aligned(x) and _aligned(weight) and weight.is_contiguous()):
         return False
-    if transpose:
-        return True
-    fp8 = x.dtype == torch.float8_e4m3fn
-    return (TMA_FP8_N_MAJOR or not fp8) and weight.shape[1] % (TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)["BK"] == 0
+    return transpose or (x.dtype != torch.float8_e4m3fn and weight.shape[1] % TMA_CONFIG["BK"] == 0)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -444,8 +446,6 @@ def grouped_mm_fp8_dgrad(g8: torch.Tensor, g_scale: torch.Tensor, weight: torch.
     """The fp8 × fp8 input gradient (W8A8): rows g8 [N, out] e4m3 — the incoming gradient with each row's expert's
     weight scales folded in, then quantised per row (`g_scale` [N, 1]) — × each expert's e4m3 weight [E, out, in]
     read as stored: dx [N, in] bf16, fp32 accumulation. The numerics of model/quant/matmul.py's `_gmm_dgrad`."""
-    if (g8.is_cuda or KERNEL_ON_CPU) and tma_supported(g8, weight, False):
-        return grouped_gemm_tma(g8, weight, offs, None, False, x_scale=g_scale)
     if (g8.is_cuda or KERNEL_ON_CPU) and kernel_supported_w8a8(g8, weight):
         return grouped_gemm(g8, weight, offs, None, False, x_scale=g_scale)
     return grouped_mm_reference(g8.float() * g_scale.reshape(-1, 1).float(), weight, offs, None,
