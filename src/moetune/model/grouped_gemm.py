@@ -383,8 +383,7 @@ if triton is not None:
     def grouped_mm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None,
                        x_scale: torch.Tensor | None, transpose: bool) -> torch.Tensor:
         """`grouped_gemm_tma` as an op torch.compile sees into: Inductor launches the kernel from its own wrapper
-        code, without a Python call per launch (the host time of an opaque custom op's launch showed on the
-        GLM-4.7-Flash step, BENCHMARKS.md, fifteenth session). Operands as `tma_supported` says, which the caller
+        code instead of calling an opaque op's Python per launch. Operands as `tma_supported` says, which the caller
         checks."""
         return grouped_gemm_tma(x, weight, offs, scale, transpose, x_scale, launch=torch.library.wrap_triton)
 
