@@ -307,8 +307,9 @@ TMA = True
 
 def _aligned(t: torch.Tensor) -> bool:
     """What a TMA descriptor takes: a 16-byte aligned start, unit inner stride, outer strides positive multiples of
-    16 bytes (an expanded, stride-0 gradient is none). While torch.compile traces, tensors have no address: the
-    launch checks it again (the custom ops fall back to the pointer kernel)."""
+    16 bytes (an expanded, stride-0 gradient is none). While torch.compile traces, tensors have no address and only
+    the strides are checked: what a compiled layer hands the kernel are weights and its own fresh buffers (the
+    quantised rows, the K-major copy), whose starts torch's allocators align."""
     if not torch.compiler.is_compiling() and t.data_ptr() % 16:
         return False
     return t.stride(-1) == 1 and all(
