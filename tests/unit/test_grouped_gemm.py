@@ -220,7 +220,8 @@ def test_tma_kernel_matches_reference(case, pad, tma_on_cpu):
     """The TMA kernel on every operand form it takes: a bf16 stack forward (K-major) and input gradient (read as
     stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient on a K-major copy
     (the weight's scales folded into the fp8 gradient rows), and on the stack as stored (slow: not taken, but the
-    benchmark's row). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not stored."""
+    benchmark's row). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group
+    are not stored."""
     rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
     if case.startswith("bf16"):
         transpose = case.endswith("forward")

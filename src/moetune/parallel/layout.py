@@ -84,7 +84,8 @@ class Layout:
     auto: bool = False  # chosen by `parallel.layout: auto` (some fields may still be the user's)
     memory: MemoryLimit | None = None  # the memory it was chosen for (None: no limit)
     estimate_gib: float | None = None  # estimated peak per process of this layout
-    # an fp8 base's weights kept a second time, transposed, for the input gradient (quant.modules.keep_transposed_copies)
+    # an fp8 base's weights kept a second time, transposed, for the input gradient
+    # (quant.modules.keep_transposed_copies)
     fp8_copies: bool = False
     reasons: list[str] = field(default_factory=list, compare=False)
 
