@@ -797,3 +797,58 @@ def test_kept_transposed_copies_give_the_input_gradients_of_copies_made_each_bac
         keep_transposed_copies(model)
     dequantize_model(model)
     assert not any(transposed_copy(m, a) is not None for m in model.modules() for a in ("weight", "gate_up_proj"))
+
+
+def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(monkeypatch):
+    """The fp8 tensor-core path as a GPU runs it by default — expert stacks through the TMA kernel (an opaque custom
+    op; here under Triton's interpreter), the linears through torch._scaled_mm — in a compiled layer (one graph) with
+    the layer recomputed whole (`full`: every op tagged for recompute as it dispatches, the selective-checkpoint
+    machinery `selective` uses too), with and without the kept transposed copies: the LoRA gradients of the eager
+    run without recompute, bitwise."""
+    from moetune.model import grouped_gemm as gg
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.hf_io import cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.model.quant import matmul
+    from moetune.model.quant.modules import keep_transposed_copies, quantize_model
+    from moetune.parallel.apply import apply_ac
+    from moetune.train.setup import init_lora
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    assert (matmul.GROUPED_FORWARD, matmul.GROUPED_DGRAD, matmul.TMA_LAUNCH) == ("tma", "tma", "custom_op")
+    launches = []
+    real = gg.grouped_gemm_tma
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: launches.append(1) or real(*a, **k))
+    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(layer_ac, compiled, copies):
+        model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=2)), "meta")
+        cast_model(model, torch.bfloat16)
+        quantize_model(model, ROWWISE)
+        apply_lora(model, ["q_proj", "o_proj", "shared_experts"], 4, 8)
+        model.to_empty(device="cpu")
+        init_weights(model, 0.05, seed=0)
+        init_lora(model, seed=0)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+        if copies:
+            keep_transposed_copies(model)
+        apply_ac(model, layer_ac)
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+        model(ids, labels=torch.roll(ids, -1, 1)).backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    want = grads("none", False, False)
+    assert launches  # the experts ran through the TMA kernel
+    for copies in (False, True):
+        launches.clear()
+        got = grads("full", True, copies)
+        assert len(launches) >= 5  # forward (gate_up, down), what backward recomputes of it, two input gradients
+        assert not [n for n in want if not torch.equal(got[n], want[n])], copies
