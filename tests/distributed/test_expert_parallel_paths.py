@@ -114,3 +114,95 @@ COMPILED = [(2, "none", "aot_eager"), (2, "full", "eager")]
                                            ("attention", PLAIN[:3])], ids=["lora", "full_ft", "lora_attention"])
 def test_ep_paths_equal_plain_model(full, variants):
     mp.spawn(_worker, args=(free_port(), full, variants), nprocs=WORLD)
+
+
+def _fp8_model(mesh, copies):
+    """TINY in bf16 with an fp8 base (row scales) and LoRA on attention, shared and routed experts; under expert
+    parallelism (mesh) each rank holds its experts' fp8 stacks, and (copies) their kept transposed copies."""
+    from moetune.model.config import ModelConfig
+    from moetune.model.hf_io import build_model, cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.model.quant.fp8 import ROWWISE
+    from moetune.model.quant.modules import keep_transposed_copies, quantize_model
+    from moetune.parallel.apply import apply_ep
+    from moetune.train.setup import init_lora
+
+    model = build_model(ModelConfig.from_hf_dict(TINY), "meta")
+    cast_model(model, torch.bfloat16)
+    quantize_model(model, ROWWISE)
+    apply_lora(model, ["q_proj", "v_proj", "shared_experts", "experts"], 4, 8)
+    if mesh is not None:
+        apply_ep(model, mesh)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.1, seed=0)
+    init_lora(model, seed=0)
+    with torch.no_grad():  # B != 0 (by name, the same on every rank and for both models)
+        for name, p in model.named_parameters():
+            if name.endswith("_B") or name.endswith("lora_B"):
+                full = torch.empty(p.shape, dtype=p.dtype).normal_(0, 0.1, generator=torch.Generator().manual_seed(
+                    len(name)))
+                p.copy_(full if not hasattr(p, "device_mesh") else
+                        torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements))
+    if copies:
+        assert keep_transposed_copies(model) > 0
+    return model
+
+
+def _fp8_worker(rank, port):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moetune.model import grouped_gemm as gg
+    from moetune.model.quant import matmul
+    from moetune.model.quant.modules import transposed_copy
+    from moetune.parallel.mesh import shutdown_distributed
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # the fp8 tensor-core path as a GPU takes it: the stacks through the TMA kernel (Triton's interpreter here), the
+    # linears through torch._scaled_mm (a CPU kernel)
+    matmul._fp8_kernels = lambda x, w8, scheme: x.dtype == torch.bfloat16
+    gg.KERNEL_ON_CPU = True
+    launches = []
+    real = gg.grouped_gemm_tma
+    gg.grouped_gemm_tma = lambda *a, **k: launches.append(a[1].shape) or real(*a, **k)
+    ids, labels = _batch(rank)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+    ref_loss, ref_grads, ref_logits = _loss_and_grads(_fp8_model(None, False), ids, labels)
+    _, made_each_backward, _ = _loss_and_grads(_fp8_model(mesh, False), ids, labels)
+    launches.clear()
+    model = _fp8_model(mesh, True)
+    loss, grads, logits = _loss_and_grads(model, ids, labels)
+    for name, g in made_each_backward.items():  # the same work on the same rows: the copies change nothing
+        assert torch.equal(grads[name], g), name
+    for w in ("gate_up_proj", "down_proj"):  # and they are what the input gradients read: flipped, the grads change
+        for moe in model.moe_layers():
+            copy = transposed_copy(moe.experts, w)
+            copy.copy_(copy.flip(1))
+        _, flipped, _ = _loss_and_grads(model, ids, labels)
+        assert any(not torch.equal(flipped[n], grads[n]) for n in grads), w
+        for moe in model.moe_layers():
+            copy = transposed_copy(moe.experts, w)
+            copy.copy_(copy.flip(1))
+    E_local = TINY["n_routed_experts"] // WORLD
+    copy_shapes = {(E_local, TINY["hidden_size"], 2 * TINY["moe_intermediate_size"]),
+                   (E_local, TINY["moe_intermediate_size"], TINY["hidden_size"])}
+    assert copy_shapes <= set(launches), launches  # the input gradients ran on this rank's kept copies
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(logits, ref_logits)
+    for name in ref_grads:  # bf16 sums in another order (the exchange's rows, the sum over ranks)
+        mine, ref = grads[name].float(), ref_grads[name].float()
+        dist.all_reduce(ref)
+        if ".experts." not in name:
+            dist.all_reduce(mine)
+        assert torch.isfinite(mine).all() and ((mine - ref).norm() / ref.norm()).item() < 2e-2, name
+    assert grads.keys() == ref_grads.keys()
+    shutdown_distributed(finished=True)
+
+
+def test_ep_on_an_fp8_base_with_kept_copies_equals_the_plain_model():
+    """Expert parallelism over an fp8 base on the fp8 tensor-core path, each rank keeping the transposed copies of its
+    own experts (handed through the exchange to the local expert work): the gradients of the same EP model making a
+    copy per backward, bitwise, and the loss, logits and LoRA gradients of the plain single-process fp8 model within
+    bf16's rounding (its sums run in another order)."""
+    mp.spawn(_fp8_worker, args=(free_port(),), nprocs=WORLD)
