@@ -191,9 +191,7 @@ def run_shape(name, p, results):
         else:
             aq, sa = matmul._gmm_dgrad_operand(a, s8, offs)
             kinds.append(("w8a8", (w8, None, ref8)))
-        res["_ref"], res["_ref8"] = ref, ref8
-        run_tma(res, record, a, W, w8, s8, offs, transpose)
-        del res["_ref"], res["_ref8"]
+        run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8)
         for kind, (w, s, reference) in [k for k in kinds if k[0] in KINDS]:
             best = None
             w8a8 = dict(x_scale=sa) if kind == "w8a8" else {}
@@ -243,13 +241,12 @@ if os.environ.get("GG_TMA_CONFIGS") == "fixed":  # the module's launch configs o
     TMA_QUICK, TMA_QUICK_FP8 = _f(gg.TMA_CONFIG), _f(gg.TMA_CONFIG_FP8)
 
 
-def run_tma(res, record, a, W, w8, s8, offs, transpose):
+def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
     """The TMA kernel (model/grouped_gemm.py): a bf16 stack (forward, and the input gradient read as stored), and
     fp8 × fp8 (forward; the input gradient on a K-major copy of the stack made beforehand, as torch's
     `_scaled_grouped_mm` on the same copy, "torch_fp8_on_copy"; and on the stack as stored, "tma_w8a8_nmajor").
-    A sweep of launch configs (GG_TMA_CONFIGS=fixed: the module's own)."""
-    ref = res["_ref"]
-    ref8 = res["_ref8"]
+    A sweep of launch configs (GG_TMA_CONFIGS=fixed: the module's own); `ref`, `ref8`: the fp32 products on the bf16
+    and on the dequantised fp8 stack."""
     cands = []
     if "tma" in KINDS and (CPU or gg.tma_supported(a, W, transpose)):
         cands.append(("tma_bf16", a, W, None, transpose, {}, ref, CPU_TMA if CPU else TMA_QUICK))

@@ -369,7 +369,9 @@ def test_an_fp8_scale_stored_as_integers_is_named(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- random base, LoRA
-def _tiny(quantize=None, targets=None):
+def _tiny(quantize=None, targets=None, dtype=torch.float32, layers=3, nonzero_lora=False):
+    """The builtin tiny model (`layers` decoder layers) in `dtype`, its base stored as `quantize` says, LoRA on
+    `targets` (nonzero_lora: B ≠ 0 too, so every LoRA path gets gradients)."""
     from moetune.model.build import build_model
     from moetune.model.config import BUILTIN, ModelConfig
     from moetune.model.hf_io import cast_model, init_weights
@@ -378,8 +380,8 @@ def _tiny(quantize=None, targets=None):
     from moetune.model.quant.modules import quantize_model
     from moetune.train.setup import init_lora
 
-    model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=3)), "meta")
-    cast_model(model, torch.float32)
+    model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=layers)), "meta")
+    cast_model(model, dtype)
     if quantize:
         quantize_model(model, scheme_named(quantize, (32, 32)))
     if targets:
@@ -387,6 +389,11 @@ def _tiny(quantize=None, targets=None):
     model.to_empty(device="cpu")
     init_weights(model, 0.05, seed=0)
     init_lora(model, seed=0)
+    if nonzero_lora:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
     return model
 
 
@@ -743,30 +750,16 @@ def test_kept_transposed_copies_give_the_input_gradients_of_copies_made_each_bac
     the input gradient through each fp8 weight reads it K-major. Copies kept for the run (Layout.fp8_copies) give the
     LoRA gradients of copies made in each backward, bitwise, and no stack is copied in backward; the copies are read
     (zeroed, the gradients change); no state_dict, parameter or buffer list sees them; dequantize_model drops them."""
-    from moetune.model.build import build_model
-    from moetune.model.config import BUILTIN, ModelConfig
-    from moetune.model.hf_io import cast_model, init_weights
-    from moetune.model.lora import apply_lora
     from moetune.model.quant import matmul
-    from moetune.model.quant.modules import dequantize_model, keep_transposed_copies, quantize_model, transposed_copy
-    from moetune.train.setup import init_lora
+    from moetune.model.quant.modules import dequantize_model, keep_transposed_copies, transposed_copy
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu)
     copied = []
     real_copy = matmul._k_major_copy
     monkeypatch.setattr(matmul, "_k_major_copy", lambda w8, g: copied.append(tuple(w8.shape)) or real_copy(w8, g))
-    model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=2)), "meta")
-    cast_model(model, torch.bfloat16)
-    quantize_model(model, ROWWISE)
-    apply_lora(model, ["q_proj", "v_proj", "dense_mlp", "shared_experts"], 4, 8)
-    model.to_empty(device="cpu")
-    init_weights(model, 0.05, seed=0)
-    init_lora(model, seed=0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.requires_grad:  # B ≠ 0: every path counts
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    model = _tiny("fp8", ["q_proj", "v_proj", "dense_mlp", "shared_experts"], torch.bfloat16, layers=2,
+                  nonzero_lora=True)
     ids = torch.randint(0, 160, (2, 32), generator=torch.Generator().manual_seed(0))
 
     def grads():
@@ -806,14 +799,9 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
     machinery `selective` uses too), with and without the kept transposed copies: the LoRA gradients of the eager
     run without recompute, bitwise."""
     from moetune.model import grouped_gemm as gg
-    from moetune.model.build import build_model
-    from moetune.model.config import BUILTIN, ModelConfig
-    from moetune.model.hf_io import cast_model, init_weights
-    from moetune.model.lora import apply_lora
     from moetune.model.quant import matmul
-    from moetune.model.quant.modules import keep_transposed_copies, quantize_model
+    from moetune.model.quant.modules import keep_transposed_copies
     from moetune.parallel.apply import apply_ac
-    from moetune.train.setup import init_lora
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
@@ -824,17 +812,7 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 
     def grads(layer_ac, compiled, copies):
-        model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=2)), "meta")
-        cast_model(model, torch.bfloat16)
-        quantize_model(model, ROWWISE)
-        apply_lora(model, ["q_proj", "o_proj", "shared_experts"], 4, 8)
-        model.to_empty(device="cpu")
-        init_weights(model, 0.05, seed=0)
-        init_lora(model, seed=0)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if p.requires_grad:
-                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+        model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
         if copies:
             keep_transposed_copies(model)
         apply_ac(model, layer_ac)

@@ -181,12 +181,18 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     return idx.clamp_(max=offs.numel() - 1)
 
 
+def _gmm_tma(x8, x_scale, w8, offs, scale):
+    """fp8 rows × a K-major fp8 stack through the TMA kernel, launched as TMA_LAUNCH says (`scale` None: the input
+    gradient on a K-major copy)."""
+    if TMA_LAUNCH == "triton_op":
+        return torch.ops.moetune.grouped_mm_tma(x8, w8, offs, scale, x_scale, True)
+    return grouped_mm_fp8(x8, x_scale, w8, offs, scale)
+
+
 def _gmm_fwd(x, w8, scale, offs):
     xq, sx = _quantized(quantize_rows, x)
     if GROUPED_FORWARD == "tma" and tma_supported(xq, w8, True):
-        if TMA_LAUNCH == "triton_op":
-            return torch.ops.moetune.grouped_mm_tma(xq, w8, offs, scale, sx, True)
-        return grouped_mm_fp8(xq, sx, w8, offs, scale)
+        return _gmm_tma(xq, sx, w8, offs, scale)
     if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
@@ -204,14 +210,11 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None, transposed=None):
     gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
+    k_major = _k_major_copy(w8, g) if transposed is None else transposed
     # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
     if GROUPED_DGRAD == "tma" and tma_supported(gq, w8, True):
-        k_major = _k_major_copy(w8, g) if transposed is None else transposed
-        if TMA_LAUNCH == "triton_op":
-            return torch.ops.moetune.grouped_mm_tma(gq, k_major, offs, None, sg, True)
-        return grouped_mm_fp8(gq, sg, k_major, offs, None)
+        return _gmm_tma(gq, sg, k_major, offs, None)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
-    k_major = _k_major_copy(w8, g) if transposed is None else transposed
     return torch._scaled_grouped_mm(gq, k_major.transpose(-2, -1), scale_a=sg.view(-1),
                                     scale_b=ones, offs=offs, out_dtype=g.dtype,
                                     use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)

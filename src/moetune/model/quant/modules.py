@@ -102,14 +102,14 @@ def keep_transposed_copies(model) -> int:
     experts) a kept transposed copy for its input gradient; returns the bytes they take. Not for weights FSDP
     shards (a rank would copy its shard, not the weight it computes with): Layout.fp8_copies is never set there."""
     total = 0
-    for mod in model.modules():
-        quant = getattr(mod, "quant", None)
-        if quant is None or quant.block is not None:  # block-scaled weights are dequantised just in time
+    for qname, scheme in fp8_weights(model):
+        if scheme.block is not None:  # block-scaled weights are dequantised just in time
             continue
-        for name in ("weight",) if hasattr(mod, "in_features") else ("gate_up_proj", "down_proj"):
-            copy = local_tensor(getattr(mod, name)).transpose(-2, -1).contiguous()
-            mod.__dict__[name + TRANSPOSED] = copy
-            total += copy.numel() * copy.element_size()
+        owner, _, name = qname.rpartition(".")
+        mod = model.get_submodule(owner)
+        copy = local_tensor(getattr(mod, name)).transpose(-2, -1).contiguous()
+        mod.__dict__[name + TRANSPOSED] = copy
+        total += copy.numel() * copy.element_size()
     return total
 
 
