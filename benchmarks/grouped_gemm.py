@@ -40,8 +40,9 @@ DEV = torch.device("cpu" if CPU else "cuda")
 gg.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under the interpreter
 OUT = os.environ.get("OUT", "/tmp")
 SWEEP = os.environ.get("SWEEP", "quick")
-# which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA)
-KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8,tma,tma_w8a8").split(",")
+# which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA);
+# copy: the K-major copies of the fp8 stacks
+KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8,tma,tma_w8a8,copy").split(",")
 
 SHAPES = {  # experts here, all experts (routing), hidden, moe_intermediate, tokens, top-k
     "flash": dict(E=64, E_all=64, H=2048, I=1536, tokens=4096, k=4),
@@ -125,6 +126,39 @@ def save(results):
         json.dump(obj, f, indent=1)
 
 
+def run_copies(fp8, shape_res):
+    """The input gradient's K-major copy of each fp8 stack where none is kept: torch's transpose, Inductor's (as
+    quant.matmul.K_MAJOR_COPY "compiled" calls it) and the copy kernel at two tile sizes; GB/s counts read + write."""
+    from moetune.model.kernels import compiled_for_eager
+
+    out = shape_res["k_major_copy"] = {}
+    for name, (w8, _) in fp8.items():
+        want = w8.transpose(-2, -1).contiguous()
+        gbytes = 2 * w8.numel() / 1e9
+        tiles = (gg.K_MAJOR_TILE, 64) if not CPU else (gg.K_MAJOR_TILE,)
+        methods = [("torch", lambda: gg.k_major_copy_reference(w8)),
+                   ("compiled", lambda: compiled_for_eager(gg.k_major_copy_reference)(w8))]
+        methods += [(f"triton_{t}", lambda t=t: _with_tile(t, w8)) for t in tiles]
+        for method, fn in methods:
+            try:
+                same = torch.equal(fn().view(torch.uint8), want.view(torch.uint8))
+                ms = bench(fn)
+                r = dict(ms=ms, gb_per_s=gbytes / ms * 1e3, equal=same)
+            except Exception as e:  # noqa: BLE001 — a method that does not run here is a result too
+                r = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            out[f"{name}_{method}"] = r
+            print(f"    copy {name:8s} {method:12s} " + (f"{r['ms']:.3f} ms {r['gb_per_s']:.0f} GB/s equal={same}"
+                                                         if "ms" in r else r["error"]), flush=True)
+
+
+def _with_tile(tile, w8):
+    old, gg.K_MAJOR_TILE = gg.K_MAJOR_TILE, tile
+    try:
+        return gg.k_major_copy(w8)
+    finally:
+        gg.K_MAJOR_TILE = old
+
+
 # ------------------------------------------------------------------------------------------------ one shape
 def run_shape(name, p, results):
     torch.manual_seed(0)
@@ -141,6 +175,8 @@ def run_shape(name, p, results):
     fp8 = {n: quantize_rows(w) for n, w in weights.items()}  # e4m3 [E, out, in], fp32 scales [E, out, 1]
     fp8_kernels = (not CPU and hasattr(torch, "_scaled_grouped_mm")
                    and torch.cuda.get_device_capability() >= (8, 9))
+    if "copy" in KINDS:
+        run_copies(fp8, shape_res)
     ops = [("gate_up_fwd", "gate_up", True), ("down_fwd", "down", True),
            ("gate_up_dgrad", "gate_up", False), ("down_dgrad", "down", False)]
     for op, wname, transpose in ops:

@@ -210,6 +210,9 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     VARIANTS[f"{_base}_km"] = (_s, _b, _t, _tg, {**_x, "fp8_copies": True})
     VARIANTS[f"{_base}_ttkm"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "tma", "grouped_forward": "tma",
                                                    "tma_launch": "custom_op", "fp8_copies": True})
+    # no copies kept, each backward's K-major copy made by Inductor's transpose called through Dynamo (before the
+    # copy kernel, quant.matmul.K_MAJOR_COPY)
+    VARIANTS[f"{_base}_kc"] = (_s, _b, _t, _tg, {**_x, "k_major_copy": "compiled"})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
@@ -292,6 +295,7 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.EAGER_QUANT = extra.get("eager_quant", fp8_matmul.EAGER_QUANT)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
         fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)
+        fp8_matmul.K_MAJOR_COPY = extra.get("k_major_copy", fp8_matmul.K_MAJOR_COPY)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

@@ -274,12 +274,15 @@ def test_fp8_grouped_input_gradient_through_the_triton_kernel_on_a_k_major_copy(
     calls = []
     real = gg.grouped_gemm_tma
     monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    copies = _LaunchSpy(gg._k_major_copy_kernel)
+    monkeypatch.setattr(gg, "_k_major_copy_kernel", copies)
     rows, offs, w = _tma_case(fp8=True, pad=0, seed=4)
     w8, scale = quantize_rows(w)
     x = torch.randn(rows, TMA_IN).bfloat16().requires_grad_()
     g = torch.randn(rows, TMA_OUT).bfloat16()
     matmul.fp8_grouped_linear(x, w8, scale, offs, scheme_named("fp8")).backward(g)
-    assert calls == [(E, TMA_IN, TMA_OUT)]  # the TMA kernel ran, on the copy
+    assert calls == [(E, TMA_IN, TMA_OUT)]  # the TMA kernel ran, on the copy the copy kernel made
+    assert len(copies.grids) == 1
     gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
     _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))
 
@@ -297,3 +300,32 @@ def test_tma_triton_op_equals_the_direct_launch(tma_on_cpu):
                        gg.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx))
     assert torch.equal(torch.ops.moetune.grouped_mm_tma(g8, copy, offs, None, sg, True),
                        gg.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg))
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel object: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 40, 24), torch.float8_e4m3fn), ((37, 19), torch.bfloat16),
+                                         ((2, 16, 48), torch.float8_e4m3fn)], ids=["fp8_ragged", "bf16_2d", "fp8"])
+def test_k_major_copy_kernel_equals_torchs_transpose(shape, dtype, monkeypatch):
+    """The input gradient's K-major copy of an fp8 stack by the copy kernel: byte for byte torch's transpose, for
+    tiles that run past both edges, one matrix, and 2-byte elements."""
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    spy = _LaunchSpy(gg._k_major_copy_kernel)
+    monkeypatch.setattr(gg, "_k_major_copy_kernel", spy)
+    w = (torch.randn(shape) * 3).to(dtype)
+    got = gg.k_major_copy(w)
+    want = w.transpose(-2, -1).contiguous()
+    assert len(spy.grids) == 1 and got.shape == want.shape and got.is_contiguous()
+    bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert gg.k_major_copy(w[..., :0]).shape == (*shape[:-2], 0, shape[-2])  # nothing to copy: no launch
+    assert len(spy.grids) == 1

@@ -412,6 +412,49 @@ def _run(x, weight, offs, scale, transpose):
     return grouped_mm_reference(x.contiguous(), weight, offs, scale, transpose)
 
 
+# ------------------------------------------------------------------------------------------------ K-major copy
+# The fp8 input gradient's operand: Hopper's fp8 MMA reads both operands K-major, and the stack [E, out, in] is
+# K-major for the forward only. Without a kept copy (quant.modules.keep_transposed_copies) each backward copies the
+# stack to [E, in, out]; on one H200 Inductor's transpose of it ran at ~2.5 TB/s, called from eager code through
+# Dynamo's guards (GLM-4.7-Flash: 23 ms busy and ~28 ms of host gaps per step, BENCHMARKS.md, fifteenth session).
+# Tiles of 128 x 128 bytes: 16-byte loads and stores along both directions, the transpose through shared memory.
+K_MAJOR_TILE = 128
+
+if triton is not None:
+    @triton.jit
+    def _k_major_copy_kernel(src, dst, R, C, BR: tl.constexpr, BC: tl.constexpr):
+        pid = tl.program_id(0)
+        base = tl.program_id(1).to(tl.int64) * R * C
+        n_c = tl.cdiv(C, BC)
+        rows = (pid // n_c) * BR + tl.arange(0, BR)
+        cols = (pid % n_c) * BC + tl.arange(0, BC)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        tile = tl.load(src + base + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask)
+        tl.store(dst + base + cols[:, None].to(tl.int64) * R + rows[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+
+def k_major_copy_reference(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(-2, -1).contiguous()
+
+
+def k_major_copy(w: torch.Tensor) -> torch.Tensor:
+    """A contiguous stack w [E, R, C] (or one matrix [R, C]) copied to [E, C, R] contiguous, by the kernel on CUDA
+    (and under the interpreter with KERNEL_ON_CPU), else by torch. Bytes are moved as bytes: any 1- or 2-byte dtype."""
+    if triton is None or not w.is_contiguous() or w.element_size() not in (1, 2) or not (
+            w.is_cuda or (KERNEL_ON_CPU and _interpreting())):
+        return k_major_copy_reference(w)
+    *lead, R, C = w.shape
+    out = w.new_empty(*lead, C, R)
+    if w.numel() == 0:
+        return out
+    E = w.numel() // (R * C)
+    bits = torch.uint8 if w.element_size() == 1 else torch.int16
+    tile = 16 if _interpreting() else K_MAJOR_TILE
+    grid = (triton.cdiv(R, tile) * triton.cdiv(C, tile), E)
+    _k_major_copy_kernel[grid](w.view(bits), out.view(bits), R, C, BR=tile, BC=tile, num_warps=4)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ custom ops
 @torch.library.custom_op("moetune::grouped_mm_frozen", mutates_args=())
 def _grouped_mm_frozen_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, kernel_supported, kernel_supported_w8a8,
-                                        tma_supported)
+from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy, k_major_copy_reference,
+                                        kernel_supported, kernel_supported_w8a8, tma_supported)
 from moetune.model.kernels import compiled_for_eager
 from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
 
@@ -80,8 +80,9 @@ def _quantized(fn, *args):
     return fn(*args)
 
 
-def _transposed_copy(w8: torch.Tensor) -> torch.Tensor:
-    return w8.transpose(-2, -1).contiguous()
+# How the input gradient copies a stack K-major where no copy is kept: "triton" (model/grouped_gemm.py's copy
+# kernel, launched directly) or "compiled" (Inductor's transpose compiled on its own, called through Dynamo).
+K_MAJOR_COPY = "triton"
 
 
 @torch.library.custom_op("moetune::k_major_copy", mutates_args=())
@@ -91,9 +92,10 @@ def _k_major_copy(w8: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     backward's input. As a plain `w8.transpose().contiguous()`, a function of the weight alone, torch.compile's
     partitioner may compute it in the forward and keep it until the backward — a second copy of every stack
     (measured: 11.6 GiB on one EP-8 rank of full-size Air through the compiled exchange, BENCHMARKS.md, thirteenth
-    session; a dense weight's copy is not kept, tests/unit/test_fp8_base.py). On CUDA the copy is compiled on its own:
-    the transpose kernel Inductor wrote for it inside the compiled layers before."""
-    return (compiled_for_eager(_transposed_copy) if w8.is_cuda else _transposed_copy)(w8)
+    session; a dense weight's copy is not kept, tests/unit/test_fp8_base.py)."""
+    if K_MAJOR_COPY == "compiled" and w8.is_cuda:
+        return compiled_for_eager(k_major_copy_reference)(w8)
+    return k_major_copy(w8)
 
 
 @_k_major_copy.register_fake
