@@ -234,29 +234,18 @@ def numerics():
     save("numerics", res)
 
 
-def _scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype, **_):
-    """torch._scaled_grouped_mm's product in fp32 torch (no CPU kernel exists): rows of a [N, K] fp8 sorted by group
-    (ends `offs`) × each group's b [E, K, O] fp8, with row scales scale_a [N] and column scales scale_b [E, O]."""
-    x = a.float() * scale_a.float()[:, None]
-    out = torch.zeros(a.shape[0], b.shape[-1], dtype=torch.float32)
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ (b[g].float() * scale_b[g].float()[None, :])
-        start = end
-    return out.to(out_dtype)
-
-
 @contextlib.contextmanager
 def _fp8_kernels_on_cpu():
     """Our fp8 tensor-core path taken on the CPU too: torch._scaled_mm has a CPU kernel, the grouped one its fp32
     reference (on a GPU: nothing changes)."""
+    from moetune.model.grouped_gemm import scaled_grouped_mm_reference
     from moetune.model.quant import matmul
 
     chooser, grouped = matmul._fp8_kernels, torch._scaled_grouped_mm
     if CPU:
         matmul._fp8_kernels = lambda x, w8, scheme: (scheme.block is None and x.dtype == torch.bfloat16
                                                      and w8.shape[-1] % 16 == 0 and w8.shape[-2] % 16 == 0)
-        torch._scaled_grouped_mm = _scaled_grouped_mm_reference
+        torch._scaled_grouped_mm = scaled_grouped_mm_reference
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from family_models import hf_dsa, hf_lite
 from helpers import hf_model, rewrite_checkpoint, save_hf
+from moetune.model.grouped_gemm import scaled_grouped_mm_reference
 from moetune.model.hf_io import load_model
 from moetune.model.quant.fp8 import FP8, ROWWISE, Fp8Scheme, quantize_blocks, quantize_rows
 from moetune.model.quant.matmul import (_mm_dgrad, _mm_fwd, expert_of_rows, fp8_grouped_linear, fp8_linear,
@@ -735,16 +736,6 @@ def test_an_export_config_names_what_it_writes_in_bf16_whatever_the_bases_exclus
         "quant_method": "fp8", "modules_to_not_convert": names[:1]}
 
 
-def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs, out_dtype, **_):
-    """torch._scaled_grouped_mm's product in fp32 (it has no CPU kernel): rows a [N, K] sorted by group × b[g] [K, O],
-    row scales scale_a [N], column scales scale_b [E, O]."""
-    x, out, start = a.float() * scale_a.float()[:, None], torch.zeros(a.shape[0], b.shape[-1]), 0
-    for g, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ (b[g].float() * scale_b[g].float()[None, :])
-        start = end
-    return out.to(out_dtype)
-
-
 def test_kept_transposed_copies_give_the_input_gradients_of_copies_made_each_backward(monkeypatch):
     """On the fp8 tensor-core path (forced on: torch._scaled_mm runs on the CPU, the grouped GEMM its fp32 stand-in)
     the input gradient through each fp8 weight reads it K-major. Copies kept for the run (Layout.fp8_copies) give the
@@ -754,7 +745,7 @@ def test_kept_transposed_copies_give_the_input_gradients_of_copies_made_each_bac
     from moetune.model.quant.modules import dequantize_model, keep_transposed_copies, transposed_copy
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_reference)
     copied = []
     real_copy = matmul._k_major_copy
     monkeypatch.setattr(matmul, "_k_major_copy", lambda w8, g: copied.append(tuple(w8.shape)) or real_copy(w8, g))

@@ -67,6 +67,14 @@ def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tens
     return y.to(x.dtype)
 
 
+def scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype, **_):
+    """torch._scaled_grouped_mm's row-wise product in fp32 torch, where it has no kernel (the CPU tests put it in
+    its place): rows a [N, K] fp8 sorted by group (ends `offs`) with row scales scale_a [N] × each group's
+    b [E, K, O] fp8 with column scales scale_b [E, O]."""
+    x = a.float() * scale_a.float().reshape(-1, 1)
+    return grouped_mm_reference(x, b.transpose(-2, -1), offs, scale_b).to(out_dtype)
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 if triton is not None:
     @triton.jit
@@ -338,10 +346,9 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
 
 
 def _tma_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device=_TMA_DEVICE)
-
-
-_TMA_DEVICE = "cpu"
+    """Scratch memory from torch's allocator for descriptors the kernel builds on the device it launches on (Triton
+    launches on the current device; the interpreter runs on the CPU)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _interpreting() else torch.cuda.current_device())
 
 
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
@@ -352,7 +359,6 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     on a K-major copy, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
     operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself)."""
-    global _TMA_DEVICE
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
@@ -372,7 +378,6 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
                 DOT_FP32=_interpreting())
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
-    _TMA_DEVICE = x.device  # descriptors built on the device take scratch memory from torch's allocator
     triton.set_allocator(_tma_scratch)
     grid = ((M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"]),)
     (launch or (lambda k: k))(_grouped_gemm_tma_kernel)[grid](*args, **meta, **config)

@@ -181,15 +181,18 @@ def quantize_model(model, scheme: Fp8Scheme, keep: Callable[[str], bool] = lambd
     return n
 
 
+def _quantized_names(mod: nn.Module) -> tuple[str, ...]:
+    """The fp8 weights' attribute names of a quantised module: a linear's weight, or an expert layer's two stacks."""
+    return ("weight",) if hasattr(mod, "in_features") else ("gate_up_proj", "down_proj")
+
+
 def fp8_weights(model) -> list[tuple[str, Fp8Scheme]]:
     """(qualified name of the fp8 weight, its scheme) for every fp8 tensor of a model."""
     out = []
     for mname, mod in model.named_modules():
         quant = getattr(mod, "quant", None)
-        if quant is None:
-            continue
-        names = ("weight",) if isinstance(mod, nn.Linear) or hasattr(mod, "in_features") else ("gate_up_proj", "down_proj")
-        out += [(f"{mname}.{n}", quant) for n in names]
+        if quant is not None:
+            out += [(f"{mname}.{n}", quant) for n in _quantized_names(mod)]
     return out
 
 
@@ -209,8 +212,7 @@ def dequantize_model(model, dtype=torch.float32):
         quant = getattr(mod, "quant", None)
         if quant is None:
             continue
-        names = ("weight",) if hasattr(mod, "in_features") else ("gate_up_proj", "down_proj")
-        for n in names:
+        for n in _quantized_names(mod):
             scale = scale_name(n, quant)
             w = quant.dequantize(getattr(mod, n), getattr(mod, scale), dtype)
             delattr(mod, scale)
