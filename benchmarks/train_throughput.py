@@ -213,6 +213,10 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # no copies kept, each backward's K-major copy made by Inductor's transpose called through Dynamo (before the
     # copy kernel, quant.matmul.K_MAJOR_COPY)
     VARIANTS[f"{_base}_kc"] = (_s, _b, _t, _tg, {**_x, "k_major_copy": "compiled"})
+    # the layers replayed as CUDA graphs (the fp8 base's Flash step waits on the host: BENCHMARKS.md, sixteenth
+    # session), without and with the kept copies
+    VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
+    VARIANTS[f"{_base}_kmcg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead", "fp8_copies": True})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
