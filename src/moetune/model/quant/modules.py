@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetune.model.grouped_gemm import k_major_copy
 from moetune.model.quant.fp8 import FP8, Fp8Scheme
 from moetune.model.quant.matmul import fp8_linear
 from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
@@ -107,7 +108,7 @@ def keep_transposed_copies(model) -> int:
             continue
         owner, _, name = qname.rpartition(".")
         mod = model.get_submodule(owner)
-        copy = local_tensor(getattr(mod, name)).transpose(-2, -1).contiguous()
+        copy = k_major_copy(local_tensor(getattr(mod, name)).contiguous())
         mod.__dict__[name + TRANSPOSED] = copy
         total += copy.numel() * copy.element_size()
     return total
