@@ -420,9 +420,10 @@ def _run(x, weight, offs, scale, transpose):
 # ------------------------------------------------------------------------------------------------ K-major copy
 # The fp8 input gradient's operand: Hopper's fp8 MMA reads both operands K-major, and the stack [E, out, in] is
 # K-major for the forward only. Without a kept copy (quant.modules.keep_transposed_copies) each backward copies the
-# stack to [E, in, out]; on one H200 Inductor's transpose of it ran at ~2.5 TB/s, called from eager code through
-# Dynamo's guards (GLM-4.7-Flash: 23 ms busy and ~28 ms of host gaps per step, BENCHMARKS.md, fifteenth session).
-# Tiles of 128 x 128 bytes: 16-byte loads and stores along both directions, the transpose through shared memory.
+# stack to [E, in, out]. Tiles of 128 x 128 bytes: 16-byte loads and stores along both directions, the transpose
+# through shared memory; on one H200 ~4.0 TB/s (read + write) on Air's and Flash's stacks, against 1.6-2.8 for
+# Inductor's transpose and 0.35 for torch's copy (AIR-8 on an fp8 base without kept copies: +4.5%; BENCHMARKS.md,
+# sixteenth session).
 K_MAJOR_TILE = 128
 
 if triton is not None:
