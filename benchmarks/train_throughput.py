@@ -469,6 +469,18 @@ BUCKETS = [  # (bucket, substrings of CUDA kernel names), first match wins
 ]
 
 
+# Inductor's element-wise kernels are named after the ops they fuse ("triton_red_fused__to_copy_abs_amax_..._grouped_mm
+# _fp8_..." is an fp8 quantisation next to a grouped GEMM): never a GEMM, whatever their names hold
+INDUCTOR_ELEMENTWISE = ("triton_poi", "triton_red", "triton_per")
+GEMM_BUCKETS = ("experts_grouped_gemm", "dense_gemm")
+
+
+def bucket(kernel: str) -> str:
+    fused = kernel.startswith(INDUCTOR_ELEMENTWISE)
+    return next((b for b, keys in BUCKETS if not (fused and b in GEMM_BUCKETS) and any(k in kernel for k in keys)),
+                "elementwise_other")
+
+
 def breakdown(step, batch):
     from torch.profiler import ProfilerActivity, profile
 
@@ -489,7 +501,7 @@ def breakdown(step, batch):
         t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if not t:
             continue
-        b = next((b for b, keys in BUCKETS if any(k in e.key for k in keys)), "elementwise_other")
+        b = bucket(e.key)
         totals[b] = totals.get(b, 0.0) + t / 1e3
         kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + t / 1e3
     if os.environ.get("BENCH_KERNELS"):
