@@ -138,7 +138,7 @@ def run_copies(fp8, shape_res):
         tiles = (gg.K_MAJOR_TILE, 64) if not CPU else (gg.K_MAJOR_TILE,)
         methods = [("torch", lambda: gg.k_major_copy_reference(w8)),
                    ("compiled", lambda: compiled_for_eager(gg.k_major_copy_reference)(w8))]
-        methods += [(f"triton_{t}", lambda t=t: _with_tile(t, w8)) for t in tiles]
+        methods += [(f"triton_{t}", lambda t=t: gg.k_major_copy(w8, t)) for t in tiles]
         for method, fn in methods:
             try:
                 same = torch.equal(fn().view(torch.uint8), want.view(torch.uint8))
@@ -149,14 +149,6 @@ def run_copies(fp8, shape_res):
             out[f"{name}_{method}"] = r
             print(f"    copy {name:8s} {method:12s} " + (f"{r['ms']:.3f} ms {r['gb_per_s']:.0f} GB/s equal={same}"
                                                          if "ms" in r else r["error"]), flush=True)
-
-
-def _with_tile(tile, w8):
-    old, gg.K_MAJOR_TILE = gg.K_MAJOR_TILE, tile
-    try:
-        return gg.k_major_copy(w8)
-    finally:
-        gg.K_MAJOR_TILE = old
 
 
 # ------------------------------------------------------------------------------------------------ one shape

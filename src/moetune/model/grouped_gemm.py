@@ -443,9 +443,10 @@ def k_major_copy_reference(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-2, -1).contiguous()
 
 
-def k_major_copy(w: torch.Tensor) -> torch.Tensor:
+def k_major_copy(w: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """A contiguous stack w [E, R, C] (or one matrix [R, C]) copied to [E, C, R] contiguous, by the kernel on CUDA
-    (and under the interpreter with KERNEL_ON_CPU), else by torch. Bytes are moved as bytes: any 1- or 2-byte dtype."""
+    (and under the interpreter with KERNEL_ON_CPU), else by torch. Bytes are moved as bytes: any 1- or 2-byte dtype.
+    `tile`: the kernel's square tile (K_MAJOR_TILE; the benchmark compares others)."""
     if triton is None or not w.is_contiguous() or w.element_size() not in (1, 2) or not (
             w.is_cuda or (KERNEL_ON_CPU and _interpreting())):
         return k_major_copy_reference(w)
@@ -455,7 +456,7 @@ def k_major_copy(w: torch.Tensor) -> torch.Tensor:
         return out
     E = w.numel() // (R * C)
     bits = torch.uint8 if w.element_size() == 1 else torch.int16
-    tile = 16 if _interpreting() else K_MAJOR_TILE
+    tile = 16 if _interpreting() else tile or K_MAJOR_TILE
     grid = (triton.cdiv(R, tile) * triton.cdiv(C, tile), E)
     _k_major_copy_kernel[grid](w.view(bits), out.view(bits), R, C, BR=tile, BC=tile, num_warps=4)
     return out
