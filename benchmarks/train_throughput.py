@@ -114,11 +114,16 @@ FLASH_VARIANTS = {
     # the whole step of the step API (Trainer.step: built by the trainer's own setup, batch checks, clipping, the
     # guard, metrics) on the harness's batch: what `moetune train` adds beyond it is its data and loop
     "trainer_flash_mla_1x4096_demo": ("trainer", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "docs": 128}),
+    "trainer_flash_mla_1x4096": ("trainer", 1, 4096, FLASH_MLA, {"model": "glm47-flash"}),
+    "trainer_fp8_flash_mla_1x4096": ("trainer", 1, 4096, FLASH_MLA, {"model": "glm47-flash", "quantize": "fp8"}),
 }
 VARIANTS.update(FLASH_VARIANTS)
 # an fp8 frozen base (model.quantize): AIR-8 against the bf16 rows above, full-size Air on ONE GPU, Flash
 FP8_VARIANTS = {
     "ours_fp8_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8"}),
+    # Trainer.step on AIR-8 (its setup resolves parallel.fp8_transposed_copies auto: kept where they fit)
+    "trainer_qkvo_4x1024": ("trainer", 4, 1024, QKVO, {}),
+    "trainer_fp8_qkvo_4x1024": ("trainer", 4, 1024, QKVO, {"quantize": "fp8"}),
     "ours_fp8_experts_4x1024": ("ours", 4, 1024, QKVO + ["experts"], {"quantize": "fp8"}),
     "ours_fp8block_qkvo_4x1024": ("ours", 4, 1024, QKVO, {"quantize": "fp8_block"}),
     "ours_fp8_qkvo_4x1024_eager": ("ours", 4, 1024, QKVO, {"quantize": "fp8", "compile": False}),
@@ -365,10 +370,12 @@ def compile_layers(model, mode: str, backend: str = "inductor") -> None:
         layer.compile(dynamic=False, backend=backend, mode=mode)
 
 
-def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None):
+def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None,
+                    quantize: str | None = None):
     """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
     on a GPU, layout manual: no recompute), no data: the harness's batch is passed in. compile_mode: a candidate
-    (reduce-overhead: the layers replay as CUDA graphs), through the trainer's own compile."""
+    (reduce-overhead: the layers replay as CUDA graphs), through the trainer's own compile; quantize: model.quantize
+    (an fp8 base)."""
     import tempfile
 
     import moetune.parallel.apply as parallel_apply
@@ -387,7 +394,8 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
         "--lora.targets", "[" + ",".join(targets) + "]", "--train.micro_batch_size", str(B), "--train.grad_accum", "1",
         "--train.activation_checkpointing", "none", "--train.compile", str(dev.type == "cuda").lower(),
         "--train.steps", "1000", "--eval.every", "0", "--logging.progress_bar", "false", "--logging.report_to", "[]",
-        "--checkpoint.every", "0", "--parallel.layout", "manual", "--run.output_dir", folder, "--resume", "none"])
+        "--checkpoint.every", "0", "--parallel.layout", "manual", "--run.output_dir", folder, "--resume", "none",
+        *(["--model.quantize", quantize] if quantize else [])])
     trainer = Trainer(run_cfg, data=False).__enter__()
 
     def step(ids, labels, pos):
@@ -549,7 +557,7 @@ def worker(name: str) -> dict:
         model = build_hf(cfg, targets, device=dev, gradient_checkpointing=extra.get("gc", True))
         step = hf_step_fn(model)
     elif stack == "trainer":
-        model, step = trainer_step_fn(cfg, targets, B, S, dev, extra.get("compile_mode"))
+        model, step = trainer_step_fn(cfg, targets, B, S, dev, extra.get("compile_mode"), extra.get("quantize"))
     else:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
