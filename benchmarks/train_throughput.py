@@ -233,6 +233,13 @@ for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_pr"] = (_s, _b, _t, _tg, {**_x, "persistent_rows": 4096})
     VARIANTS[f"{_base}_mk"] = (_s, _b, _t, _tg, {**_x, "inductor": {"triton.multi_kernel": 1}})
+# an fp8 base's routed experts GEMM by GEMM, the SwiGLU and its quantisations compiled by Inductor between them (before
+# quant.matmul.fp8_expert_mlp)
+for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_fp8_flash_mla_1x4096",
+              "ours_fp8_flash_mla_1x4096_ttkm", "ours_fp8_ep8rank_qkvo_1x4096_packed",
+              "ours_fp8_ep8rank_qkvo_1x4096_packed_tto", "ours_fp8_flash_mla_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_nf"] = (_s, _b, _t, _tg, {**_x, "fused_expert_mlp": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -313,6 +320,7 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
         fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)
         fp8_matmul.K_MAJOR_COPY = extra.get("k_major_copy", fp8_matmul.K_MAJOR_COPY)
+        fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

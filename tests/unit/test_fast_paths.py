@@ -323,3 +323,54 @@ def test_weighted_swiglu_kernels_equal_the_torch_reference(dtype):
     torch.testing.assert_close(got_h.float(), ref_h, **tol)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-5)
     assert weighted_swiglu_bwd(h, w, dy, False, use_kernel=True)[1] is None
+
+
+def _fp8_units(q, scale, ref_q, ref_scale):
+    """Both quantised rows in units of the reference's scale (fp32), and one fp8 step at each reference value."""
+    got = q.float() * scale / ref_scale
+    ref = ref_q.float()
+    return got, ref, ref.abs() * 2.0 ** -3 + 2.0 ** -9
+
+
+def test_weighted_swiglu_fp8_kernels_equal_the_torch_reference():
+    """The weighted SwiGLU with its output quantised per row (an fp8 base's down_proj operand), and its backward with
+    the gradient times each row's expert's weight scales, quantised per row (gate_up's input-gradient operand),
+    against the torch references the CPU runs: the scales within one bf16 rounding of the amax, every value within one
+    fp8 step (the kernels round the bf16 intermediates once, the interpreter truncates), the routing weights'
+    gradient within fp32 summation; most values equal."""
+    from moetune.model.kernels import (kernel_available, weighted_swiglu_bwd_fp8, weighted_swiglu_bwd_fp8_torch,
+                                       weighted_swiglu_bwd_torch, weighted_swiglu_fp8, weighted_swiglu_fp8_torch)
+    from moetune.model.quant.fp8 import FP8
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert kernel_available(device)
+    g = torch.Generator().manual_seed(0)
+    N, I, E = 23, 88, 5
+    h = (torch.randn(N, 2 * I, generator=g) * 2).to(device, torch.bfloat16)
+    w = torch.rand(N, generator=g).to(device)
+    dy = torch.randn(N, I, generator=g).to(device, torch.bfloat16)
+    h[3] = 0  # a row of zeros: scale _TINY, values 0
+    scales = (torch.rand(E, 2 * I, generator=g) * 3 + 0.01).to(device)  # each expert's weight scales, spread wide
+    expert = torch.randint(0, E, (N,), generator=g).to(device)
+
+    q, s = weighted_swiglu_fp8(h, w, use_kernel=True)
+    rq, rs = weighted_swiglu_fp8_torch(h, w)
+    assert q.dtype == FP8 and q.shape == (N, I) and s.shape == (N, 1)
+    torch.testing.assert_close(s, rs, rtol=8e-3, atol=0)
+    got, ref, step = _fp8_units(q, s, rq, rs)
+    assert ((got - ref).abs() <= step).all() and not got.isnan().any()
+    assert (q.float() == rq.float()).float().mean() > 0.9
+
+    q, s, gw = weighted_swiglu_bwd_fp8(h, w, dy, scales, expert, use_kernel=True)
+    rq, rs, rgw = weighted_swiglu_bwd_fp8_torch(h, w, dy, scales[expert])
+    assert q.dtype == FP8 and q.shape == (N, 2 * I) and s.shape == (N, 1) and gw.dtype == torch.float32
+    # the reference rounds to bf16 at each of its ops (the bf16 path's autograd), the kernel once: two roundings apart
+    torch.testing.assert_close(s, rs, rtol=2e-2, atol=0)
+    got, ref, step = _fp8_units(q, s, rq, rs)
+    assert ((got - ref).abs() <= step).all() and not got.isnan().any()
+    assert (q.float() == rq.float()).float().mean() > 0.9
+    # the routing weights' gradient is summed in fp32 from the bf16 inputs: the reference on the upcast inputs
+    torch.testing.assert_close(gw, weighted_swiglu_bwd_torch(h.float(), w, dy.float(), True)[1], rtol=1e-5, atol=1e-4)
+    # the torch reference the CPU takes is the same function of the table and the rows' experts
+    tq, ts, tgw = weighted_swiglu_bwd_fp8(h, w, dy, scales, expert, use_kernel=False)
+    assert torch.equal(tq.float(), rq.float()) and torch.equal(ts, rs) and torch.equal(tgw, rgw)

@@ -821,3 +821,43 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
         got = grads("full", True, copies)
         assert len(launches) >= 5  # forward (gate_up, down), what backward recomputes of it, two input gradients
         assert not [n for n in want if not torch.equal(got[n], want[n])], copies
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(monkeypatch, compiled):
+    """On the fp8 tensor-core path as a GPU runs it (forced on: the expert stacks through the TMA kernel under
+    Triton's interpreter, the linears through torch._scaled_mm) the routed experts without expert LoRA run as one node (quant.matmul.fp8_expert_mlp: the SwiGLU quantised for down where it is computed,
+    its backward writing gate_up's scaled, quantised operand). Against the GEMM-by-GEMM path (FUSED_EXPERT_MLP
+    False): the same loss and LoRA gradients — the fused node's CPU path is the same arithmetic, only the routing
+    weights' gradient is summed in another order — eager, and compiled as one graph per layer."""
+    from moetune.model import grouped_gemm as gg
+    from moetune.model.quant import matmul
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    calls = []
+    for name in ("weighted_swiglu_fp8", "weighted_swiglu_bwd_fp8"):  # what the custom ops run (opaque to compile)
+        real = getattr(matmul, name)
+        monkeypatch.setattr(matmul, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(fused):
+        monkeypatch.setattr(matmul, "FUSED_EXPERT_MLP", fused)
+        model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+        loss = model(ids, labels=torch.roll(ids, -1, 1))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    loss, grads = run(False)
+    assert not calls
+    got_loss, got = run(True)
+    moe_layers = 1  # the tiny model's layer 0 is dense
+    assert calls.count("weighted_swiglu_fp8") == moe_layers and calls.count("weighted_swiglu_bwd_fp8") == moe_layers
+    assert torch.equal(got_loss, loss)
+    assert got.keys() == grads.keys()
+    for n in grads:
+        torch.testing.assert_close(got[n], grads[n], rtol=1e-2, atol=1e-5, msg=n)

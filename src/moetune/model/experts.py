@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
 from moetune.model.kernels import bag_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
-from moetune.model.quant.matmul import fp8_grouped_linear
+from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
 from moetune.model.quant.modules import FrozenFp8
 from moetune.model.recompute import Rebuilt
 from moetune.tensors import local_tensor
@@ -184,7 +184,13 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     gate_up's output, which the SwiGLU's backward keeps anyway.
 
     The routing weight of each row scales the SwiGLU output, before down_proj: the same product (down_proj
-    is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum."""
+    is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum. Frozen fp8
+    stacks without expert LoRA run as one node (quant.matmul.fp8_expert_mlp)."""
+    if lora is None and GROUPED_GEMM == "torch" and isinstance(gate_up_proj, FrozenFp8) \
+            and fp8_expert_mlp_applies(x, gate_up_proj, down_proj):
+        local = [FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed)
+                 for w in (gate_up_proj, down_proj)]
+        return fp8_expert_mlp(x, row_weights, *local, offs)
     if lora is not None and lora_weights is None:
         lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
     h = grouped_linear(x, gate_up_proj, offs, base=True)

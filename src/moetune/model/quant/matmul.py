@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy, k_major_copy_reference,
                                         kernel_supported, kernel_supported_w8a8, tma_supported)
-from moetune.model.kernels import compiled_for_eager
-from moetune.model.quant.fp8 import Fp8Scheme, quantize_rows
+from moetune.model.kernels import compiled_for_eager, weighted_swiglu_bwd_fp8, weighted_swiglu_fp8
+from moetune.model.quant.fp8 import FP8, Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -193,12 +193,17 @@ def _gmm_tma(x8, x_scale, w8, offs, scale):
 
 def _gmm_fwd(x, w8, scale, offs):
     xq, sx = _quantized(quantize_rows, x)
+    return _gmm_fwd_quantized(xq, sx, w8, scale, offs, x.dtype)
+
+
+def _gmm_fwd_quantized(xq, sx, w8, scale, offs, dtype):
+    """Rows quantised per row (xq, sx) × each expert's fp8 weight, in `dtype`."""
     if GROUPED_FORWARD == "tma" and tma_supported(xq, w8, True):
         return _gmm_tma(xq, sx, w8, offs, scale)
     if GROUPED_FORWARD == "triton" and kernel_supported_w8a8(xq, w8):
         return grouped_mm_fp8(xq, sx, w8, offs, scale)
     return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), scale_a=sx.view(-1), scale_b=_row_scales(scale),
-                                    offs=offs, out_dtype=x.dtype, use_fast_accum=FAST_ACCUM_FORWARD)
+                                    offs=offs, out_dtype=dtype, use_fast_accum=FAST_ACCUM_FORWARD)
 
 
 def _gmm_dgrad_operand(g, scale, offs):
@@ -210,15 +215,21 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None, transposed=None):
     """dx through the stack w8 [E, out, in], read K-major: `transposed` [E, in, out] (a kept copy) or a copy made
     here (fp8 paths), or as stored (the Triton kernels' w8a8)."""
     gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
+    return _gmm_dgrad_quantized(gq, sg, w8, offs, g.dtype, fast_accum, transposed, g)
+
+
+def _gmm_dgrad_quantized(gq, sg, w8, offs, dtype, fast_accum=None, transposed=None, grad=None):
+    """dx from the operand already folded and quantised (gq, sg); `grad`: what a copy made here depends on (the
+    backward's input, see _k_major_copy), gq when not given."""
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
-    k_major = _k_major_copy(w8, g) if transposed is None else transposed
+    k_major = _k_major_copy(w8, gq if grad is None else grad) if transposed is None else transposed
     # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
     if GROUPED_DGRAD == "tma" and tma_supported(gq, w8, True):
         return _gmm_tma(gq, sg, k_major, offs, None)
-    ones = torch.ones(w8.shape[0], w8.shape[2], device=g.device, dtype=torch.float32)
+    ones = torch.ones(w8.shape[0], w8.shape[2], device=gq.device, dtype=torch.float32)
     return torch._scaled_grouped_mm(gq, k_major.transpose(-2, -1), scale_a=sg.view(-1),
-                                    scale_b=ones, offs=offs, out_dtype=g.dtype,
+                                    scale_b=ones, offs=offs, out_dtype=dtype,
                                     use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
@@ -249,6 +260,73 @@ def fp8_grouped_linear(x, w8, scale, offs, scheme: Fp8Scheme, transposed=None):
     """Rows x [N, in] sorted by expert (group ends `offs`) × each expert's frozen fp8 weight [E, out, in];
     `transposed`: the stack's kept copy [E, in, out] for the input gradient, or None."""
     return _Fp8GroupedLinear.apply(x, w8, scale, offs, scheme, transposed)
+
+
+# The routed experts' MLP on an fp8 base without expert LoRA as one autograd node (`fp8_expert_mlp`): True, or each
+# GEMM its own node with the SwiGLU between them compiled by Inductor (False, the form that takes expert LoRA).
+FUSED_EXPERT_MLP = True
+
+
+@torch.library.custom_op("moetune::weighted_swiglu_fp8", mutates_args=())
+def _weighted_swiglu_fp8(h: torch.Tensor, row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return weighted_swiglu_fp8(h, row_weights)
+
+
+@_weighted_swiglu_fp8.register_fake
+def _(h, row_weights):
+    return h.new_empty(h.shape[0], h.shape[1] // 2, dtype=FP8), h.new_empty(h.shape[0], 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("moetune::weighted_swiglu_bwd_fp8", mutates_args=())
+def _weighted_swiglu_bwd_fp8(h: torch.Tensor, row_weights: torch.Tensor, grad: torch.Tensor, scales: torch.Tensor,
+                             expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return weighted_swiglu_bwd_fp8(h, row_weights, grad, scales, expert)
+
+
+@_weighted_swiglu_bwd_fp8.register_fake
+def _(h, row_weights, grad, scales, expert):
+    n = h.shape[0]
+    return (h.new_empty(h.shape, dtype=FP8), h.new_empty(n, 1, dtype=torch.float32),
+            h.new_empty(n, dtype=torch.float32))
+
+
+class _Fp8ExpertMLP(torch.autograd.Function):
+    """down(swiglu(gate_up(x)) · w) through frozen fp8 stacks, one node: the SwiGLU's output is quantised for down's
+    GEMM by the kernel that computes it, and its backward writes gate_up's input-gradient operand (the gradient
+    times the expert's weight scales, quantised) in the same pass (model/kernels.py). Keeps what the two nodes
+    kept: gate_up's output h."""
+
+    @staticmethod
+    def forward(ctx, x, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t):
+        xq, sx = _quantized(quantize_rows, x)
+        h = _gmm_fwd_quantized(xq, sx, gu8, gu_scale, offs, x.dtype)
+        aq, sa = _weighted_swiglu_fp8(h, row_weights)
+        ctx.save_for_backward(h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t)
+        return _gmm_fwd_quantized(aq, sa, dn8, dn_scale, offs, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t = ctx.saved_tensors
+        g = g.contiguous()
+        da = _gmm_dgrad(g, dn8, dn_scale, offs, transposed=dn_t)
+        dq, sd, grad_w = _weighted_swiglu_bwd_fp8(h, row_weights, da, _row_scales(gu_scale),
+                                                  expert_of_rows(offs, h.shape[0]))
+        dx = _gmm_dgrad_quantized(dq, sd, gu8, offs, g.dtype, transposed=gu_t, grad=g)
+        return dx, grad_w.to(row_weights.dtype), None, None, None, None, None, None, None
+
+
+def fp8_expert_mlp_applies(x, gate_up, down) -> bool:
+    """Whether `fp8_expert_mlp` runs these stacks (FrozenFp8, row scales, on fp8 tensor cores): otherwise the expert
+    MLP runs GEMM by GEMM."""
+    return (FUSED_EXPERT_MLP and DGRAD == "fp8" and GROUPED_DGRAD in ("fp8", "tma")
+            and all(_fp8_kernels(x, w.q, w.scheme) for w in (gate_up, down)))
+
+
+def fp8_expert_mlp(x, row_weights, gate_up, down, offs):
+    """Rows x [N, H] sorted by expert (group ends `offs`) through each expert's SwiGLU MLP, each row's output scaled
+    by its routing weight: `gate_up` and `down` are FrozenFp8 stacks (tensors local to this rank)."""
+    return _Fp8ExpertMLP.apply(x, row_weights, gate_up.q, gate_up.scale, down.q, down.scale, offs,
+                               gate_up.transposed, down.transposed)
 
 
 def reference_fp8_grouped_linear(x, w8, scale, offs):
