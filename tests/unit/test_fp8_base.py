@@ -829,7 +829,8 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
     Triton's interpreter, the linears through torch._scaled_mm) the routed experts without expert LoRA run as one node (quant.matmul.fp8_expert_mlp: the SwiGLU quantised for down where it is computed,
     its backward writing gate_up's scaled, quantised operand). Against the GEMM-by-GEMM path (FUSED_EXPERT_MLP
     False): the same loss and LoRA gradients — the fused node's CPU path is the same arithmetic, only the routing
-    weights' gradient is summed in another order — eager, and compiled as one graph per layer."""
+    weights' gradient is summed in another order — eager, and compiled as one graph per layer (where the node takes
+    the tokens quantised, then gathered: experts.quantized_rows)."""
     from moetune.model import grouped_gemm as gg
     from moetune.model.quant import matmul
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
 from moetune.model.kernels import bag_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
+from moetune.model.quant.fp8 import quantize_rows
 from moetune.model.quant.modules import FrozenFp8
 from moetune.model.recompute import Rebuilt
 from moetune.tensors import local_tensor
@@ -175,8 +176,20 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return weighted_swiglu_bwd(h, row_weights, grad, ctx.needs_input_grad[1])
 
 
+def fuses_fp8_mlp(x, gate_up_proj, down_proj, lora) -> bool:
+    """Whether experts_forward runs these stacks as one fp8 node (quant.matmul.fp8_expert_mlp)."""
+    return (lora is None and GROUPED_GEMM == "torch" and isinstance(gate_up_proj, FrozenFp8)
+            and fp8_expert_mlp_applies(x, gate_up_proj, down_proj))
+
+
+def quantized_rows(x: torch.Tensor, perm: Permutation) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(permute_rows(x, perm)) as the tokens quantised, then their fp8 rows and scales gathered."""
+    xq, sx = quantize_rows(x)
+    return xq[perm.token_idx], sx[perm.token_idx]
+
+
 def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None,
-                    rebuilt: Rebuilt | None = None) -> torch.Tensor:
+                    rebuilt: Rebuilt | None = None, quantized=None) -> torch.Tensor:
     """Run rows x [N, H] sorted by expert (group ends `offs`) through stacked experts (gate_up [E, 2I, H],
     down [E, H, I]); `lora` (an ExpertLoRA) adds its deltas, with `lora_weights` (gate_up A, B, down A, B) in
     place of its own parameters when given (the expert-parallel path passes this rank's local tensors). With
@@ -185,12 +198,12 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
 
     The routing weight of each row scales the SwiGLU output, before down_proj: the same product (down_proj
     is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum. Frozen fp8
-    stacks without expert LoRA run as one node (quant.matmul.fp8_expert_mlp)."""
-    if lora is None and GROUPED_GEMM == "torch" and isinstance(gate_up_proj, FrozenFp8) \
-            and fp8_expert_mlp_applies(x, gate_up_proj, down_proj):
+    stacks without expert LoRA run as one node (quant.matmul.fp8_expert_mlp), from x's rows already quantised
+    where `quantized` gives them (`quantized_rows`)."""
+    if fuses_fp8_mlp(x, gate_up_proj, down_proj, lora):
         local = [FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed)
                  for w in (gate_up_proj, down_proj)]
-        return fp8_expert_mlp(x, row_weights, *local, offs)
+        return fp8_expert_mlp(x, row_weights, *local, offs, quantized)
     if lora is not None and lora_weights is None:
         lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
     h = grouped_linear(x, gate_up_proj, offs, base=True)

@@ -297,8 +297,9 @@ class _Fp8ExpertMLP(torch.autograd.Function):
     kept: gate_up's output h."""
 
     @staticmethod
-    def forward(ctx, x, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t):
-        xq, sx = _quantized(quantize_rows, x)
+    def forward(ctx, x, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t, xq, sx):
+        if xq is None:
+            xq, sx = _quantized(quantize_rows, x)
         h = _gmm_fwd_quantized(xq, sx, gu8, gu_scale, offs, x.dtype)
         aq, sa = _weighted_swiglu_fp8(h, row_weights)
         ctx.save_for_backward(h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t)
@@ -312,7 +313,7 @@ class _Fp8ExpertMLP(torch.autograd.Function):
         dq, sd, grad_w = _weighted_swiglu_bwd_fp8(h, row_weights, da, _row_scales(gu_scale),
                                                   expert_of_rows(offs, h.shape[0]))
         dx = _gmm_dgrad_quantized(dq, sd, gu8, offs, g.dtype, transposed=gu_t, grad=g)
-        return dx, grad_w.to(row_weights.dtype), None, None, None, None, None, None, None
+        return dx, grad_w.to(row_weights.dtype), None, None, None, None, None, None, None, None, None
 
 
 def fp8_expert_mlp_applies(x, gate_up, down) -> bool:
@@ -322,11 +323,15 @@ def fp8_expert_mlp_applies(x, gate_up, down) -> bool:
             and all(_fp8_kernels(x, w.q, w.scheme) for w in (gate_up, down)))
 
 
-def fp8_expert_mlp(x, row_weights, gate_up, down, offs):
+def fp8_expert_mlp(x, row_weights, gate_up, down, offs, quantized=None):
     """Rows x [N, H] sorted by expert (group ends `offs`) through each expert's SwiGLU MLP, each row's output scaled
-    by its routing weight: `gate_up` and `down` are FrozenFp8 stacks (tensors local to this rank)."""
+    by its routing weight: `gate_up` and `down` are FrozenFp8 stacks (tensors local to this rank). `quantized`:
+    quantize_rows(x), made by the caller (the rows' tokens quantised, then gathered: one byte a value moved, not
+    two), or None. x's values are then not read: compiled, the gather that made x is dropped; its gradient is still
+    x's."""
+    xq, sx = quantized if quantized is not None else (None, None)
     return _Fp8ExpertMLP.apply(x, row_weights, gate_up.q, gate_up.scale, down.q, down.scale, offs,
-                               gate_up.transposed, down.transposed)
+                               gate_up.transposed, down.transposed, xq, sx)
 
 
 def reference_fp8_grouped_linear(x, w8, scale, offs):
