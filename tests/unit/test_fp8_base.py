@@ -830,14 +830,15 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
     its backward writing gate_up's scaled, quantised operand). Against the GEMM-by-GEMM path (FUSED_EXPERT_MLP
     False): the same loss and LoRA gradients — the fused node's CPU path is the same arithmetic, only the routing
     weights' gradient is summed in another order — eager, and compiled as one graph per layer (where the node takes
-    the tokens quantised, then gathered: experts.quantized_rows)."""
+    the tokens quantised, then gathered, and sums each token's rows itself: experts.fp8_routed_experts)."""
     from moetune.model import grouped_gemm as gg
     from moetune.model.quant import matmul
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
     calls = []
-    for name in ("weighted_swiglu_fp8", "weighted_swiglu_bwd_fp8"):  # what the custom ops run (opaque to compile)
+    # what the custom ops run (opaque to compile)
+    for name in ("weighted_swiglu_fp8", "weighted_swiglu_bwd_fp8", "gathered_rows_fp8"):
         real = getattr(matmul, name)
         monkeypatch.setattr(matmul, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -858,6 +859,7 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
     got_loss, got = run(True)
     moe_layers = 1  # the tiny model's layer 0 is dense
     assert calls.count("weighted_swiglu_fp8") == moe_layers and calls.count("weighted_swiglu_bwd_fp8") == moe_layers
+    assert calls.count("gathered_rows_fp8") == (moe_layers if compiled else 0)  # the combine inside: compiled only
     assert torch.equal(got_loss, loss)
     assert got.keys() == grads.keys()
     for n in grads:

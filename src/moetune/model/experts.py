@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
-from moetune.model.kernels import bag_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
+from moetune.model.kernels import gather_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
 from moetune.model.quant.fp8 import quantize_rows
 from moetune.model.quant.modules import FrozenFp8
@@ -112,18 +112,6 @@ def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch
 # reduction kernel over k that reads the rows at ~0.9 TB/s on an H200; k gathers added compile to one element-wise
 # kernel running along each row's columns (2.9 TB/s; permutation forward + backward of Air's 32,768 rows 0.40 ms
 # against 0.84, BENCHMARKS.md, twelfth session).
-def _gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """out[t] = Σ_j rows[index[t·k + j]] (n groups of k consecutive indices), accumulated in fp32 in j order."""
-    idx = index.view(n, index.numel() // max(n, 1))
-    if not torch.compiler.is_compiling():  # eager: one Triton kernel on CUDA, its torch reference elsewhere
-        return bag_sum(rows, idx)
-    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
-    acc = rows[idx[:, 0]].to(acc_dtype)
-    for j in range(1, idx.shape[1]):
-        acc = acc + rows[idx[:, j]].to(acc_dtype)
-    return acc.to(rows.dtype)
-
-
 class _Gather(torch.autograd.Function):
     """x[token_idx] (k rows per token, sorted by expert), whose backward sums each token's k row gradients
     (`inverse`: the permuted row of each (token, slot))."""
@@ -137,7 +125,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (inverse,) = ctx.saved_tensors
-        return _gather_sum(g, inverse, ctx.num_tokens), None, None
+        return gather_sum(g, inverse, ctx.num_tokens), None, None
 
 
 class _GatherSum(torch.autograd.Function):
@@ -146,7 +134,7 @@ class _GatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_perm, inverse, token_idx, num_tokens):
         ctx.save_for_backward(token_idx)
-        return _gather_sum(y_perm, inverse, num_tokens)
+        return gather_sum(y_perm, inverse, num_tokens)
 
     @staticmethod
     def backward(ctx, g):
@@ -182,14 +170,19 @@ def fuses_fp8_mlp(x, gate_up_proj, down_proj, lora) -> bool:
             and fp8_expert_mlp_applies(x, gate_up_proj, down_proj))
 
 
-def quantized_rows(x: torch.Tensor, perm: Permutation) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows(permute_rows(x, perm)) as the tokens quantised, then their fp8 rows and scales gathered."""
+def fp8_routed_experts(x, perm: Permutation, row_weights, gate_up, down) -> torch.Tensor:
+    """unpermute(experts_forward(permute_rows(x, perm), ...)) for fp8 stacks fuses_fp8_mlp takes, in compiled code:
+    the tokens quantised, then their fp8 rows gathered (the bf16 rows are never made), and the combine inside the
+    fused node, whose backward gathers down's operand from the tokens' gradient (quant.matmul.fp8_expert_mlp)."""
     xq, sx = quantize_rows(x)
-    return xq[perm.token_idx], sx[perm.token_idx]
+    local = [FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed) for w in (gate_up, down)]
+    return fp8_expert_mlp(permute_rows(x, perm), row_weights, *local, perm.offs,
+                          quantized=(xq[perm.token_idx], sx[perm.token_idx]),
+                          combine=(perm.inverse, perm.token_idx, x.shape[0]))
 
 
 def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lora_weights=None,
-                    rebuilt: Rebuilt | None = None, quantized=None) -> torch.Tensor:
+                    rebuilt: Rebuilt | None = None) -> torch.Tensor:
     """Run rows x [N, H] sorted by expert (group ends `offs`) through stacked experts (gate_up [E, 2I, H],
     down [E, H, I]); `lora` (an ExpertLoRA) adds its deltas, with `lora_weights` (gate_up A, B, down A, B) in
     place of its own parameters when given (the expert-parallel path passes this rank's local tensors). With
@@ -198,12 +191,11 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
 
     The routing weight of each row scales the SwiGLU output, before down_proj: the same product (down_proj
     is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum. Frozen fp8
-    stacks without expert LoRA run as one node (quant.matmul.fp8_expert_mlp), from x's rows already quantised
-    where `quantized` gives them (`quantized_rows`)."""
+    stacks without expert LoRA run as one node (quant.matmul.fp8_expert_mlp)."""
     if fuses_fp8_mlp(x, gate_up_proj, down_proj, lora):
         local = [FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed)
                  for w in (gate_up_proj, down_proj)]
-        return fp8_expert_mlp(x, row_weights, *local, offs, quantized)
+        return fp8_expert_mlp(x, row_weights, *local, offs)
     if lora is not None and lora_weights is None:
         lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
     h = grouped_linear(x, gate_up_proj, offs, base=True)

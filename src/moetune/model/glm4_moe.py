@@ -22,7 +22,8 @@ from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.names import LOSS_CHUNK_TOKENS
-from moetune.model.experts import experts_forward, fuses_fp8_mlp, permute, permute_rows, quantized_rows, unpermute
+from moetune.model.experts import (experts_forward, fp8_routed_experts, fuses_fp8_mlp, permute, permute_rows,
+                                   unpermute)
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name, transposed_copy
 from moetune.model.recompute import recompute, split_modes
 
@@ -158,13 +159,14 @@ class Experts(nn.Module):
             return self.dispatcher(x, topk_idx, topk_weights, self._weights(), self._compute, self.num_experts,
                                    side_work, recompute)
         perm = permute(topk_idx, self.num_experts)
-        rows, row_weights = permute_rows(x, perm), topk_weights.reshape(-1)[perm.order]
+        row_weights = topk_weights.reshape(-1)[perm.order]
         gate_up, down = expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj")
-        # compiled, the gather of x's bf16 rows is then dropped (eager code has it made already)
-        fused = torch.compiler.is_compiling() and fuses_fp8_mlp(x, gate_up, down, self.lora)
-        quantized = quantized_rows(x, perm) if fused else None
-        y = experts_forward(rows, perm.offs, row_weights, gate_up, down, self.lora, quantized=quantized)
-        return unpermute(y, perm, x.shape[0]), perm.counts, side_work() if side_work is not None else None
+        if torch.compiler.is_compiling() and fuses_fp8_mlp(x, gate_up, down, self.lora):
+            y = fp8_routed_experts(x, perm, row_weights, gate_up, down)
+        else:
+            y = unpermute(experts_forward(permute_rows(x, perm), perm.offs, row_weights, gate_up, down, self.lora),
+                          perm, x.shape[0])
+        return y, perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):
         """The tensors the dispatcher hands `_compute` (this rank's shards): base stacks, their fp8 scales (and kept

@@ -10,6 +10,8 @@ against those references.
   BENCHMARKS.md); a padded gather materialises [m, J, H].
 - `weighted_swiglu_fwd` / `_bwd`: silu(gate)·up·w per row and its gradients in one pass each, where eager torch
   takes five kernels forward and twelve backward over the [rows, intermediate] activations.
+- `gathered_rows_fp8`: rows gathered, times each row's expert's weight scales, quantised per row (down_proj's
+  input-gradient operand on an fp8 base, from the tokens' gradient).
 - `weighted_swiglu_fp8` / `weighted_swiglu_bwd_fp8`: the same with their outputs quantised per row for an fp8 base's
   expert GEMMs (model/quant/matmul.py `fp8_expert_mlp`), the gradient first multiplied by each row's expert's weight
   scales. Compiled, Inductor writes these as reductions that read their inputs twice and, for the gradient, store
@@ -74,6 +76,18 @@ def bag_sum(src: torch.Tensor, slots: torch.Tensor, use_kernel: bool | None = No
     out = src.new_empty(m, H)
     _bag_sum_kernel[(m, triton.cdiv(H, BLOCK))](src, slots, out, H, J=J, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+def gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """out[t] = Σ_j rows[index[t·k + j]] (n groups of k consecutive indices), accumulated in fp32 in j order."""
+    idx = index.view(n, index.numel() // max(n, 1))
+    if not torch.compiler.is_compiling():  # eager: one Triton kernel on CUDA, its torch reference elsewhere
+        return bag_sum(rows, idx)
+    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+    acc = rows[idx[:, 0]].to(acc_dtype)
+    for j in range(1, idx.shape[1]):
+        acc = acc + rows[idx[:, j]].to(acc_dtype)
+    return acc.to(rows.dtype)
 
 
 # ---------------------------------------------------------------------------------------- weighted SwiGLU
@@ -163,6 +177,26 @@ def weighted_swiglu_bwd_fp8(h, w, grad, scales, expert, use_kernel: bool | None 
     return q, scale, grad_w
 
 
+def gathered_rows_fp8_torch(src, index, row_scales):
+    """(fp8 [N, H], fp32 scales [N, 1]): src[index] times row_scales [N, H] fp32, quantised per row."""
+    return quantize_rows(src[index].float() * row_scales)
+
+
+def gathered_rows_fp8(src, index, scales, expert, use_kernel: bool | None = None):
+    """gathered_rows_fp8_torch with the row scales as a table `scales` [E, H] (fp32) and each row's `expert` [N]:
+    one pass, each source row read where it is gathered (an fp8 base's down_proj input-gradient operand, from the
+    tokens' output gradient)."""
+    if not _use_kernel(src, use_kernel) or index.shape[0] == 0:
+        return gathered_rows_fp8_torch(src, index, scales.float()[expert.long()])
+    src, index, scales, expert = src.contiguous(), index.contiguous(), scales.float().contiguous(), expert.contiguous()
+    N, H = index.shape[0], src.shape[1]
+    q = torch.empty(N, H, dtype=FP8, device=src.device)
+    scale = torch.empty(N, 1, dtype=torch.float32, device=src.device)
+    _gathered_rows_fp8_kernel[(N,)](src, index, scales, expert, q, scale, H, FP8_MAX=FP8_MAX, TINY=_TINY,
+                                    GRID=_interpreted(), BLOCK=triton.next_power_of_2(H), num_warps=8)
+    return q, scale
+
+
 if triton is not None:
     @triton.jit
     def _to_fp8(x, dtype: tl.constexpr, GRID: tl.constexpr):
@@ -214,6 +248,20 @@ if triton is not None:
                  mask=mask)
         tl.store(q + row * 2 * I + I + cols, _to_fp8(tl.clamp(d_up / s, -FP8_MAX, FP8_MAX), q.dtype.element_ty,
                                                      GRID), mask=mask)
+        tl.store(scale + row, s)
+
+    @triton.jit
+    def _gathered_rows_fp8_kernel(src, index, scales, expert, q, scale, H, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+                                  GRID: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        t = tl.load(index + row).to(tl.int64)
+        e = tl.load(expert + row).to(tl.int64)
+        x = tl.load(src + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x * tl.load(scales + e * H + cols, mask=mask, other=0.0)
+        s = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, TINY)
+        tl.store(q + row * H + cols, _to_fp8(tl.clamp(x / s, -FP8_MAX, FP8_MAX), q.dtype.element_ty, GRID), mask=mask)
         tl.store(scale + row, s)
 
     @triton.jit

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy, k_major_copy_reference,
                                         kernel_supported, kernel_supported_w8a8, tma_supported)
-from moetune.model.kernels import compiled_for_eager, weighted_swiglu_bwd_fp8, weighted_swiglu_fp8
+from moetune.model.kernels import (compiled_for_eager, gather_sum, gathered_rows_fp8, weighted_swiglu_bwd_fp8,
+                                   weighted_swiglu_fp8)
 from moetune.model.quant.fp8 import FP8, Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -290,6 +291,18 @@ def _(h, row_weights, grad, scales, expert):
             h.new_empty(n, dtype=torch.float32))
 
 
+@torch.library.custom_op("moetune::gathered_rows_fp8", mutates_args=())
+def _gathered_rows_fp8(src: torch.Tensor, index: torch.Tensor, scales: torch.Tensor,
+                       expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gathered_rows_fp8(src, index, scales, expert)
+
+
+@_gathered_rows_fp8.register_fake
+def _(src, index, scales, expert):
+    n = index.shape[0]
+    return src.new_empty(n, src.shape[1], dtype=FP8), src.new_empty(n, 1, dtype=torch.float32)
+
+
 class _Fp8ExpertMLP(torch.autograd.Function):
     """down(swiglu(gate_up(x)) · w) through frozen fp8 stacks, one node: the SwiGLU's output is quantised for down's
     GEMM by the kernel that computes it, and its backward writes gate_up's input-gradient operand (the gradient
@@ -297,23 +310,30 @@ class _Fp8ExpertMLP(torch.autograd.Function):
     kept: gate_up's output h."""
 
     @staticmethod
-    def forward(ctx, x, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t, xq, sx):
+    def forward(ctx, x, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t, xq, sx, inverse, token_idx,
+                num_tokens):
         if xq is None:
             xq, sx = _quantized(quantize_rows, x)
         h = _gmm_fwd_quantized(xq, sx, gu8, gu_scale, offs, x.dtype)
         aq, sa = _weighted_swiglu_fp8(h, row_weights)
-        ctx.save_for_backward(h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t)
-        return _gmm_fwd_quantized(aq, sa, dn8, dn_scale, offs, x.dtype)
+        ctx.save_for_backward(h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t, token_idx)
+        y = _gmm_fwd_quantized(aq, sa, dn8, dn_scale, offs, x.dtype)
+        # with the combine: each token's rows summed, and backward reads the tokens' gradient where it gathers it
+        return y if inverse is None else gather_sum(y, inverse, num_tokens)
 
     @staticmethod
     def backward(ctx, g):
-        h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t = ctx.saved_tensors
+        h, row_weights, gu8, gu_scale, dn8, dn_scale, offs, gu_t, dn_t, token_idx = ctx.saved_tensors
         g = g.contiguous()
-        da = _gmm_dgrad(g, dn8, dn_scale, offs, transposed=dn_t)
-        dq, sd, grad_w = _weighted_swiglu_bwd_fp8(h, row_weights, da, _row_scales(gu_scale),
-                                                  expert_of_rows(offs, h.shape[0]))
+        expert = expert_of_rows(offs, h.shape[0])
+        if token_idx is None:
+            da = _gmm_dgrad(g, dn8, dn_scale, offs, transposed=dn_t)
+        else:
+            gq, sg = _gathered_rows_fp8(g, token_idx, _row_scales(dn_scale), expert)
+            da = _gmm_dgrad_quantized(gq, sg, dn8, offs, g.dtype, transposed=dn_t, grad=g)
+        dq, sd, grad_w = _weighted_swiglu_bwd_fp8(h, row_weights, da, _row_scales(gu_scale), expert)
         dx = _gmm_dgrad_quantized(dq, sd, gu8, offs, g.dtype, transposed=gu_t, grad=g)
-        return dx, grad_w.to(row_weights.dtype), None, None, None, None, None, None, None, None, None
+        return dx, grad_w.to(row_weights.dtype), *[None] * 12
 
 
 def fp8_expert_mlp_applies(x, gate_up, down) -> bool:
@@ -323,15 +343,18 @@ def fp8_expert_mlp_applies(x, gate_up, down) -> bool:
             and all(_fp8_kernels(x, w.q, w.scheme) for w in (gate_up, down)))
 
 
-def fp8_expert_mlp(x, row_weights, gate_up, down, offs, quantized=None):
+def fp8_expert_mlp(x, row_weights, gate_up, down, offs, quantized=None, combine=None):
     """Rows x [N, H] sorted by expert (group ends `offs`) through each expert's SwiGLU MLP, each row's output scaled
     by its routing weight: `gate_up` and `down` are FrozenFp8 stacks (tensors local to this rank). `quantized`:
     quantize_rows(x), made by the caller (the rows' tokens quantised, then gathered: one byte a value moved, not
     two), or None. x's values are then not read: compiled, the gather that made x is dropped; its gradient is still
-    x's."""
+    x's. `combine` (inverse, token_idx, num_tokens) of the rows' permutation (experts.Permutation): each token's rows
+    summed ([num_tokens, H] returned), and down's input-gradient operand gathered from the tokens' gradient in the
+    pass that scales and quantises it."""
     xq, sx = quantized if quantized is not None else (None, None)
+    inverse, token_idx, num_tokens = combine if combine is not None else (None, None, 0)
     return _Fp8ExpertMLP.apply(x, row_weights, gate_up.q, gate_up.scale, down.q, down.scale, offs,
-                               gate_up.transposed, down.transposed, xq, sx)
+                               gate_up.transposed, down.transposed, xq, sx, inverse, token_idx, num_tokens)
 
 
 def reference_fp8_grouped_linear(x, w8, scale, offs):
