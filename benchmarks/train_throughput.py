@@ -225,13 +225,12 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
-# Inductor's reductions along rows (the fp8 quantisations, the norms): rows up to 4,096 reduced in one pass (_pr), or
-# both forms generated and the faster picked at run time (_mk, Inductor's multi_kernel)
+# Inductor's reductions along rows (the fp8 quantisations, the norms): the looped and the one-pass form both generated
+# and the faster picked at run time (_mk, Inductor's multi_kernel)
 for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_flash_mla_1x4096",
               "ours_fp8_flash_mla_1x4096", "ours_fp8_flash_mla_1x4096_ttkm", "ours_ep8rank_qkvo_1x4096_packed",
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096", "ours_experts_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_pr"] = (_s, _b, _t, _tg, {**_x, "persistent_rows": 4096})
     VARIANTS[f"{_base}_mk"] = (_s, _b, _t, _tg, {**_x, "inductor": {"triton.multi_kernel": 1}})
 # an fp8 base's routed experts GEMM by GEMM, the SwiGLU and its quantisations compiled by Inductor between them (before
 # quant.matmul.fp8_expert_mlp)
@@ -334,10 +333,6 @@ def build_ours(cfg: dict, targets, extra, device):
 
         for option, value in extra.get("inductor", {}).items():  # a candidate: Inductor options for every graph
             setattr(inductor_config, option, value)
-        if "persistent_rows" in extra:  # a candidate: rows up to this long reduced in one pass (parallel.apply)
-            from moetune.parallel.apply import persistent_rows_choices
-
-            inductor_config.inductor_choices_class = persistent_rows_choices(extra["persistent_rows"])
         if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode
             compile_layers(model, extra["compile_mode"])
         else:

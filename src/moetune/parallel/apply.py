@@ -66,38 +66,9 @@ def apply_ac(model, spec) -> None:
         layer.activation_checkpointing = mode
 
 
-# Inductor writes a reduction along rows longer than 1,024 elements as a loop that reads (and recomputes) its inputs
-# once for the reduction and again for the output. The fp8 base's per-row quantisations (amax over 1,408–4,096
-# columns, fused with the gather, SwiGLU or SwiGLU backward that produce the row) and the RMSNorms are such rows.
-# An int: rows up to that length are reduced in one pass, the whole row held on chip (None: Inductor's own rule).
-PERSISTENT_ROWS_UP_TO: int | None = None
-
-
-def persistent_rows_choices(up_to: int):
-    """An InductorChoices class (torch._inductor.config.inductor_choices_class) that reduces rows of up to `up_to`
-    contiguous elements in one pass; every other decision is Inductor's."""
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.runtime.hints import ReductionHint
-    from torch._inductor.virtualized import V
-
-    class PersistentRows(InductorChoices):
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction, *rest):
-            if (not cooperative_reduction and features.get_reduction_hint() == ReductionHint.INNER
-                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, up_to)):
-                return True
-            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction, *rest)
-
-    return PersistentRows
-
-
 def apply_compile(model, backend: str = "inductor") -> None:
     """torch.compile per decoder layer: one graph per layer type, no recompiles across layers. Under expert
     parallelism the exchange is a graph break (expert_parallel.AllToAllDispatcher); what surrounds it stays compiled."""
-    if PERSISTENT_ROWS_UP_TO:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.inductor_choices_class = persistent_rows_choices(PERSISTENT_ROWS_UP_TO)
     for layer in model.model.layers:
         layer.compile(dynamic=False, backend=backend)
 
