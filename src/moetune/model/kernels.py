@@ -212,16 +212,58 @@ if triton is not None:
         return x.to(dtype)
 
     @triton.jit
+    def _fp8_scale(amax, FP8_MAX: tl.constexpr, TINY: tl.constexpr):
+        """quant.fp8.quantize_rows's scale of a row whose largest magnitude is amax."""
+        return tl.maximum(amax / FP8_MAX, TINY)
+
+    @triton.jit
+    def _fp8_values(x, s, dtype: tl.constexpr, FP8_MAX: tl.constexpr, GRID: tl.constexpr):
+        return _to_fp8(tl.clamp(x / s, -FP8_MAX, FP8_MAX), dtype, GRID)
+
+    @triton.jit
+    def _swiglu_row(h, w, row, cols, mask, I):
+        """silu(gate)·up·w of one row, fp32."""
+        g = tl.load(h + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
+        return g * tl.sigmoid(g) * u * tl.load(w + row).to(tl.float32)
+
+    @triton.jit
+    def _swiglu_bwd_row(h, w, grad, row, cols, mask, I):
+        """(grad of gate, grad of up, grad of w) of one row, fp32."""
+        g = tl.load(h + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(grad + row * I + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        dp = dy * tl.load(w + row).to(tl.float32)  # gradient of silu(g)·up
+        return dp * u * sig * (1.0 + g * (1.0 - sig)), dp * silu, tl.sum(silu * u * dy, axis=0)
+
+    @triton.jit
+    def _swiglu_fwd_kernel(h, w, out, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < I
+        tl.store(out + row * I + cols, _swiglu_row(h, w, row, cols, mask, I).to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(h, w, grad, grad_h, grad_w, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < I
+        d_gate, d_up, gw = _swiglu_bwd_row(h, w, grad, row, cols, mask, I)
+        tl.store(grad_w + row, gw)
+        tl.store(grad_h + row * 2 * I + cols, d_gate.to(grad_h.dtype.element_ty), mask=mask)
+        tl.store(grad_h + row * 2 * I + I + cols, d_up.to(grad_h.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _swiglu_fp8_kernel(h, w, q, scale, I, FP8_MAX: tl.constexpr, TINY: tl.constexpr, GRID: tl.constexpr,
                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < I
-        g = tl.load(h + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
-        a = (g * tl.sigmoid(g) * u * tl.load(w + row).to(tl.float32)).to(h.dtype.element_ty).to(tl.float32)
-        s = tl.maximum(tl.max(tl.abs(a), axis=0) / FP8_MAX, TINY)  # quant.fp8.quantize_rows on the row
-        tl.store(q + row * I + cols, _to_fp8(tl.clamp(a / s, -FP8_MAX, FP8_MAX), q.dtype.element_ty, GRID), mask=mask)
+        a = _swiglu_row(h, w, row, cols, mask, I).to(h.dtype.element_ty).to(tl.float32)
+        s = _fp8_scale(tl.max(tl.abs(a), axis=0), FP8_MAX, TINY)
+        tl.store(q + row * I + cols, _fp8_values(a, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
         tl.store(scale + row, s)
 
     @triton.jit
@@ -230,24 +272,16 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < I
-        g = tl.load(h + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(grad + row * I + cols, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        tl.store(grad_w + row, tl.sum(silu * u * dy, axis=0))
-        dp = dy * tl.load(w + row).to(tl.float32)
+        d_gate, d_up, gw = _swiglu_bwd_row(h, w, grad, row, cols, mask, I)
+        tl.store(grad_w + row, gw)
         # rounded to h's dtype, as the gradient the bf16 path hands the GEMM, then times the expert's scales
         e = tl.load(expert + row).to(tl.int64)
-        d_gate = (dp * u * sig * (1.0 + g * (1.0 - sig))).to(h.dtype.element_ty).to(tl.float32)
+        d_gate = d_gate.to(h.dtype.element_ty).to(tl.float32)
         d_gate = d_gate * tl.load(scales + e * 2 * I + cols, mask=mask, other=0.0)
-        d_up = (dp * silu).to(h.dtype.element_ty).to(tl.float32)
-        d_up = d_up * tl.load(scales + e * 2 * I + I + cols, mask=mask, other=0.0)
-        s = tl.maximum(tl.maximum(tl.max(tl.abs(d_gate), axis=0), tl.max(tl.abs(d_up), axis=0)) / FP8_MAX, TINY)
-        tl.store(q + row * 2 * I + cols, _to_fp8(tl.clamp(d_gate / s, -FP8_MAX, FP8_MAX), q.dtype.element_ty, GRID),
-                 mask=mask)
-        tl.store(q + row * 2 * I + I + cols, _to_fp8(tl.clamp(d_up / s, -FP8_MAX, FP8_MAX), q.dtype.element_ty,
-                                                     GRID), mask=mask)
+        d_up = d_up.to(h.dtype.element_ty).to(tl.float32) * tl.load(scales + e * 2 * I + I + cols, mask=mask, other=0.0)
+        s = _fp8_scale(tl.maximum(tl.max(tl.abs(d_gate), axis=0), tl.max(tl.abs(d_up), axis=0)), FP8_MAX, TINY)
+        tl.store(q + row * 2 * I + cols, _fp8_values(d_gate, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
+        tl.store(q + row * 2 * I + I + cols, _fp8_values(d_up, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
         tl.store(scale + row, s)
 
     @triton.jit
@@ -260,8 +294,8 @@ if triton is not None:
         e = tl.load(expert + row).to(tl.int64)
         x = tl.load(src + t * H + cols, mask=mask, other=0.0).to(tl.float32)
         x = x * tl.load(scales + e * H + cols, mask=mask, other=0.0)
-        s = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, TINY)
-        tl.store(q + row * H + cols, _to_fp8(tl.clamp(x / s, -FP8_MAX, FP8_MAX), q.dtype.element_ty, GRID), mask=mask)
+        s = _fp8_scale(tl.max(tl.abs(x), axis=0), FP8_MAX, TINY)
+        tl.store(q + row * H + cols, _fp8_values(x, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
         tl.store(scale + row, s)
 
     @triton.jit
@@ -275,31 +309,3 @@ if triton is not None:
             if s >= 0:
                 acc += tl.load(src + s * H + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + row.to(tl.int64) * H + cols, acc.to(out.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _swiglu_fwd_kernel(h, w, out, I, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < I
-        g = tl.load(h + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(w + row).to(tl.float32)
-        a = g * tl.sigmoid(g) * u * scale
-        tl.store(out + row * I + cols, a.to(out.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _swiglu_bwd_kernel(h, w, grad, grad_h, grad_w, I, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < I
-        g = tl.load(h + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(h + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(grad + row * I + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(w + row).to(tl.float32)
-        sig = tl.sigmoid(g)
-        silu = g * sig
-        tl.store(grad_w + row, tl.sum(silu * u * dy, axis=0))
-        dp = dy * scale  # gradient of silu(g)·u
-        d_gate = dp * u * sig * (1.0 + g * (1.0 - sig))
-        tl.store(grad_h + row * 2 * I + cols, d_gate.to(grad_h.dtype.element_ty), mask=mask)
-        tl.store(grad_h + row * 2 * I + I + cols, (dp * silu).to(grad_h.dtype.element_ty), mask=mask)
