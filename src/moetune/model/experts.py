@@ -170,13 +170,16 @@ def fuses_fp8_mlp(x, gate_up_proj, down_proj, lora) -> bool:
             and fp8_expert_mlp_applies(x, gate_up_proj, down_proj))
 
 
+def _local_fp8(w: FrozenFp8) -> FrozenFp8:
+    return FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed)
+
+
 def fp8_routed_experts(x, perm: Permutation, row_weights, gate_up, down) -> torch.Tensor:
     """unpermute(experts_forward(permute_rows(x, perm), ...)) for fp8 stacks fuses_fp8_mlp takes, in compiled code:
     the tokens quantised, then their fp8 rows gathered (the bf16 rows are never made), and the combine inside the
     fused node, whose backward gathers down's operand from the tokens' gradient (quant.matmul.fp8_expert_mlp)."""
     xq, sx = quantize_rows(x)
-    local = [FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed) for w in (gate_up, down)]
-    return fp8_expert_mlp(permute_rows(x, perm), row_weights, *local, perm.offs,
+    return fp8_expert_mlp(permute_rows(x, perm), row_weights, _local_fp8(gate_up), _local_fp8(down), perm.offs,
                           quantized=(xq[perm.token_idx], sx[perm.token_idx]),
                           combine=(perm.inverse, perm.token_idx, x.shape[0]))
 
@@ -193,9 +196,7 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     is linear) on I = 1408 columns instead of H = 4096, and the combine that follows is a plain sum. Frozen fp8
     stacks without expert LoRA run as one node (quant.matmul.fp8_expert_mlp)."""
     if fuses_fp8_mlp(x, gate_up_proj, down_proj, lora):
-        local = [FrozenFp8(local_tensor(w.q), local_tensor(w.scale), w.scheme, w.transposed)
-                 for w in (gate_up_proj, down_proj)]
-        return fp8_expert_mlp(x, row_weights, *local, offs)
+        return fp8_expert_mlp(x, row_weights, _local_fp8(gate_up_proj), _local_fp8(down_proj), offs)
     if lora is not None and lora_weights is None:
         lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
     h = grouped_linear(x, gate_up_proj, offs, base=True)

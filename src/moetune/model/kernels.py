@@ -276,9 +276,10 @@ if triton is not None:
         tl.store(grad_w + row, gw)
         # rounded to h's dtype, as the gradient the bf16 path hands the GEMM, then times the expert's scales
         e = tl.load(expert + row).to(tl.int64)
-        d_gate = d_gate.to(h.dtype.element_ty).to(tl.float32)
-        d_gate = d_gate * tl.load(scales + e * 2 * I + cols, mask=mask, other=0.0)
-        d_up = d_up.to(h.dtype.element_ty).to(tl.float32) * tl.load(scales + e * 2 * I + I + cols, mask=mask, other=0.0)
+        d_gate = d_gate.to(h.dtype.element_ty).to(tl.float32) * tl.load(scales + e * 2 * I + cols, mask=mask,
+                                                                          other=0.0)
+        d_up = d_up.to(h.dtype.element_ty).to(tl.float32) * tl.load(scales + e * 2 * I + I + cols, mask=mask,
+                                                                      other=0.0)
         s = _fp8_scale(tl.maximum(tl.max(tl.abs(d_gate), axis=0), tl.max(tl.abs(d_up), axis=0)), FP8_MAX, TINY)
         tl.store(q + row * 2 * I + cols, _fp8_values(d_gate, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
         tl.store(q + row * 2 * I + I + cols, _fp8_values(d_up, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
