@@ -116,9 +116,9 @@ def test_ep_paths_equal_plain_model(full, variants):
     mp.spawn(_worker, args=(free_port(), full, variants), nprocs=WORLD)
 
 
-def _fp8_model(mesh, copies):
-    """TINY in bf16 with an fp8 base (row scales) and LoRA on attention, shared and routed experts; under expert
-    parallelism (mesh) each rank holds its experts' fp8 stacks, and (copies) their kept transposed copies."""
+def _fp8_model(mesh, copies, targets):
+    """TINY in bf16 with an fp8 base (row scales) and LoRA on `targets`; under expert parallelism (mesh) each rank
+    holds its experts' fp8 stacks, and (copies) their kept transposed copies."""
     from moetune.model.config import ModelConfig
     from moetune.model.hf_io import build_model, cast_model, init_weights
     from moetune.model.lora import apply_lora
@@ -130,7 +130,7 @@ def _fp8_model(mesh, copies):
     model = build_model(ModelConfig.from_hf_dict(TINY), "meta")
     cast_model(model, torch.bfloat16)
     quantize_model(model, ROWWISE)
-    apply_lora(model, ["q_proj", "v_proj", "shared_experts", "experts"], 4, 8)
+    apply_lora(model, targets, 4, 8)
     if mesh is not None:
         apply_ep(model, mesh)
     model.to_empty(device="cpu")
@@ -148,7 +148,7 @@ def _fp8_model(mesh, copies):
     return model
 
 
-def _fp8_worker(rank, port):
+def _fp8_worker(rank, port, targets):
     from torch.distributed.device_mesh import init_device_mesh
 
     from moetune.model import grouped_gemm as gg
@@ -163,15 +163,17 @@ def _fp8_worker(rank, port):
     # linears through torch._scaled_mm (a CPU kernel)
     matmul._fp8_kernels = lambda x, w8, scheme: x.dtype == torch.bfloat16
     gg.KERNEL_ON_CPU = True
-    launches = []
+    launches, fused = [], []
     real = gg.grouped_gemm_tma
     gg.grouped_gemm_tma = lambda *a, **k: launches.append(a[1].shape) or real(*a, **k)
+    real_fused = matmul.weighted_swiglu_bwd_fp8
+    matmul.weighted_swiglu_bwd_fp8 = lambda *a: fused.append(1) or real_fused(*a)
     ids, labels = _batch(rank)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
-    ref_loss, ref_grads, ref_logits = _loss_and_grads(_fp8_model(None, False), ids, labels)
-    _, made_each_backward, _ = _loss_and_grads(_fp8_model(mesh, False), ids, labels)
+    ref_loss, ref_grads, ref_logits = _loss_and_grads(_fp8_model(None, False, targets), ids, labels)
+    _, made_each_backward, _ = _loss_and_grads(_fp8_model(mesh, False, targets), ids, labels)
     launches.clear()
-    model = _fp8_model(mesh, True)
+    model = _fp8_model(mesh, True, targets)
     loss, grads, logits = _loss_and_grads(model, ids, labels)
     for name, g in made_each_backward.items():  # the same work on the same rows: the copies change nothing
         assert torch.equal(grads[name], g), name
@@ -188,6 +190,7 @@ def _fp8_worker(rank, port):
     copy_shapes = {(E_local, TINY["hidden_size"], 2 * TINY["moe_intermediate_size"]),
                    (E_local, TINY["moe_intermediate_size"], TINY["hidden_size"])}
     assert copy_shapes <= set(launches), launches  # the input gradients ran on this rank's kept copies
+    assert bool(fused) == ("experts" not in targets)  # the experts as one fp8 node where they carry no LoRA
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(logits, ref_logits)
     for name in ref_grads:  # bf16 sums in another order (the exchange's rows, the sum over ranks)
@@ -200,9 +203,11 @@ def _fp8_worker(rank, port):
     shutdown_distributed(finished=True)
 
 
-def test_ep_on_an_fp8_base_with_kept_copies_equals_the_plain_model():
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj", "shared_experts", "experts"], ["q_proj", "v_proj"]])
+def test_ep_on_an_fp8_base_with_kept_copies_equals_the_plain_model(targets):
     """Expert parallelism over an fp8 base on the fp8 tensor-core path, each rank keeping the transposed copies of its
     own experts (handed through the exchange to the local expert work): the gradients of the same EP model making a
     copy per backward, bitwise, and the loss, logits and LoRA gradients of the plain single-process fp8 model within
-    bf16's rounding (its sums run in another order)."""
-    mp.spawn(_fp8_worker, args=(free_port(),), nprocs=WORLD)
+    bf16's rounding (its sums run in another order). With LoRA on the routed experts they run GEMM by GEMM; without,
+    as one fp8 node (quant.matmul.fp8_expert_mlp), on each rank's received rows."""
+    mp.spawn(_fp8_worker, args=(free_port(), targets), nprocs=WORLD)
