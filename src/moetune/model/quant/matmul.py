@@ -222,21 +222,21 @@ def _gmm_dgrad(g, w8, scale, offs, fast_accum=None, transposed=None):
     """dx through the stack w8 [E, out, in], read K-major: `transposed` [E, in, out] (a kept copy) or a copy made
     here (fp8 paths), or as stored (the Triton kernels' w8a8)."""
     gq, sg = _quantized(_gmm_dgrad_operand, g, scale, offs)
-    return _gmm_dgrad_quantized(gq, sg, w8, offs, g.dtype, fast_accum, transposed, g)
+    return _gmm_dgrad_quantized(gq, sg, w8, offs, g, fast_accum, transposed)
 
 
-def _gmm_dgrad_quantized(gq, sg, w8, offs, dtype, fast_accum=None, transposed=None, grad=None):
-    """dx from the operand already folded and quantised (gq, sg); `grad`: what a copy made here depends on (the
-    backward's input, see _k_major_copy), gq when not given."""
+def _gmm_dgrad_quantized(gq, sg, w8, offs, grad, fast_accum=None, transposed=None):
+    """dx (in grad's dtype) from the operand already folded and quantised (gq, sg); `grad`, the backward's input,
+    is what a copy made here depends on (see _k_major_copy)."""
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
-    k_major = _k_major_copy(w8, gq if grad is None else grad) if transposed is None else transposed
+    k_major = _k_major_copy(w8, grad) if transposed is None else transposed
     # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
     if GROUPED_DGRAD == "tma" and tma_supported(gq, w8, True):
         return _gmm_tma(gq, sg, k_major, offs, None)
     ones = torch.ones(w8.shape[0], w8.shape[2], device=gq.device, dtype=torch.float32)
     return torch._scaled_grouped_mm(gq, k_major.transpose(-2, -1), scale_a=sg.view(-1),
-                                    scale_b=ones, offs=offs, out_dtype=dtype,
+                                    scale_b=ones, offs=offs, out_dtype=grad.dtype,
                                     use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
@@ -336,9 +336,9 @@ class _Fp8ExpertMLP(torch.autograd.Function):
             da = _gmm_dgrad(g, dn8, dn_scale, offs, transposed=dn_t)
         else:
             gq, sg = _gathered_rows_fp8(g, token_idx, _row_scales(dn_scale), expert)
-            da = _gmm_dgrad_quantized(gq, sg, dn8, offs, g.dtype, transposed=dn_t, grad=g)
+            da = _gmm_dgrad_quantized(gq, sg, dn8, offs, g, transposed=dn_t)
         dq, sd, grad_w = _weighted_swiglu_bwd_fp8(h, row_weights, da, _row_scales(gu_scale), expert)
-        dx = _gmm_dgrad_quantized(dq, sd, gu8, offs, g.dtype, transposed=gu_t, grad=g)
+        dx = _gmm_dgrad_quantized(dq, sd, gu8, offs, g, transposed=gu_t)
         return dx, grad_w.to(row_weights.dtype), *[None] * 12
 
 
