@@ -183,6 +183,12 @@ for _base in ("ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_fp8_qkvo_4x1
 VARIANTS["trainer_flash_mla_1x4096_demo_cg"] = (*VARIANTS["trainer_flash_mla_1x4096_demo"][:4],
                                                 {**VARIANTS["trainer_flash_mla_1x4096_demo"][4],
                                                  "compile_mode": "reduce-overhead"})
+# GLM-4.7-Flash's step through the trainer on an fp8 base within 50 GiB (no transposed copies kept: issue 20's
+# target) and on the bf16 base, each also with its layers replayed as CUDA graphs (the fp8 step waits on the host)
+VARIANTS["trainer_fp8_flash_mla_1x4096_nc"] = (*VARIANTS["trainer_fp8_flash_mla_1x4096"][:4],
+                                               {**VARIANTS["trainer_fp8_flash_mla_1x4096"][4], "fp8_copies": False})
+for _base in ("trainer_fp8_flash_mla_1x4096_nc", "trainer_flash_mla_1x4096", "trainer_fp8_flash_mla_1x4096"):
+    VARIANTS[f"{_base}_cg"] = (*VARIANTS[_base][:4], {**VARIANTS[_base][4], "compile_mode": "reduce-overhead"})
 # the Triton grouped GEMM for the frozen expert stacks (model/grouped_gemm.py), bf16 and fp8 bases, with CUDA graphs too
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
               "ours_ep8rank_qkvo_1x4096", "ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096",
@@ -386,11 +392,11 @@ def compile_layers(model, mode: str, backend: str = "inductor") -> None:
 
 
 def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None,
-                    quantize: str | None = None):
+                    quantize: str | None = None, fp8_copies: bool | None = None):
     """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
     on a GPU, layout manual: no recompute), no data: the harness's batch is passed in. compile_mode: a candidate
     (reduce-overhead: the layers replay as CUDA graphs), through the trainer's own compile; quantize: model.quantize
-    (an fp8 base)."""
+    (an fp8 base); fp8_copies: parallel.fp8_transposed_copies (None: auto, which keeps them where they fit)."""
     import tempfile
 
     import moetune.parallel.apply as parallel_apply
@@ -410,7 +416,8 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
         "--train.activation_checkpointing", "none", "--train.compile", str(dev.type == "cuda").lower(),
         "--train.steps", "1000", "--eval.every", "0", "--logging.progress_bar", "false", "--logging.report_to", "[]",
         "--checkpoint.every", "0", "--parallel.layout", "manual", "--run.output_dir", folder, "--resume", "none",
-        *(["--model.quantize", quantize] if quantize else [])])
+        *(["--model.quantize", quantize] if quantize else []),
+        *(["--parallel.fp8_transposed_copies", str(fp8_copies).lower()] if fp8_copies is not None else [])])
     trainer = Trainer(run_cfg, data=False).__enter__()
 
     def step(ids, labels, pos):
@@ -572,7 +579,8 @@ def worker(name: str) -> dict:
         model = build_hf(cfg, targets, device=dev, gradient_checkpointing=extra.get("gc", True))
         step = hf_step_fn(model)
     elif stack == "trainer":
-        model, step = trainer_step_fn(cfg, targets, B, S, dev, extra.get("compile_mode"), extra.get("quantize"))
+        model, step = trainer_step_fn(cfg, targets, B, S, dev, extra.get("compile_mode"), extra.get("quantize"),
+                                      extra.get("fp8_copies"))
     else:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
