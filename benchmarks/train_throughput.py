@@ -432,8 +432,10 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
     from moetune.config.overrides import load_config
     from moetune.train.trainer import Trainer
 
-    if compile_mode:  # the trainer's setup compiles through parallel.apply.apply_compile
-        parallel_apply.apply_compile = lambda model, backend="inductor": compile_layers(model, compile_mode, backend)
+    graphs = compile_mode == "reduce-overhead" and dev.type == "cuda"  # the trainer's own option (train.cuda_graphs)
+    if compile_mode and not graphs:  # another mode: the trainer's setup compiles through parallel.apply.apply_compile
+        parallel_apply.apply_compile = lambda model, backend="inductor", mode=None: compile_layers(model, compile_mode,
+                                                                                                   backend)
 
     folder = tempfile.mkdtemp(prefix="bench_trainer_")
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -445,7 +447,7 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
         "--train.activation_checkpointing", "none", "--train.compile", str(dev.type == "cuda").lower(),
         "--train.steps", "1000", "--eval.every", "0", "--logging.progress_bar", "false", "--logging.report_to", "[]",
         "--checkpoint.every", "0", "--parallel.layout", "manual", "--run.output_dir", folder, "--resume", "none",
-        *(["--model.quantize", quantize] if quantize else []),
+        *(["--model.quantize", quantize] if quantize else []), *(["--train.cuda_graphs", "true"] if graphs else []),
         *(["--parallel.fp8_transposed_copies", str(fp8_copies).lower()] if fp8_copies is not None else [])])
     trainer = Trainer(run_cfg, data=False).__enter__()
 

@@ -191,6 +191,10 @@ class TrainConfig(_Section):
     # parallel.layout auto chooses it unless set
     activation_checkpointing: Union[str, dict[str, Any]] = "none"
     compile: bool = False
+    # CUDA graphs around each compiled layer (torch.compile mode "reduce-overhead"): the GPU no longer waits for the
+    # host to launch a layer's many small kernels. One GPU, compiled, no FSDP, no expert parallelism (whose collectives
+    # and per-step buffers a graph cannot replay); anywhere else true is an error
+    cuda_graphs: bool = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
     # Python's automatic garbage collection off during training, a young-generation collection every this many

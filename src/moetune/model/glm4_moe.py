@@ -351,6 +351,11 @@ class Glm4MoeForCausalLM(nn.Module):
         return build_attn_meta(position_ids, self.attn_implementation)
 
     def run_layers(self, x, cos, sin, attn, cache: KVCache | None = None):
+        # One forward is one step for CUDA graph trees (layers compiled with mode "reduce-overhead"): every layer's
+        # outputs, and the side outputs the trainer reads after backward, stay valid until the next forward. Without
+        # it a no-grad forward (evaluation) starts a new step at each layer and frees the layer before's outputs.
+        # Nothing else reads the mark.
+        torch.compiler.cudagraph_mark_step_begin()
         topk = None  # sparse attention's selection: a "shared" DSA layer reuses the one before it
         for layer in self.model.layers:
             x, topk = layer(x, cos, sin, attn, topk, cache)

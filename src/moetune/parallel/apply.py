@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from moetune.errors import ConfigError
 from moetune.parallel.ac_modes import layer_modes
 
 
 def parallelize(model, layout, mesh, *, compile: bool, param_dtype: torch.dtype,
-                reshard_after_forward: bool = True, overlap_chunks: int = 1) -> None:
-    """Apply `layout` (layout.Layout) to a model still on meta: EP → activation checkpointing → compile → FSDP2."""
+                reshard_after_forward: bool = True, overlap_chunks: int = 1, cuda_graphs: bool = False) -> None:
+    """Apply `layout` (layout.Layout) to a model still on meta: EP → activation checkpointing → compile → FSDP2.
+    `cuda_graphs`: the compiled layers replay as CUDA graphs (check_cuda_graphs says where they can)."""
     if layout.ep > 1:
         apply_ep(model, mesh["ep"], overlap_chunks)
     apply_ac(model, layout.recompute)
     if compile:
-        apply_compile(model)
+        apply_compile(model, mode="reduce-overhead" if cuda_graphs else None)
     if layout.fsdp:
         apply_fsdp(model, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward,
                    cpu_offload=layout.cpu_offload)
@@ -66,11 +68,23 @@ def apply_ac(model, spec) -> None:
         layer.activation_checkpointing = mode
 
 
-def apply_compile(model, backend: str = "inductor") -> None:
+def check_cuda_graphs(layout, compile: bool, device) -> None:
+    """train.cuda_graphs: true where CUDA graphs cannot replay the layers is a ConfigError naming the reason."""
+    reason = ("train.compile is false" if not compile else "the device is not a GPU"
+              if torch.device(device).type != "cuda" else "" if layout.allows_cuda_graphs
+              else "FSDP or expert parallelism is on (parallel layout)")
+    if reason:
+        raise ConfigError(f"train.cuda_graphs: true, but {reason}: CUDA graphs replay compiled layers on one GPU "
+                          "whose parameters stay in place; set it to false")
+
+
+def apply_compile(model, backend: str = "inductor", mode: str | None = None) -> None:
     """torch.compile per decoder layer: one graph per layer type, no recompiles across layers. Under expert
-    parallelism the exchange is a graph break (expert_parallel.AllToAllDispatcher); what surrounds it stays compiled."""
+    parallelism the exchange is a graph break (expert_parallel.AllToAllDispatcher); what surrounds it stays compiled.
+    mode "reduce-overhead": each compiled layer replays as a CUDA graph (torch's CUDA graph trees): the host no
+    longer launches a layer's kernels one by one (an fp8 base's GLM-4.7-Flash step waits on them)."""
     for layer in model.model.layers:
-        layer.compile(dynamic=False, backend=backend)
+        layer.compile(dynamic=False, backend=backend, **({"mode": mode} if mode else {}))
 
 
 def place_buffers(model, device) -> None:

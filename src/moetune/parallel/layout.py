@@ -121,6 +121,12 @@ class Layout:
         return self.dp_shard > 1 or self.cpu_offload
 
     @property
+    def allows_cuda_graphs(self) -> bool:
+        """Whether a compiled layer may replay as a CUDA graph: FSDP2 swaps parameter storage in and out around each
+        layer, and expert parallelism's exchange has data-dependent sizes; neither can be captured."""
+        return not self.fsdp and self.ep == 1
+
+    @property
     def shard_size(self) -> int:
         """Ranks over which FSDP shards the parameters that are not routed experts (1 without FSDP)."""
         return self.dp_shard * self.ep if self.fsdp else 1

@@ -15,7 +15,7 @@ from moetune.model.hf_io import (as_dtype, build_model, cast_model, checkpoint_r
 from moetune.model.quant.checkpoint import prepare_fp8_base
 from moetune.model.quant.modules import keep_transposed_copies
 from moetune.model.trainable import prepare_trainable
-from moetune.parallel.apply import parallelize, place_buffers
+from moetune.parallel.apply import check_cuda_graphs, parallelize, place_buffers
 from moetune.parallel.layout import Layout
 from moetune.parallel.mesh import Dist
 from moetune.tensors import local_tensor
@@ -45,8 +45,10 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
         moe.track_router_entropy = cfg.logging.expert_stats_every > 0
     model.attn_implementation = cfg.model.attn_implementation
     # an fp8 base is gathered by FSDP as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16
+    if cfg.train.cuda_graphs:
+        check_cuda_graphs(layout, cfg.train.compile, dist.device)
     parallelize(model, layout, dist.mesh, compile=cfg.train.compile, param_dtype=None if fp8 else compute_dtype,
-                reshard_after_forward=cfg.parallel.reshard_after_forward)
+                reshard_after_forward=cfg.parallel.reshard_after_forward, cuda_graphs=cfg.train.cuda_graphs)
     if full and not layout.fsdp and compute_dtype != torch.float32:
         cast_model(model, compute_dtype)  # no FSDP (one process, replicas): no separate master copy
     # with CPU offload FSDP2 keeps the sharded parameters in host memory and moves each unit in for its compute: each

@@ -130,6 +130,12 @@ class Trainer:
             check_recorded_steps(cfg, plan.trainer_state.get("step", 0) if plan is not None else 0)
             self.model = model = setup_model(cfg, dist, self.layout)
             self.params = [p for p in model.parameters() if p.requires_grad]
+            # Under CUDA graphs a layer's weight gradients are the graph's own output buffers, which the next replay
+            # overwrites: gradients that exist before backward are accumulated into instead of taken over (and stay).
+            self.keep_grads = cfg.train.cuda_graphs
+            if self.keep_grads:
+                for p in self.params:
+                    p.grad = torch.zeros_like(p)
             self.optimizer = build_optimizer(self.params, cfg.optim, dist.device)
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
             states = {"model": ModelState(model, cfg.finetune.mode == "full"),
@@ -359,7 +365,7 @@ class Trainer:
             reason = "" if good else "the update made a trainable weight non-finite"
         else:
             reason = f"non-finite loss {loss_val} / grad norm {grad_norm}"
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         with phase("guard_record"):
             self.guard.record(step, good, applied, reason)
         aux = dist.all_reduce_sum(aux_total).item() / dist.world_size if cfg.train.aux_loss_coef > 0 else None
