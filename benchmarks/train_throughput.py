@@ -238,11 +238,6 @@ for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096", "ours_experts_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_mk"] = (_s, _b, _t, _tg, {**_x, "inductor": {"triton.multi_kernel": 1}})
-# Inductor's reductions along rows of up to 16,384 elements in one pass (persistent_rows_choices)
-for _base in ("ours_fp8_flash_mla_1x4096", "ours_flash_mla_1x4096", "ours_fp8_qkvo_4x1024_ttkm", "ours_qkvo_4x1024",
-              "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_pr"] = (_s, _b, _t, _tg, {**_x, "persistent_rows": 16384})
 # an fp8 base's routed experts GEMM by GEMM, the SwiGLU and its quantisations compiled by Inductor between them (before
 # quant.matmul.fp8_expert_mlp)
 for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_fp8_flash_mla_1x4096",
@@ -344,8 +339,6 @@ def build_ours(cfg: dict, targets, extra, device):
 
         for option, value in extra.get("inductor", {}).items():  # a candidate: Inductor options for every graph
             setattr(inductor_config, option, value)
-        if extra.get("persistent_rows"):  # a candidate: reductions along rows up to this length in one pass
-            inductor_config.inductor_choices_class = persistent_rows_choices(extra["persistent_rows"])
         if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode
             compile_layers(model, extra["compile_mode"])
         else:
@@ -390,28 +383,6 @@ def build_ours(cfg: dict, targets, extra, device):
             for moe in model.moe_layers():
                 moe.gate.e_score_correction_bias.copy_((zipf[torch.randperm(E)] * 0.5).to(device))
     return model
-
-
-def persistent_rows_choices(up_to: int):
-    """An InductorChoices class that reduces any row (a reduction that is not along the outer dimension) of up to
-    `up_to` elements in one pass, the row held on chip; Inductor's own rule loops over rows longer than 1,024,
-    reading and recomputing the fused producer's inputs once for the reduction and again for the output. The fp8
-    base's per-row quantisations of the dense linears' operands (rows of 512-8,960 on GLM-4.7-Flash, fused with RoPE's
-    backward, the norms, the attention output) and the RMSNorms are such rows. The seventeenth session's `_pr` took
-    only INNER-hinted rows up to 4,096 (no change)."""
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.runtime.hints import ReductionHint
-    from torch._inductor.virtualized import V
-
-    class PersistentRows(InductorChoices):
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction, *rest):
-            if (not cooperative_reduction and features.get_reduction_hint() != ReductionHint.OUTER
-                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, up_to)):
-                return True
-            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction, *rest)
-
-    return PersistentRows
 
 
 def compile_layers(model, mode: str, backend: str = "inductor") -> None:
