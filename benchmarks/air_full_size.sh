@@ -34,7 +34,7 @@ common=(configs/glm45-air-lora.yaml --model.path null --model.config "$MODEL" --
         --logging.progress_bar false --checkpoint.every 15 --checkpoint.keep_last 2 --optim.warmup_steps 5
         --run.output_dir "$RUN" --run.name air "${LAYOUT[@]}" ${LAYERS:+--model.num_hidden_layers "$LAYERS"}
         ${QUANT:+--model.quantize "$QUANT"} ${EXTRA:-})
-launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29611 -m moetune train)
+launch=(python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29611}" -m moetune train)
 rm -rf "$RUN"
 t0=$(date +%s.%N)
 mkdir -p "$OUTDIR"

@@ -37,9 +37,12 @@ mkdir -p "$LOGS"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
         { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t|^numerics_transformers|^\{\"shape" "$LOGS/$name.log" \
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
+PORT=29611
 flash_train() {  # $1: name, rest: extra overrides
-  local name=$1; shift
-  run "$name" ${TRAIN_LIMIT:-200} env OUT="$OUT/$name" MODEL=glm47-flash NPROC=1 SPEED_ONLY=1 STEPS=${FLASH_STEPS:-12} \
+  # each run its own rendezvous port: a run stopped at its limit may still hold the last one while it exits
+  local name=$1; shift; PORT=$((PORT + 1))
+  run "$name" ${TRAIN_LIMIT:-200} env OUT="$OUT/$name" MASTER_PORT=$PORT MODEL=glm47-flash NPROC=1 SPEED_ONLY=1 \
+    STEPS=${FLASH_STEPS:-12} \
     TARGETS="[mla_attention]" AC=none "$@" bash benchmarks/air_full_size.sh
 }
 for stage in ${STAGES:-attention trace variants}; do
