@@ -339,10 +339,7 @@ def build_ours(cfg: dict, targets, extra, device):
 
         for option, value in extra.get("inductor", {}).items():  # a candidate: Inductor options for every graph
             setattr(inductor_config, option, value)
-        if "compile_mode" in extra:  # a candidate: apply_compile's per-layer compile in another mode
-            compile_layers(model, extra["compile_mode"])
-        else:
-            apply_compile(model)
+        apply_compile(model, mode=extra.get("compile_mode"))  # a candidate: another mode (reduce-overhead)
     if "ep_compile" in extra:  # a candidate setting: the exchange's local work compiled on its own
         import moetune.model.expert_parallel as ep_module
 
@@ -385,18 +382,13 @@ def build_ours(cfg: dict, targets, extra, device):
     return model
 
 
-def compile_layers(model, mode: str, backend: str = "inductor") -> None:
-    """apply_compile's per-decoder-layer torch.compile in another mode (a candidate: reduce-overhead)."""
-    for layer in model.model.layers:
-        layer.compile(dynamic=False, backend=backend, mode=mode)
-
-
 def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None,
                     quantize: str | None = None, fp8_copies: bool | None = None):
     """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
     on a GPU, layout manual: no recompute), no data: the harness's batch is passed in. compile_mode: a candidate
     (reduce-overhead: the layers replay as CUDA graphs), through the trainer's own compile; quantize: model.quantize
     (an fp8 base); fp8_copies: parallel.fp8_transposed_copies (None: auto, which keeps them where they fit)."""
+    import functools
     import tempfile
 
     import moetune.parallel.apply as parallel_apply
@@ -405,8 +397,7 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
 
     graphs = compile_mode == "reduce-overhead" and dev.type == "cuda"  # the trainer's own option (train.cuda_graphs)
     if compile_mode and not graphs:  # another mode: the trainer's setup compiles through parallel.apply.apply_compile
-        parallel_apply.apply_compile = lambda model, backend="inductor", mode=None: compile_layers(model, compile_mode,
-                                                                                                   backend)
+        parallel_apply.apply_compile = functools.partial(parallel_apply.apply_compile, mode=compile_mode)
 
     folder = tempfile.mkdtemp(prefix="bench_trainer_")
     with open(os.path.join(folder, "config.json"), "w") as f:

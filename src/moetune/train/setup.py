@@ -44,9 +44,9 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
         moe.track_router_entropy = cfg.logging.expert_stats_every > 0
     model.attn_implementation = cfg.model.attn_implementation
-    # an fp8 base is gathered by FSDP as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16
     if cfg.train.cuda_graphs:
         check_cuda_graphs(layout, cfg.train.compile, dist.device)
+    # an fp8 base is gathered by FSDP as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16
     parallelize(model, layout, dist.mesh, compile=cfg.train.compile, param_dtype=None if fp8 else compute_dtype,
                 reshard_after_forward=cfg.parallel.reshard_after_forward, cuda_graphs=cfg.train.cuda_graphs)
     if full and not layout.fsdp and compute_dtype != torch.float32:

@@ -132,8 +132,7 @@ class Trainer:
             self.params = [p for p in model.parameters() if p.requires_grad]
             # Under CUDA graphs a layer's weight gradients are the graph's own output buffers, which the next replay
             # overwrites: gradients that exist before backward are accumulated into instead of taken over (and stay).
-            self.keep_grads = cfg.train.cuda_graphs
-            if self.keep_grads:
+            if cfg.train.cuda_graphs:
                 for p in self.params:
                     p.grad = torch.zeros_like(p)
             self.optimizer = build_optimizer(self.params, cfg.optim, dist.device)
@@ -365,7 +364,7 @@ class Trainer:
             reason = "" if good else "the update made a trainable weight non-finite"
         else:
             reason = f"non-finite loss {loss_val} / grad norm {grad_norm}"
-        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        self.optimizer.zero_grad(set_to_none=not cfg.train.cuda_graphs)
         with phase("guard_record"):
             self.guard.record(step, good, applied, reason)
         aux = dist.all_reduce_sum(aux_total).item() / dist.world_size if cfg.train.aux_loss_coef > 0 else None
