@@ -1,0 +1,129 @@
+"""Is the fp8 base's forward deterministic? The same loss, bit for bit, from the same weights and batch: repeated in
+one process (with the allocator's cached memory poisoned with NaN, then zeros, before each run: a kernel that reads
+memory it never wrote shows up), and across processes (each run of this script prints its digests; two processes
+that disagree where each agrees with itself point at a choice made per process: autotuning, a cache).
+
+    python benchmarks/fp8_determinism.py [--layers 8] [--procs 2]     (GLM-4.7-Flash's shapes, random weights)
+
+Cases: an evaluation-like batch (one short document, the rest of the row padding, as the trainer's last packed eval
+row) and a full packed row; each under torch.no_grad (the evaluation) and with gradients (the training forward,
+then the backward's LoRA gradient norm); compiled per layer as the trainer does, and eager. Writes
+$OUT/fp8_determinism.json. BENCH_CPU=1: the same on the CPU rehearsal's tiny Flash (plumbing only: the CPU runs the
+dequantised reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+CPU = bool(os.environ.get("BENCH_CPU"))
+OUT = os.environ.get("OUT", "/tmp")
+
+
+def poison(value: float, dev) -> None:
+    """Fill what the caching allocator holds free with `value`: the next buffers are carved from it."""
+    if dev.type != "cuda":
+        return
+    free = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    blocks = []
+    for size in (2**30, 2**26, 2**22, 2**18):  # large blocks first, then what is left in smaller ones
+        while free >= size:
+            try:
+                blocks.append(torch.full((size // 4,), value, device=dev))
+            except torch.OutOfMemoryError:
+                break
+            free -= size
+    del blocks
+
+
+def batches(vocab: int, S: int, dev):
+    from train_throughput import make_batch
+
+    ids, labels, pos = make_batch(1, S, vocab, 4, dev)
+    short = max(S // 9, 8)  # one document, then padding (token 0, positions restarting, no targets)
+    e_ids, e_labels = ids.clone(), labels.clone()
+    e_ids[:, short:] = 0
+    e_labels[:, short - 1:] = -100
+    e_pos = torch.cat([torch.arange(short), torch.arange(S - short)]).to(dev).view(1, S)
+    return {"eval_like": (e_ids, e_labels, e_pos), "packed": (ids, labels, pos)}
+
+
+def one_process(layers: int) -> dict:
+    from train_throughput import FLASH_MLA, TINY_FLASH, build_ours
+
+    from moetune.model.config import BUILTIN
+
+    dev = torch.device("cpu" if CPU else "cuda")
+    cfg = dict(TINY_FLASH) if CPU else dict(BUILTIN["glm47-flash"], num_hidden_layers=layers)
+    S = 64 if CPU else 4096
+    res = {}
+    for compiled in (True, False) if not CPU else (False,):
+        model = build_ours(cfg, FLASH_MLA, {"quantize": "fp8", "compile": compiled}, dev)
+        lora = [p for p in model.parameters() if p.requires_grad]
+        for bname, (ids, labels, pos) in batches(cfg["vocab_size"], S, dev).items():
+            for grad in (False, True):
+                key = f"{'compiled' if compiled else 'eager'}/{bname}/{'train' if grad else 'no_grad'}"
+                runs = []
+                for value in (float("nan"), 0.0, float("nan")):
+                    poison(value, dev)
+                    for p in lora:
+                        p.grad = None
+                    with torch.set_grad_enabled(grad):
+                        model.train(grad)
+                        loss = model(ids, pos, labels=labels)
+                        out = [float(loss).hex()]
+                        if grad:
+                            loss.backward()
+                            out.append(float(torch.stack([p.grad.float().norm() for p in lora]).norm()).hex())
+                    runs.append(out)
+                res[key] = {"runs": runs, "same": all(r == runs[0] for r in runs)}
+                print(key, res[key], flush=True)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--child", action="store_true")
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(one_process(a.layers)), flush=True)
+        return
+    procs = []
+    for i in range(a.procs):
+        r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(a.layers)], capture_output=True,
+                           text=True)
+        lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+        if r.returncode or not lines:
+            print(r.stdout[-3000:], r.stderr[-3000:], flush=True)
+            procs.append({"error": r.returncode})
+            continue
+        procs.append(json.loads(lines[-1][7:]))
+        print(f"process {i}: done", flush=True)
+    keys = sorted({k for p in procs for k in p if k != "error"})
+    summary = {k: {"within_each": [p.get(k, {}).get("same") for p in procs],
+                   "across": len({json.dumps(p.get(k, {}).get("runs")) for p in procs}) == 1} for k in keys}
+    obj = {"layers": a.layers, "procs": procs, "summary": summary,
+           "device": "cpu" if CPU else torch.cuda.get_device_name(0), "torch": torch.__version__}
+    with open(os.path.join(OUT, "fp8_determinism.json"), "w") as f:
+        json.dump(obj, f, indent=1)
+    for k, v in summary.items():
+        print(f"DETERMINISM {k}: within each process {v['within_each']}, across processes {v['across']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
