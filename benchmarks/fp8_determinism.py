@@ -4,10 +4,14 @@ memory it never wrote shows up), and across processes (each run of this script p
 that disagree where each agrees with itself point at a choice made per process: autotuning, a cache).
 
     python benchmarks/fp8_determinism.py [--layers 8] [--procs 2]     (GLM-4.7-Flash's shapes, random weights)
+    python benchmarks/fp8_determinism.py --layers 47 --modes compiled --cases packed/train --trainer-steps 5 \
+        --trainer-args "--parallel.gpu_memory_gib 50"       (and the trainer: its steps, then its LoRA weights)
 
 Cases: an evaluation-like batch (one short document, the rest of the row padding, as the trainer's last packed eval
 row) and a full packed row; each under torch.no_grad (the evaluation) and with gradients (the training forward,
-then the backward's LoRA gradient norm); compiled per layer as the trainer does, and eager. Writes
+then the backward's LoRA gradient norm); compiled per layer as the trainer does, and eager. --trainer-steps N: then
+the step API (Trainer.step, fp8 base without transposed copies, as `moetune train` on GLM-4.7-Flash within 50 GiB) for
+N steps of the packed row: each step's loss and gradient norm, and a digest of the LoRA weights after. Writes
 $OUT/fp8_determinism.json. BENCH_CPU=1: the same on the CPU rehearsal's tiny Flash (plumbing only: the CPU runs the
 dequantised reference).
 """
@@ -58,7 +62,26 @@ def batches(vocab: int, S: int, dev):
     return {"eval_like": (e_ids, e_labels, e_pos), "packed": (ids, labels, pos)}
 
 
-def one_process(layers: int) -> dict:
+def digest(tensors) -> str:
+    """Bits of every value folded into one float: any change in any weight changes it (almost surely)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, t in enumerate(tensors):
+        t = t.detach().double().flatten().cpu()
+        total += (t * torch.linspace(1, 2, t.numel(), dtype=torch.float64)).sum() * (i + 1)
+    return float(total).hex()
+
+
+def trainer_steps(cfg: dict, S: int, dev, steps: int, args: list) -> dict:
+    from train_throughput import FLASH_MLA, make_batch, trainer_step_fn
+
+    model, step = trainer_step_fn(cfg, FLASH_MLA, 1, S, dev, quantize="fp8", fp8_copies=False, overrides=args)
+    batch = make_batch(1, S, cfg["vocab_size"], 4, dev)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    runs = [[float(step(*batch)).hex()] for _ in range(steps)]
+    return {"steps": runs, "lora_digest": digest(lora)}
+
+
+def one_process(layers: int, modes, cases: str, steps: int, args: list) -> dict:
     from train_throughput import FLASH_MLA, TINY_FLASH, build_ours
 
     from moetune.model.config import BUILTIN
@@ -67,12 +90,14 @@ def one_process(layers: int) -> dict:
     cfg = dict(TINY_FLASH) if CPU else dict(BUILTIN["glm47-flash"], num_hidden_layers=layers)
     S = 64 if CPU else 4096
     res = {}
-    for compiled in (True, False) if not CPU else (False,):
+    for compiled in [m == "compiled" and not CPU for m in modes]:
         model = build_ours(cfg, FLASH_MLA, {"quantize": "fp8", "compile": compiled}, dev)
         lora = [p for p in model.parameters() if p.requires_grad]
         for bname, (ids, labels, pos) in batches(cfg["vocab_size"], S, dev).items():
             for grad in (False, True):
                 key = f"{'compiled' if compiled else 'eager'}/{bname}/{'train' if grad else 'no_grad'}"
+                if cases and not any(c in key for c in cases.split(",")):
+                    continue
                 runs = []
                 for value in (float("nan"), 0.0, float("nan")):
                     poison(value, dev)
@@ -91,6 +116,9 @@ def one_process(layers: int) -> dict:
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if steps:
+        res["trainer"] = {"runs": [trainer_steps(cfg, S, dev, steps, args)], "same": True}
+        print("trainer", res["trainer"], flush=True)
     return res
 
 
@@ -98,15 +126,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--modes", default="compiled,eager")
+    ap.add_argument("--cases", default="", help="comma-separated substrings of the cases to run (default: all)")
+    ap.add_argument("--trainer-steps", type=int, default=0)
+    ap.add_argument("--trainer-args", default="", help="more `--key value` overrides for the trainer")
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
     if a.child:
-        print("RESULT " + json.dumps(one_process(a.layers)), flush=True)
+        res = one_process(a.layers, a.modes.split(","), a.cases, a.trainer_steps, a.trainer_args.split())
+        print("RESULT " + json.dumps(res), flush=True)
         return
     procs = []
     for i in range(a.procs):
-        r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(a.layers)], capture_output=True,
-                           text=True)
+        r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(a.layers), "--modes", a.modes,
+                            "--cases", a.cases, "--trainer-steps", str(a.trainer_steps),
+                            "--trainer-args=" + a.trainer_args], capture_output=True, text=True)
         lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
         if r.returncode or not lines:
             print(r.stdout[-3000:], r.stderr[-3000:], flush=True)

@@ -383,11 +383,12 @@ def build_ours(cfg: dict, targets, extra, device):
 
 
 def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str | None = None,
-                    quantize: str | None = None, fp8_copies: bool | None = None):
+                    quantize: str | None = None, fp8_copies: bool | None = None, overrides: list | None = None):
     """Trainer.step (the step API) on a model its own setup builds from `cfg` (random weights, compiled per layer
     on a GPU, layout manual: no recompute), no data: the harness's batch is passed in. compile_mode: a candidate
     (reduce-overhead: the layers replay as CUDA graphs), through the trainer's own compile; quantize: model.quantize
-    (an fp8 base); fp8_copies: parallel.fp8_transposed_copies (None: auto, which keeps them where they fit)."""
+    (an fp8 base); fp8_copies: parallel.fp8_transposed_copies (None: auto, which keeps them where they fit);
+    overrides: more of the CLI's `--key value` pairs, last."""
     import functools
     import tempfile
 
@@ -410,7 +411,8 @@ def trainer_step_fn(cfg: dict, targets, B: int, S: int, dev, compile_mode: str |
         "--train.steps", "1000", "--eval.every", "0", "--logging.progress_bar", "false", "--logging.report_to", "[]",
         "--checkpoint.every", "0", "--parallel.layout", "manual", "--run.output_dir", folder, "--resume", "none",
         *(["--model.quantize", quantize] if quantize else []), *(["--train.cuda_graphs", "true"] if graphs else []),
-        *(["--parallel.fp8_transposed_copies", str(fp8_copies).lower()] if fp8_copies is not None else [])])
+        *(["--parallel.fp8_transposed_copies", str(fp8_copies).lower()] if fp8_copies is not None else []),
+        *(overrides or [])])
     trainer = Trainer(run_cfg, data=False).__enter__()
 
     def step(ids, labels, pos):
