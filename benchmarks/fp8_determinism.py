@@ -6,12 +6,15 @@ that disagree where each agrees with itself point at a choice made per process: 
     python benchmarks/fp8_determinism.py [--layers 8] [--procs 2]     (GLM-4.7-Flash's shapes, random weights)
     python benchmarks/fp8_determinism.py --layers 47 --modes compiled --cases packed/train --trainer-steps 5 \
         --trainer-args "--parallel.gpu_memory_gib 50"       (and the trainer: its steps, then its LoRA weights)
+    python benchmarks/fp8_determinism.py --layers 47 --procs 3 --modes "" --trainer-steps 5 --caches shared,shared,fresh
+        (the trainer only, in a process with cold compile caches, one with them warm, one cold again)
 
 Cases: an evaluation-like batch (one short document, the rest of the row padding, as the trainer's last packed eval
 row) and a full packed row; each under torch.no_grad (the evaluation) and with gradients (the training forward,
 then the backward's LoRA gradient norm); compiled per layer as the trainer does, and eager. --trainer-steps N: then
 the step API (Trainer.step, fp8 base without transposed copies, as `moetune train` on GLM-4.7-Flash within 50 GiB) for
-N steps of the packed row: each step's loss and gradient norm, and a digest of the LoRA weights after. Writes
+N steps of the packed row: each step's loss, a digest of the LoRA weights after, and the evaluation-like row's
+no-grad loss (twice). Writes
 $OUT/fp8_determinism.json. BENCH_CPU=1: the same on the CPU rehearsal's tiny Flash (plumbing only: the CPU runs the
 dequantised reference).
 """
@@ -23,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -78,7 +82,12 @@ def trainer_steps(cfg: dict, S: int, dev, steps: int, args: list) -> dict:
     batch = make_batch(1, S, cfg["vocab_size"], 4, dev)
     lora = [p for p in model.parameters() if p.requires_grad]
     runs = [[float(step(*batch)).hex()] for _ in range(steps)]
-    return {"steps": runs, "lora_digest": digest(lora)}
+    e_ids, e_labels, e_pos = batches(cfg["vocab_size"], S, dev)["eval_like"]
+    with torch.no_grad():  # as the trainer's evaluation: no-grad, eval mode (compiled anew for it)
+        model.eval()
+        ev = [float(model(e_ids, e_pos, labels=e_labels)).hex() for _ in range(2)]
+        model.train()
+    return {"steps": runs, "lora_digest": digest(lora), "eval": ev}
 
 
 def one_process(layers: int, modes, cases: str, steps: int, args: list) -> dict:
@@ -90,7 +99,7 @@ def one_process(layers: int, modes, cases: str, steps: int, args: list) -> dict:
     cfg = dict(TINY_FLASH) if CPU else dict(BUILTIN["glm47-flash"], num_hidden_layers=layers)
     S = 64 if CPU else 4096
     res = {}
-    for compiled in [m == "compiled" and not CPU for m in modes]:
+    for compiled in [m == "compiled" and not CPU for m in modes if m]:
         model = build_ours(cfg, FLASH_MLA, {"quantize": "fp8", "compile": compiled}, dev)
         lora = [p for p in model.parameters() if p.requires_grad]
         for bname, (ids, labels, pos) in batches(cfg["vocab_size"], S, dev).items():
@@ -130,6 +139,8 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated substrings of the cases to run (default: all)")
     ap.add_argument("--trainer-steps", type=int, default=0)
     ap.add_argument("--trainer-args", default="", help="more `--key value` overrides for the trainer")
+    ap.add_argument("--caches", default="", help="per process, comma-separated: `shared` (one compile cache, cold for "
+                    "the first process that uses it, then warm) or `fresh` (its own empty cache); default: the machine's")
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
     if a.child:
@@ -137,10 +148,16 @@ def main():
         print("RESULT " + json.dumps(res), flush=True)
         return
     procs = []
+    caches = a.caches.split(",") if a.caches else []
+    shared = tempfile.mkdtemp(prefix="det_cache_shared_")
     for i in range(a.procs):
+        env = dict(os.environ)
+        if i < len(caches):  # torch.compile's and Triton's caches: what a process finds compiled and tuned already
+            d = shared if caches[i] == "shared" else tempfile.mkdtemp(prefix="det_cache_fresh_")
+            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(d, "inductor"), TRITON_CACHE_DIR=os.path.join(d, "triton"))
         r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(a.layers), "--modes", a.modes,
                             "--cases", a.cases, "--trainer-steps", str(a.trainer_steps),
-                            "--trainer-args=" + a.trainer_args], capture_output=True, text=True)
+                            "--trainer-args=" + a.trainer_args], capture_output=True, text=True, env=env)
         lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
         if r.returncode or not lines:
             print(r.stdout[-3000:], r.stderr[-3000:], flush=True)
