@@ -8,6 +8,9 @@ that disagree where each agrees with itself point at a choice made per process: 
         --trainer-args "--parallel.gpu_memory_gib 50"       (and the trainer: its steps, then its LoRA weights)
     python benchmarks/fp8_determinism.py --layers 47 --procs 3 --modes "" --trainer-steps 5 --caches shared,shared,fresh
         (the trainer only, in a process with cold compile caches, one with them warm, one cold again)
+    python benchmarks/fp8_determinism.py --layers 16 --procs 4 --modes "" --trainer-steps 5 --caches \
+        fresh,fresh,fresh,fresh --proc-trainer-args "||--train.deterministic true|--train.deterministic true"
+        (two cold processes as the trainer runs by default, two with train.deterministic)
 
 Cases: an evaluation-like batch (one short document, the rest of the row padding, as the trainer's last packed eval
 row) and a full packed row; each under torch.no_grad (the evaluation) and with gradients (the training forward,
@@ -82,12 +85,13 @@ def trainer_steps(cfg: dict, S: int, dev, steps: int, args: list) -> dict:
     batch = make_batch(1, S, cfg["vocab_size"], 4, dev)
     lora = [p for p in model.parameters() if p.requires_grad]
     runs = [[float(step(*batch)).hex()] for _ in range(steps)]
+    deterministic = torch.are_deterministic_algorithms_enabled()  # train.deterministic reached the steps
     e_ids, e_labels, e_pos = batches(cfg["vocab_size"], S, dev)["eval_like"]
     with torch.no_grad():  # as the trainer's evaluation: no-grad, eval mode (compiled anew for it)
         model.eval()
         ev = [float(model(e_ids, e_pos, labels=e_labels)).hex() for _ in range(2)]
         model.train()
-    return {"steps": runs, "lora_digest": digest(lora), "eval": ev}
+    return {"steps": runs, "lora_digest": digest(lora), "eval": ev, "deterministic": deterministic}
 
 
 def one_process(layers: int, modes, cases: str, steps: int, args: list) -> dict:
@@ -139,6 +143,7 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated substrings of the cases to run (default: all)")
     ap.add_argument("--trainer-steps", type=int, default=0)
     ap.add_argument("--trainer-args", default="", help="more `--key value` overrides for the trainer")
+    ap.add_argument("--proc-trainer-args", default="", help="per process, separated by |: more trainer overrides")
     ap.add_argument("--caches", default="", help="per process, comma-separated: `shared` (one compile cache, cold for "
                     "the first process that uses it, then warm) or `fresh` (its own empty cache); default: the machine's")
     ap.add_argument("--child", action="store_true")
@@ -149,6 +154,7 @@ def main():
         return
     procs = []
     caches = a.caches.split(",") if a.caches else []
+    per_proc = a.proc_trainer_args.split("|") if a.proc_trainer_args else []
     shared = tempfile.mkdtemp(prefix="det_cache_shared_")
     for i in range(a.procs):
         env = dict(os.environ)
@@ -157,14 +163,15 @@ def main():
             env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(d, "inductor"), TRITON_CACHE_DIR=os.path.join(d, "triton"))
         r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(a.layers), "--modes", a.modes,
                             "--cases", a.cases, "--trainer-steps", str(a.trainer_steps),
-                            "--trainer-args=" + a.trainer_args], capture_output=True, text=True, env=env)
+                            "--trainer-args=" + " ".join([a.trainer_args] + per_proc[i:i + 1])],
+                           capture_output=True, text=True, env=env)
         lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
         if r.returncode or not lines:
             print(r.stdout[-3000:], r.stderr[-3000:], flush=True)
             procs.append({"error": r.returncode})
             continue
         procs.append(json.loads(lines[-1][7:]))
-        print(f"process {i}: done", flush=True)
+        print(f"process {i}: {json.dumps(procs[-1].get('trainer', 'done'))}", flush=True)
     keys = sorted({k for p in procs for k in p if k != "error"})
     summary = {k: {"within_each": [p.get(k, {}).get("same") for p in procs],
                    "across": len({json.dumps(p.get(k, {}).get("runs")) for p in procs}) == 1} for k in keys}

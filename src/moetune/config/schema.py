@@ -195,6 +195,9 @@ class TrainConfig(_Section):
     # host to launch a layer's many small kernels. One GPU, compiled, no FSDP, no expert parallelism (whose collectives
     # and per-step buffers a graph cannot replay); anywhere else true is an error
     cuda_graphs: bool = False
+    # bit-for-bit repeatable runs (train/determinism.py): torch's deterministic algorithms, Inductor without its
+    # timing-based kernel choices, cuDNN/cuBLAS fixed; costs some speed
+    deterministic: bool = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
     # Python's automatic garbage collection off during training, a young-generation collection every this many

@@ -53,6 +53,7 @@ from moetune.train.bad_steps import StepGuard
 from moetune.train.checkpoint import Checkpointer, load_checkpoint
 from moetune.train.checkpoint_files import plan_resume, remove_debris
 from moetune.train.data_setup import setup_data
+from moetune.train.determinism import Determinism
 from moetune.train.garbage import GarbageCollection
 from moetune.train.memory_snapshot import MemorySnapshot
 from moetune.train.metrics import (AllocatorPressure, ExpertMeter, MetricsWriter, Throughput, device_peak_flops,
@@ -111,9 +112,11 @@ class Trainer:
             log.info(self.layout.describe())
         self.lock = take_run_dir(cfg, dist)  # one trainer per run directory, before anything in it is read or touched
         self.signals = StopSignals()  # installed until the adapter is written: a late signal changes nothing
+        self.determinism = Determinism(cfg.train.deterministic)  # before anything is built or compiled
         try:
             self._build(data)
         except BaseException:
+            self.determinism.close()
             self.signals.close()
             self.lock.release()
             raise
@@ -288,6 +291,7 @@ class Trainer:
             self._release()
 
     def _release(self) -> None:
+        self.determinism.close()
         self.gc.close()
         self.signals.close()
         self.lock.release()

@@ -1,0 +1,58 @@
+"""`train.deterministic`: a run that gives the same numbers, bit for bit, when it runs again (torchtitan's
+debug.deterministic).
+
+Without it a compiled run can differ between processes: Inductor picks some kernels' reduction block sizes and warp
+counts, and whether to pad a matmul, by timing candidates on the GPU when it compiles (or reads the pick a former
+process cached), and each choice sums in another order. On an fp8 base, whose activations are quantised by many
+such reductions, two runs of GLM-4.7-Flash trained to the same printed losses and then evaluated 7.0563 and 7.0621
+(BENCHMARKS.md, nineteenth session). On: torch's deterministic algorithms (an op that has none warns, naming itself,
+instead of failing the run), which also keep Inductor to one reduction config; Inductor's deterministic mode (no
+timing-based choice that changes numerics); cuDNN's deterministic kernels without benchmarking; cuBLAS's fixed
+workspace. Our own kernels (Triton and torch) are deterministic either way: no atomics, fixed launch configs.
+What it costs is measured, not assumed (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick the same algorithm every call (CUDA's reproducibility notes)
+
+
+class Determinism:
+    """The settings on for one trainer's life (`on`), the process's former ones back at `close`: the step API runs
+    inside longer-lived processes (an RL loop, the tests)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        if not on:
+            return
+        import torch._inductor.config as inductor_config
+
+        self._saved = (torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic,
+                       torch.backends.cudnn.benchmark, getattr(inductor_config, "deterministic", None),
+                       os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = self._saved[5] or CUBLAS_WORKSPACE
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        if hasattr(inductor_config, "deterministic"):
+            inductor_config.deterministic = True
+
+    def close(self) -> None:
+        if not self.on:
+            return
+        import torch._inductor.config as inductor_config
+
+        self.on = False
+        algorithms, warn_only, cudnn_deterministic, cudnn_benchmark, inductor, cublas = self._saved
+        torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
+        if inductor is not None:
+            inductor_config.deterministic = inductor
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
