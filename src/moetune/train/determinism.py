@@ -1,15 +1,13 @@
 """`train.deterministic`: a run that gives the same numbers, bit for bit, when it runs again (torchtitan's
 debug.deterministic).
 
-Without it a compiled run can differ between processes: Inductor picks some kernels' reduction block sizes and warp
-counts, and whether to pad a matmul, by timing candidates on the GPU when it compiles (or reads the pick a former
-process cached), and each choice sums in another order. On an fp8 base, whose activations are quantised by many
-such reductions, two runs of GLM-4.7-Flash trained to the same printed losses and then evaluated 7.0563 and 7.0621
-(BENCHMARKS.md, nineteenth session). On: torch's deterministic algorithms (an op that has none warns, naming itself,
-instead of failing the run), which also keep Inductor to one reduction config; Inductor's deterministic mode (no
-timing-based choice that changes numerics); cuDNN's deterministic kernels without benchmarking; cuBLAS's fixed
-workspace. Our own kernels (Triton and torch) are deterministic either way: no atomics, fixed launch configs.
-What it costs is measured, not assumed (BENCHMARKS.md).
+Without it a compiled run may differ from the same run in another process: Inductor picks some kernels' reduction
+block sizes and warp counts, and whether to pad a matmul, by timing candidates on the GPU as it compiles (or reads a
+former process's cached pick), and each choice sums in another order. On: torch's deterministic algorithms (an op
+that has none warns, naming itself, instead of failing the run), which also hold Inductor to one reduction config;
+Inductor's deterministic mode (no timing-based choice that changes numerics); cuDNN's deterministic kernels without
+benchmarking; cuBLAS's fixed workspace. Our own kernels are deterministic either way (no atomics, fixed launch
+configs). What it changes and costs on a GPU: BENCHMARKS.md (nineteenth session).
 """
 
 from __future__ import annotations
