@@ -16,8 +16,8 @@ Cases: an evaluation-like batch (one short document, the rest of the row padding
 row) and a full packed row; each under torch.no_grad (the evaluation) and with gradients (the training forward,
 then the backward's LoRA gradient norm); compiled per layer as the trainer does, and eager. --trainer-steps N: then
 the step API (Trainer.step, fp8 base without transposed copies, as `moetune train` on GLM-4.7-Flash within 50 GiB) for
-N steps of the packed row: each step's loss, a digest of the LoRA weights after, and the evaluation-like row's
-no-grad loss (twice). Writes
+N steps of the packed row: each step's loss, a digest of the LoRA weights after, and the trainer's evaluation
+(`evaluate`) of the evaluation-like row, twice. Writes
 $OUT/fp8_determinism.json. BENCH_CPU=1: the same on the CPU rehearsal's tiny Flash (plumbing only: the CPU runs the
 dequantised reference).
 """
@@ -86,11 +86,15 @@ def trainer_steps(cfg: dict, S: int, dev, steps: int, args: list) -> dict:
     lora = [p for p in model.parameters() if p.requires_grad]
     runs = [[float(step(*batch)).hex()] for _ in range(steps)]
     deterministic = torch.are_deterministic_algorithms_enabled()  # train.deterministic reached the steps
+    from types import SimpleNamespace
+
+    from moetune.train.trainer import evaluate
+
     e_ids, e_labels, e_pos = batches(cfg["vocab_size"], S, dev)["eval_like"]
-    with torch.no_grad():  # as the trainer's evaluation: no-grad, eval mode (compiled anew for it)
-        model.eval()
-        ev = [float(model(e_ids, e_pos, labels=e_labels)).hex() for _ in range(2)]
-        model.train()
+    one = SimpleNamespace(device=dev, all_reduce_sum=lambda t: t)  # one process: nothing to reduce
+    # the trainer's own evaluation (no-grad, eval mode, its graphs compiled at the first call, as it compiles them)
+    ev = [float(evaluate(model, [{"input_ids": e_ids, "position_ids": e_pos, "labels": e_labels}], one, None)).hex()
+          for _ in range(2)]
     return {"steps": runs, "lora_digest": digest(lora), "eval": ev, "deterministic": deterministic}
 
 

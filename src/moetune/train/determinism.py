@@ -14,11 +14,25 @@ compiled at the first evaluation, were not; with it both were.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick the same algorithm every call (CUDA's reproducibility notes)
+
+
+def repeatable_compiles():
+    """Inductor's deterministic mode while the block runs: what it compiles there (the evaluation's no-grad graphs,
+    compiled at its first call) picks no kernel by timing it, so an evaluation gives the same loss in every process
+    — also after a resume — whether or not train.deterministic is on. The training graphs keep their tuned kernels
+    (their steps were bit-for-bit equal across fresh processes without it, BENCHMARKS.md nineteenth session); an
+    evaluation is a small part of a run."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "deterministic"):  # a torch before Inductor had the mode
+        return contextlib.nullcontext()
+    return inductor_config.patch(deterministic=True)
 
 
 class Determinism:
