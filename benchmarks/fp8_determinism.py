@@ -148,8 +148,9 @@ def main():
     ap.add_argument("--trainer-steps", type=int, default=0)
     ap.add_argument("--trainer-args", default="", help="more `--key value` overrides for the trainer")
     ap.add_argument("--proc-trainer-args", default="", help="per process, separated by |: more trainer overrides")
-    ap.add_argument("--caches", default="", help="per process, comma-separated: `shared` (one compile cache, cold for "
-                    "the first process that uses it, then warm) or `fresh` (its own empty cache); default: the machine's")
+    ap.add_argument("--caches", default="", help="per process, comma-separated: `shared` (one compile cache, cold "
+                    "for the first process that uses it, then warm) or `fresh` (its own empty cache); default: the "
+                    "machine's")
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
     if a.child:

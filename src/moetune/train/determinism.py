@@ -14,7 +14,6 @@ compiled at the first evaluation, were not; with it both were.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -30,8 +29,6 @@ def repeatable_compiles():
     evaluation is a small part of a run."""
     import torch._inductor.config as inductor_config
 
-    if not hasattr(inductor_config, "deterministic"):  # a torch before Inductor had the mode
-        return contextlib.nullcontext()
     return inductor_config.patch(deterministic=True)
 
 
@@ -47,13 +44,12 @@ class Determinism:
 
         self._saved = (torch.are_deterministic_algorithms_enabled(),
                        torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic,
-                       torch.backends.cudnn.benchmark, getattr(inductor_config, "deterministic", None),
+                       torch.backends.cudnn.benchmark, inductor_config.deterministic,
                        os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = self._saved[5] or CUBLAS_WORKSPACE
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        if hasattr(inductor_config, "deterministic"):
-            inductor_config.deterministic = True
+        inductor_config.deterministic = True
 
     def close(self) -> None:
         if not self.on:
@@ -64,8 +60,7 @@ class Determinism:
         algorithms, warn_only, cudnn_deterministic, cudnn_benchmark, inductor, cublas = self._saved
         torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
-        if inductor is not None:
-            inductor_config.deterministic = inductor
+        inductor_config.deterministic = inductor
         if cublas is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         else:
