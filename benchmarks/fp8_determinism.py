@@ -69,6 +69,12 @@ def batches(vocab: int, S: int, dev):
     return {"eval_like": (e_ids, e_labels, e_pos), "packed": (ids, labels, pos)}
 
 
+def finite(values) -> bool:
+    """No NaN or infinity among the hex-written floats in `values` (nested lists and dicts): equal NaNs are no match."""
+    text = json.dumps(values)
+    return "nan" not in text and "inf" not in text
+
+
 def digest(tensors) -> str:
     """Bits of every value folded into one float: any change in any weight changes it (almost surely)."""
     total = torch.zeros((), dtype=torch.float64)
@@ -128,13 +134,15 @@ def one_process(layers: int, modes, cases: str, steps: int, args: list) -> dict:
                             loss.backward()
                             out.append(float(torch.stack([p.grad.float().norm() for p in lora]).norm()).hex())
                     runs.append(out)
-                res[key] = {"runs": runs, "same": all(r == runs[0] for r in runs)}
+                res[key] = {"runs": runs, "same": all(r == runs[0] for r in runs) and finite(runs)}
                 print(key, res[key], flush=True)
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     if steps:
-        res["trainer"] = {"runs": [trainer_steps(cfg, S, dev, steps, args)], "same": True}
+        run = trainer_steps(cfg, S, dev, steps, args)
+        res["trainer"] = {"runs": [{k: run[k] for k in ("steps", "lora_digest", "eval")}],
+                          "same": run["eval"][0] == run["eval"][1] and finite(run), "deterministic": run["deterministic"]}
         print("trainer", res["trainer"], flush=True)
     return res
 
@@ -178,8 +186,14 @@ def main():
         procs.append(json.loads(lines[-1][7:]))
         print(f"process {i}: {json.dumps(procs[-1].get('trainer', 'done'))}", flush=True)
     keys = sorted({k for p in procs for k in p if k != "error"})
-    summary = {k: {"within_each": [p.get(k, {}).get("same") for p in procs],
-                   "across": len({json.dumps(p.get(k, {}).get("runs")) for p in procs}) == 1} for k in keys}
+    # processes compare with those run with the same trainer overrides (--proc-trainer-args)
+    groups: dict[str, list] = {}
+    for i, p in enumerate(procs):
+        groups.setdefault(per_proc[i] if i < len(per_proc) else "", []).append(p)
+    summary = {f"{k}{' [' + g + ']' if g else ''}": {
+        "within_each": [p.get(k, {}).get("same") for p in ps],
+        "across": len({json.dumps(p.get(k, {}).get("runs")) for p in ps}) == 1 and all(finite(p.get(k)) for p in ps)}
+        for g, ps in groups.items() for k in keys}
     obj = {"layers": a.layers, "procs": procs, "summary": summary,
            "device": "cpu" if CPU else torch.cuda.get_device_name(0), "torch": torch.__version__}
     with open(os.path.join(OUT, "fp8_determinism.json"), "w") as f:
