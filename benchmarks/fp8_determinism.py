@@ -142,7 +142,8 @@ def one_process(layers: int, modes, cases: str, steps: int, args: list) -> dict:
     if steps:
         run = trainer_steps(cfg, S, dev, steps, args)
         res["trainer"] = {"runs": [{k: run[k] for k in ("steps", "lora_digest", "eval")}],
-                          "same": run["eval"][0] == run["eval"][1] and finite(run), "deterministic": run["deterministic"]}
+                          "same": run["eval"][0] == run["eval"][1] and finite(run),
+                          "deterministic": run["deterministic"]}
         print("trainer", res["trainer"], flush=True)
     return res
 
