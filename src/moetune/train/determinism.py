@@ -42,11 +42,11 @@ class Determinism:
             return
         import torch._inductor.config as inductor_config
 
+        cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         self._saved = (torch.are_deterministic_algorithms_enabled(),
                        torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic,
-                       torch.backends.cudnn.benchmark, inductor_config.deterministic,
-                       os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = self._saved[5] or CUBLAS_WORKSPACE
+                       torch.backends.cudnn.benchmark, inductor_config.deterministic, cublas)
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas or CUBLAS_WORKSPACE  # a user's own value is kept
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         inductor_config.deterministic = True
