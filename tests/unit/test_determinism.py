@@ -72,25 +72,3 @@ def test_a_users_cublas_setting_is_kept(tmp_path, process_defaults, monkeypatch)
     with Trainer(cfg):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
-
-
-def test_the_evaluation_compiles_without_timing_choices(process_defaults):
-    """An evaluation's forwards (where its no-grad graphs are compiled, at its first call) run under Inductor's
-    deterministic mode whatever train.deterministic says, so its loss repeats in another process; the mode is off
-    again after (the training graphs keep their tuned kernels)."""
-    from types import SimpleNamespace
-
-    from moetune.train.trainer import evaluate
-
-    seen = []
-
-    class Probe(torch.nn.Module):
-        def forward(self, ids, pos, labels=None):
-            seen.append(inductor_config.deterministic)
-            return torch.tensor(2.0)
-
-    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": torch.arange(4).view(1, 4),
-             "labels": torch.ones(1, 4, dtype=torch.long)}
-    dist = SimpleNamespace(device=torch.device("cpu"), all_reduce_sum=lambda t: t)
-    assert evaluate(Probe(), [batch, batch], dist, None) == pytest.approx(4.0 / 8)
-    assert seen == [True, True] and inductor_config.deterministic is False

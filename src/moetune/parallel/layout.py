@@ -87,6 +87,8 @@ class Layout:
     # an fp8 base's weights kept a second time, transposed, for the input gradient
     # (quant.modules.keep_transposed_copies)
     fp8_copies: bool = False
+    # else one MoE layer's expert stacks transposed, made one layer ahead of the backward (quant.copies_ahead)
+    fp8_copies_ahead: bool = False
     reasons: list[str] = field(default_factory=list, compare=False)
 
     def __post_init__(self):
@@ -107,10 +109,13 @@ class Layout:
             raise TypeError(f"Layout.recompute is each decoder layer's mode, got {self.recompute!r} (make_layout "
                             "spreads a setting over the layers)")
         layer_modes(self.recompute, len(self.recompute))  # known modes (the layers' number came from the model)
-        if self.fp8_copies and self.fsdp:
-            raise ConfigError("parallel.fp8_transposed_copies true: FSDP shards the weights here (dp_shard "
+        if (self.fp8_copies or self.fp8_copies_ahead) and self.fsdp:
+            want = "true" if self.fp8_copies else "ahead"
+            raise ConfigError(f"parallel.fp8_transposed_copies {want}: FSDP shards the weights here (dp_shard "
                               f"{dp_shard}, cpu_offload {str(self.cpu_offload).lower()}), and a rank would copy its "
                               "shard, not the weight it computes with; set it to auto or false")
+        if self.fp8_copies and self.fp8_copies_ahead:
+            raise ValueError("Layout: fp8_copies and fp8_copies_ahead are exclusive (kept copies need none ahead)")
 
     # ---- what the shape means
     @property
@@ -181,7 +186,8 @@ class Layout:
 
     def settings(self) -> str:
         return (f"{self.kind}, activation checkpointing {describe(self.activation_checkpointing)}, cpu_offload "
-                f"{str(self.cpu_offload).lower()}" + (", fp8 transposed copies kept" if self.fp8_copies else ""))
+                f"{str(self.cpu_offload).lower()}" + (", fp8 transposed copies kept" if self.fp8_copies else "")
+                + (", fp8 transposed copies one layer ahead" if self.fp8_copies_ahead else ""))
 
     def summary(self) -> str:
         per = "process" if self.memory is not None and self.memory.host else "GPU"
@@ -352,14 +358,27 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         if layout.fsdp and want == "auto":
             reasons.append("fp8 transposed copies: not kept (FSDP shards the weights)")
             return layout, e
-        trial = replace(layout, fp8_copies=True)
-        et = estimate(trial)
-        if want is True or fits(et):
-            reasons.append(f"fp8 transposed copies: kept ({et.total_gib:.2f} GiB with them, {e.total_gib:.2f} "
-                           "without)" + ("" if fits(et) else f"; warning: over {limit:.1f} GiB, the run may run "
-                                         "out of memory"))
-            return trial, et
-        reasons.append(f"fp8 transposed copies: not kept ({et.total_gib:.2f} GiB with them, over {limit:.1f})")
+        kept = None
+        if want in (True, "auto"):
+            kept = replace(layout, fp8_copies=True)
+            et = estimate(kept)
+            if want is True or fits(et):
+                reasons.append(f"fp8 transposed copies: kept ({et.total_gib:.2f} GiB with them, {e.total_gib:.2f} "
+                               "without)" + ("" if fits(et) else f"; warning: over {limit:.1f} GiB, the run may "
+                                             "run out of memory"))
+                return kept, et
+        # the routed experts' copies one MoE layer ahead of the backward, on a side stream (quant.copies_ahead)
+        ahead = replace(layout, fp8_copies_ahead=True) if counts.fp8_copy_expert_bytes else None
+        ea = estimate(ahead) if ahead is not None else None
+        if ahead is not None and (want == "ahead" or fits(ea)):
+            why = f"not kept ({estimate(kept).total_gib:.2f} GiB with them, over {limit:.1f}); " if kept else ""
+            reasons.append(f"fp8 transposed copies: {why}the experts' made one layer ahead of the backward "
+                           f"({ea.total_gib:.2f} GiB)" + ("" if fits(ea) else f"; warning: over {limit:.1f} GiB, "
+                                                          "the run may run out of memory"))
+            return ahead, ea
+        if kept is not None:
+            reasons.append(f"fp8 transposed copies: not kept ({estimate(kept).total_gib:.2f} GiB with them, over "
+                           f"{limit:.1f})")
         return layout, e
 
     if len(pinned) == len(PINNABLE):

@@ -7,9 +7,10 @@ former process's cached pick), and each choice sums in another order. On: torch'
 that has none warns, naming itself, instead of failing the run), which also hold Inductor to one reduction config;
 Inductor's deterministic mode (no timing-based choice that changes numerics); cuDNN's deterministic kernels without
 benchmarking; cuBLAS's fixed workspace. Our own kernels are deterministic either way (no atomics, fixed launch
-configs). Measured (BENCHMARKS.md, nineteenth session; GLM-4.7-Flash's shapes on an fp8 base, two processes with
-fresh compile caches): without it the training steps were equal bit for bit and the evaluation's no-grad graphs,
-compiled at the first evaluation, were not; with it both were.
+configs). Measured (BENCHMARKS.md, nineteenth and twentieth sessions; GLM-4.7-Flash's shapes on an fp8 base, two
+processes with fresh compile caches): without it the training steps were equal bit for bit and the evaluation after
+them was not (also with Inductor's deterministic mode on while the evaluation compiles: the per-process choice is
+elsewhere); with it both were.
 """
 
 from __future__ import annotations
@@ -19,17 +20,6 @@ import os
 import torch
 
 CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick the same algorithm every call (CUDA's reproducibility notes)
-
-
-def repeatable_compiles():
-    """Inductor's deterministic mode while the block runs: what it compiles there (the evaluation's no-grad graphs,
-    compiled at its first call) picks no kernel by timing it, so an evaluation gives the same loss in every process
-    — also after a resume — whether or not train.deterministic is on. The training graphs keep their tuned kernels
-    (their steps were bit-for-bit equal across fresh processes without it, BENCHMARKS.md nineteenth session); an
-    evaluation is a small part of a run."""
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(deterministic=True)
 
 
 class Determinism:
