@@ -19,6 +19,7 @@
 #              the tree before a change against the tree after it, in one call
 # air_train:   full-size GLM-4.5-Air through `moetune train` on one GPU: QUANT (fp8), AIR_TARGETS, AIR_AC, AIR_EXTRA
 # air_auto:    the same with layout auto choosing the recompute; air_auto_b: again with LoRA targets $AIR_TARGETS_B
+#              and overrides $AIR_EXTRA_B
 # curves:      benchmarks/fp8_check.py curves $CURVES_ARGS (bf16 vs fp8 base loss curves)
 # offload:     benchmarks/fp8_offload_check.py (an fp8 base with parallel.cpu_offload against without)
 # mempeak:     benchmarks/memory_peak.py on $MEMPEAK_VARIANTS ($MEMPEAK_ARGS, default --layers 4): live at the peak
@@ -68,9 +69,10 @@ for stage in ${STAGES:-attention trace variants}; do
       STEPS=${AIR_STEPS:-12} TARGETS="${AIR_TARGETS:-[q_proj,k_proj,v_proj,o_proj]}" AC="${AIR_AC-attention}" \
       EXTRA="${AIR_EXTRA:-}" bash benchmarks/air_full_size.sh ;;
     air_auto|air_auto_b) t=AIR_TARGETS${stage#air_auto}; t=${t^^}  # air_auto_b: LoRA targets $AIR_TARGETS_B
+      e=AIR_EXTRA${stage#air_auto}; e=${e^^}  # and overrides $AIR_EXTRA_B (else $AIR_EXTRA)
       run $stage ${TRAIN_LIMIT:-200} env OUT="$OUT/$stage" QUANT=${QUANT:-fp8} NPROC=1 SPEED_ONLY=1 \
       STEPS=${AIR_STEPS:-12} TARGETS="${!t:-[q_proj,k_proj,v_proj,o_proj]}" AC= LAYOUT_AUTO=1 \
-      EXTRA="${AIR_EXTRA:-}" bash benchmarks/air_full_size.sh ;;
+      EXTRA="${!e:-${AIR_EXTRA:-}}" bash benchmarks/air_full_size.sh ;;
     curves) run curves ${CURVES_LIMIT:-200} env OUT="$OUT" python3 benchmarks/fp8_check.py curves ${CURVES_ARGS:-} ;;
     mempeak) for v in ${MEMPEAK_VARIANTS:-ours_fp8_air_experts_1x4096_packed_ac}; do
         run "mempeak_$v" ${MEMPEAK_LIMIT:-150} env OUT="$OUT" python3 benchmarks/memory_peak.py $v \

@@ -347,43 +347,53 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         return (f"cpu_offload needs {e.host_gib:.1f} GiB of host memory per process, over {host_limit:.1f} GiB "
                 f"({FIT_FRACTION:.0%} of this node's RAM per process, {memory.host_gib:.1f} GiB)")
 
+    want_copies = cfg.parallel.fp8_transposed_copies
+
+    def with_ahead(layout):
+        """`layout` with the experts' transposed copies made one layer ahead (quant.copies_ahead) where
+        parallel.fp8_transposed_copies allows them (auto, ahead) and FSDP does not shard the weights: inside the
+        search, so the one layer's copies they keep are in every estimate a layout is chosen by (they save more
+        time than the recompute of a layer's attention costs)."""
+        ok = want_copies in ("auto", "ahead") and not host and counts.fp8_copy_expert_bytes and not layout.fsdp
+        return replace(layout, fp8_copies_ahead=True) if ok else layout
+
     def with_copies(layout, e, reasons):
-        """`layout` with the fp8 weights' transposed copies where parallel.fp8_transposed_copies asks for them: true
-        always (an error under FSDP), auto where FSDP does not shard the weights and the estimate with the copies
-        fits — after the layout is chosen, so they never cost a layer's recompute."""
-        want = cfg.parallel.fp8_transposed_copies
+        """`layout` with the fp8 weights' transposed copies kept where parallel.fp8_transposed_copies asks for them:
+        true always (an error under FSDP), auto where FSDP does not shard the weights and the estimate with the
+        copies fits — after the layout is chosen, so they never cost a layer's recompute; else the experts' copies
+        made one layer ahead where with_ahead put them (or `ahead` asks for them)."""
+        want = want_copies
         # on a CPU run the fp8 weights are dequantised just in time (no fp8 GEMM reads a copy)
         if not counts.fp8_copy_bytes or want is False or (host and want == "auto"):
             return layout, e
         if layout.fsdp and want == "auto":
-            reasons.append("fp8 transposed copies: not kept (FSDP shards the weights)")
+            reasons.append("fp8 transposed copies: none kept or made ahead (FSDP shards the weights)")
             return layout, e
-        kept = None
+        not_kept = ""
         if want in (True, "auto"):
-            kept = replace(layout, fp8_copies=True)
+            kept = replace(layout, fp8_copies=True, fp8_copies_ahead=False)
             et = estimate(kept)
             if want is True or fits(et):
                 reasons.append(f"fp8 transposed copies: kept ({et.total_gib:.2f} GiB with them, {e.total_gib:.2f} "
                                "without)" + ("" if fits(et) else f"; warning: over {limit:.1f} GiB, the run may "
                                              "run out of memory"))
                 return kept, et
-        # the routed experts' copies one MoE layer ahead of the backward, on a side stream (quant.copies_ahead)
-        ahead = replace(layout, fp8_copies_ahead=True) if counts.fp8_copy_expert_bytes else None
-        ea = estimate(ahead) if ahead is not None else None
-        if ahead is not None and (want == "ahead" or fits(ea)):
-            why = f"not kept ({estimate(kept).total_gib:.2f} GiB with them, over {limit:.1f}); " if kept else ""
-            reasons.append(f"fp8 transposed copies: {why}the experts' made one layer ahead of the backward "
-                           f"({ea.total_gib:.2f} GiB)" + ("" if fits(ea) else f"; warning: over {limit:.1f} GiB, "
-                                                          "the run may run out of memory"))
-            return ahead, ea
-        if kept is not None:
-            reasons.append(f"fp8 transposed copies: not kept ({estimate(kept).total_gib:.2f} GiB with them, over "
-                           f"{limit:.1f})")
+            not_kept = f"not kept ({et.total_gib:.2f} GiB with them, over {limit:.1f})"
+        if want == "ahead" and not layout.fp8_copies_ahead and counts.fp8_copy_expert_bytes:
+            layout = replace(layout, fp8_copies_ahead=True)
+            e = estimate(layout)
+        if layout.fp8_copies_ahead:
+            reasons.append("fp8 transposed copies: " + (not_kept + "; " if not_kept else "") + "the experts' made "
+                           f"one layer ahead of the backward (in the estimate: {e.total_gib:.2f} GiB)"
+                           + ("" if fits(e) else f"; warning: over {limit:.1f} GiB, the run may run out of memory"))
+        elif not_kept:
+            reasons.append(f"fp8 transposed copies: {not_kept}")
         return layout, e
 
     if len(pinned) == len(PINNABLE):
-        layout = make_layout(world_size, pinned["ep"], pinned["dp_shard"], pinned["activation_checkpointing"],
-                             pinned["cpu_offload"], auto=False, **common)
+        layout = with_ahead(make_layout(world_size, pinned["ep"], pinned["dp_shard"],
+                                        pinned["activation_checkpointing"], pinned["cpu_offload"], auto=False,
+                                        **common))
         e = estimate(layout)
         why = ("parallel.layout: manual: ep, dp_shard, cpu_offload and activation checkpointing as written"
                if cfg.parallel.layout == "manual" else "every layout key is set in the config: taken as written")
@@ -422,8 +432,8 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         best, lo, hi = None, 1, n_layers - 1  # layers in the heavier mode
         while lo <= hi:
             n = (lo + hi) // 2
-            layout = make_layout(world_size, ep, dp_shard, {ac: n, lighter: n_layers - n}, offload, auto=True,
-                                 **common)
+            layout = with_ahead(make_layout(world_size, ep, dp_shard, {ac: n, lighter: n_layers - n}, offload,
+                                            auto=True, **common))
             e = estimate(layout)
             if fits(e):
                 best, hi = (layout, e), n - 1
@@ -433,7 +443,8 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
 
     for ep, dp_shard, ac, offload in candidates:
         found = split(ep, dp_shard, offload, ac) if ac in ("attention", "full") else None
-        layout, e = found or (make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common), None)
+        layout, e = found or (with_ahead(make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common)),
+                              None)
         e = estimate(layout) if e is None else e
         tried.append((layout, e))
         if fits(e):
