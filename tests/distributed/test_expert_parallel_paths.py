@@ -118,13 +118,11 @@ def test_ep_paths_equal_plain_model(full, variants):
 
 def _fp8_model(mesh, copies, targets):
     """TINY in bf16 with an fp8 base (row scales) and LoRA on `targets`; under expert parallelism (mesh) each rank
-    holds its experts' fp8 stacks, and (copies) their kept transposed copies, or ("ahead") the slots of copies made
-    one layer ahead of the backward."""
+    holds its experts' fp8 stacks, and (copies) their kept transposed copies."""
     from moetune.model.config import ModelConfig
     from moetune.model.hf_io import build_model, cast_model, init_weights
     from moetune.model.lora import apply_lora
     from moetune.model.quant.fp8 import ROWWISE
-    from moetune.model.quant.copies_ahead import copy_ahead
     from moetune.model.quant.modules import keep_transposed_copies, quantize_model
     from moetune.parallel.apply import apply_ep
     from moetune.train.setup import init_lora
@@ -145,9 +143,7 @@ def _fp8_model(mesh, copies, targets):
                     len(name)))
                 p.copy_(full if not hasattr(p, "device_mesh") else
                         torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements))
-    if copies == "ahead":
-        assert copy_ahead(model) > 0
-    elif copies:
+    if copies:
         assert keep_transposed_copies(model) > 0
     return model
 
@@ -181,9 +177,6 @@ def _fp8_worker(rank, port, targets):
     loss, grads, logits = _loss_and_grads(model, ids, labels)
     for name, g in made_each_backward.items():  # the same work on the same rows: the copies change nothing
         assert torch.equal(grads[name], g), name
-    _, ahead, _ = _loss_and_grads(_fp8_model(mesh, "ahead", targets), ids, labels)
-    for name, g in made_each_backward.items():  # nor do copies made one layer ahead, handed through the exchange
-        assert torch.equal(ahead[name], g), name
     for w in ("gate_up_proj", "down_proj"):  # and they are what the input gradients read: flipped, the grads change
         for moe in model.moe_layers():
             copy = transposed_copy(moe.experts, w)
@@ -213,8 +206,8 @@ def _fp8_worker(rank, port, targets):
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj", "shared_experts", "experts"], ["q_proj", "v_proj"]])
 def test_ep_on_an_fp8_base_with_kept_copies_equals_the_plain_model(targets):
     """Expert parallelism over an fp8 base on the fp8 tensor-core path, each rank keeping the transposed copies of its
-    own experts (handed through the exchange to the local expert work), or making them one layer ahead of the
-    backward (quant.copies_ahead): the gradients of the same EP model making a copy per backward, bitwise, and the loss, logits and LoRA gradients of the plain single-process fp8 model within
+    own experts (handed through the exchange to the local expert work): the gradients of the same EP model making a
+    copy per backward, bitwise, and the loss, logits and LoRA gradients of the plain single-process fp8 model within
     bf16's rounding (its sums run in another order). With LoRA on the routed experts they run GEMM by GEMM; without,
     as one fp8 node (quant.matmul.fp8_expert_mlp), on each rank's received rows."""
     mp.spawn(_fp8_worker, args=(free_port(), targets), nprocs=WORLD)

@@ -823,57 +823,6 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
         assert not [n for n in want if not torch.equal(got[n], want[n])], copies
 
 
-def test_copies_made_one_layer_ahead_give_the_gradients_of_copies_made_in_each_layer(monkeypatch):
-    """The experts' transposed copies made one MoE layer ahead of the backward (quant.copies_ahead), on the fp8
-    tensor-core path as a GPU runs it (the fused expert node, the TMA kernel under Triton's interpreter), compiled per
-    layer as one graph, with and without the layer recomputed whole: the LoRA gradients of the eager run that copies
-    each stack in its layer's backward, bitwise. Only the last MoE layer copies its own stacks in its backward; the
-    slots are filled in the backward (zeroed after the forward, the gradients hold), once by each MoE layer but the
-    first (a layer compiled without the fork is not reused for one with it)."""
-    from moetune.model import grouped_gemm as gg
-    from moetune.model.quant import copies_ahead, matmul
-    from moetune.parallel.apply import apply_ac
-
-    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
-    copied, fills = [], []
-    real_copy = matmul.k_major_copy  # what the node's copy op runs (opaque to compile)
-    monkeypatch.setattr(matmul, "k_major_copy", lambda w8: copied.append(tuple(w8.shape)) or real_copy(w8))
-    real_fill = copies_ahead._fill  # what the fork's op runs
-    monkeypatch.setattr(copies_ahead, "_fill", lambda stacks: fills.append(1) or real_fill(stacks))
-    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
-    layers = 4  # the tiny model's layer 0 is dense: three MoE layers
-
-    def grads(ahead, layer_ac="none"):
-        model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=layers, nonzero_lora=True)
-        slots = copies_ahead.copy_ahead(model) if ahead else 0
-        if ahead:
-            apply_ac(model, layer_ac)
-            torch._dynamo.reset()
-            for layer in model.model.layers:
-                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
-        copied.clear()
-        fills.clear()
-        loss = model(ids, labels=torch.roll(ids, -1, 1))
-        if ahead:
-            for moe in model.moe_layers()[:-1]:
-                for name in copies_ahead.STACKS:
-                    moe.experts.__dict__[name + "_transposed"].data.zero_()  # autograd's version stays
-        loss.backward()
-        return slots, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-
-    _, want = grads(False)
-    assert len(copied) == 2 * (layers - 1)
-    moe = _tiny("fp8", layers=2).model.layers[1].mlp.experts
-    for layer_ac in ("none", "full"):
-        slots, got = grads(True, layer_ac)
-        assert slots == moe.gate_up_proj.numel() + moe.down_proj.numel()  # one layer's stacks, one byte a value
-        assert len(copied) == 2, layer_ac  # the last MoE layer's, in its own backward
-        assert got.keys() == want.keys()
-        assert not [n for n in want if not torch.equal(got[n], want[n])], layer_ac
-        assert len(fills) == layers - 2, layer_ac
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(monkeypatch, compiled):
     """On the fp8 tensor-core path as a GPU runs it (forced on: the expert stacks through the TMA kernel under

@@ -281,10 +281,9 @@ class ParallelConfig(_Section):
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state in host memory
     # an fp8 base's weights kept a second time, transposed, for the input gradient's fp8 GEMMs (which take K-major
-    # operands only) instead of a copy made in every backward: faster, for the fp8 weights' bytes again. ahead: one
-    # MoE layer's expert stacks, copied one layer ahead of the backward on a side stream (quant.copies_ahead). auto:
-    # kept when the layout fits with them and FSDP does not shard the weights, else ahead where that fits
-    fp8_transposed_copies: Union[Literal["auto", "ahead"], bool] = "auto"
+    # operands only) instead of a copy made in every backward: faster, for the fp8 weights' bytes again. auto: kept
+    # when the layout fits with them and FSDP does not shard the weights
+    fp8_transposed_copies: Union[Literal["auto"], bool] = "auto"
 
     @field_validator("dp_shard")
     @classmethod

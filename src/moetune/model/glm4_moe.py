@@ -24,7 +24,6 @@ from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.experts import (experts_forward, fp8_routed_experts, fuses_fp8_mlp, permute, permute_rows,
                                    unpermute)
-from moetune.model.quant import copies_ahead
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name, transposed_copy
 from moetune.model.recompute import recompute, split_modes
 
@@ -270,20 +269,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.activation_checkpointing = "none"  # one of ac_modes.AC_MODES, set by parallel.apply_ac
 
-    def _forward(self, x, cos, sin, attn, topk, cache, ahead=None):
+    def _forward(self, x, cos, sin, attn, topk, cache):
         """The whole layer (what a whole-layer recompute re-runs): -> (x, topk, the MoE's side outputs or None),
-        which forward stores outside the checkpoint. `ahead`: the stacks this layer's backward copies for the MoE
-        layer before it, once its own experts are done (quant.copies_ahead)."""
+        which forward stores outside the checkpoint."""
         h, topk = self._attention(x, cos, sin, attn, topk, cache)
         x = x + h
         if isinstance(self.mlp, MoE):
-            y, side = self.mlp.forward_with_side(self._mlp_input(x, ahead))
+            y, side = self.mlp.forward_with_side(self.post_attention_layernorm(x))
             return x + y, topk, side
         return x + self.mlp(self.post_attention_layernorm(x)), topk, None
-
-    def _mlp_input(self, x, ahead):
-        x = self.post_attention_layernorm(x)
-        return x if ahead is None else copies_ahead.fork(x, ahead)
 
     def _attention(self, x, cos, sin, attn, topk, cache):
         return self.self_attn(self.input_layernorm(x), cos, sin, attn, topk, cache)
@@ -293,20 +287,16 @@ class DecoderLayer(nn.Module):
         output, so a recomputed layer uses the one its forward used."""
         mode = self.activation_checkpointing if torch.is_grad_enabled() else "none"
         split = split_modes(mode, exchanges_rows(self.mlp))
-        # the copies' fork (at the MoE's input) is joined at the layer's input: both or neither in the backward
-        ahead = copies_ahead.stacks_ahead(self.mlp) if torch.is_grad_enabled() and x.requires_grad else None
-        if ahead is not None:
-            x = copies_ahead.join(x)
         if split is None:
             # Routing is a deterministic function of the input, so the recompute chooses the same experts.
-            x, topk, side = recompute(self._forward, mode, x, cos, sin, attn, topk, cache, ahead)
+            x, topk, side = recompute(self._forward, mode, x, cos, sin, attn, topk, cache)
             if side is not None:
                 self.mlp.keep(side)
             return x, topk
         attention_mode, mlp_mode = split
         h, topk = recompute(self._attention, attention_mode, x, cos, sin, attn, topk, cache)
         x = x + h
-        return x + mlp_with(self.mlp, self._mlp_input(x, ahead), mlp_mode), topk
+        return x + mlp_with(self.mlp, self.post_attention_layernorm(x), mlp_mode), topk
 
 
 class Backbone(nn.Module):

@@ -443,17 +443,15 @@ def k_major_copy_reference(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-2, -1).contiguous()
 
 
-def k_major_copy(w: torch.Tensor, tile: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def k_major_copy(w: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """A contiguous stack w [E, R, C] (or one matrix [R, C]) copied to [E, C, R] contiguous, by the kernel on CUDA
     (and under the interpreter with KERNEL_ON_CPU), else by torch. Bytes are moved as bytes: any 1- or 2-byte dtype.
-    `tile`: the kernel's square tile (K_MAJOR_TILE; the benchmark compares others); `out`: where to write it."""
-    *lead, R, C = w.shape
-    if out is not None and (tuple(out.shape) != (*lead, C, R) or out.dtype != w.dtype or not out.is_contiguous()):
-        raise ValueError(f"k_major_copy: out {tuple(out.shape)} {out.dtype} for a copy of {tuple(w.shape)} {w.dtype}")
+    `tile`: the kernel's square tile (K_MAJOR_TILE; the benchmark compares others)."""
     if triton is None or not w.is_contiguous() or w.element_size() not in (1, 2) or not (
             w.is_cuda or (KERNEL_ON_CPU and _interpreting())):
-        return k_major_copy_reference(w) if out is None else out.copy_(w.transpose(-2, -1))
-    out = w.new_empty(*lead, C, R) if out is None else out
+        return k_major_copy_reference(w)
+    *lead, R, C = w.shape
+    out = w.new_empty(*lead, C, R)
     if w.numel() == 0:
         return out
     E = w.numel() // (R * C)

@@ -320,10 +320,6 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     if layout.fp8_copies:
         add("fp8 transposed copies", counts.fp8_copy_bytes - counts.fp8_copy_expert_bytes
             + counts.fp8_copy_expert_bytes / ep, f"the row-scaled fp8 weights once more, transposed{per}")
-    elif layout.fp8_copies_ahead:
-        n_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-        add("fp8 transposed copies, one layer ahead", counts.fp8_copy_expert_bytes / max(n_moe, 1) / ep,
-            f"one MoE layer's fp8 expert stacks, transposed (quant.copies_ahead){per}")
     static = sum(r[1] for r in rows) * GIB
     host = 0.0
     if offload:

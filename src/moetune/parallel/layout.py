@@ -87,8 +87,6 @@ class Layout:
     # an fp8 base's weights kept a second time, transposed, for the input gradient
     # (quant.modules.keep_transposed_copies)
     fp8_copies: bool = False
-    # else one MoE layer's expert stacks transposed, made one layer ahead of the backward (quant.copies_ahead)
-    fp8_copies_ahead: bool = False
     reasons: list[str] = field(default_factory=list, compare=False)
 
     def __post_init__(self):
@@ -109,13 +107,10 @@ class Layout:
             raise TypeError(f"Layout.recompute is each decoder layer's mode, got {self.recompute!r} (make_layout "
                             "spreads a setting over the layers)")
         layer_modes(self.recompute, len(self.recompute))  # known modes (the layers' number came from the model)
-        if (self.fp8_copies or self.fp8_copies_ahead) and self.fsdp:
-            want = "true" if self.fp8_copies else "ahead"
-            raise ConfigError(f"parallel.fp8_transposed_copies {want}: FSDP shards the weights here (dp_shard "
+        if self.fp8_copies and self.fsdp:
+            raise ConfigError("parallel.fp8_transposed_copies true: FSDP shards the weights here (dp_shard "
                               f"{dp_shard}, cpu_offload {str(self.cpu_offload).lower()}), and a rank would copy its "
                               "shard, not the weight it computes with; set it to auto or false")
-        if self.fp8_copies and self.fp8_copies_ahead:
-            raise ValueError("Layout: fp8_copies and fp8_copies_ahead are exclusive (kept copies need none ahead)")
 
     # ---- what the shape means
     @property
@@ -186,8 +181,7 @@ class Layout:
 
     def settings(self) -> str:
         return (f"{self.kind}, activation checkpointing {describe(self.activation_checkpointing)}, cpu_offload "
-                f"{str(self.cpu_offload).lower()}" + (", fp8 transposed copies kept" if self.fp8_copies else "")
-                + (", fp8 transposed copies one layer ahead" if self.fp8_copies_ahead else ""))
+                f"{str(self.cpu_offload).lower()}" + (", fp8 transposed copies kept" if self.fp8_copies else ""))
 
     def summary(self) -> str:
         per = "process" if self.memory is not None and self.memory.host else "GPU"
@@ -347,53 +341,30 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         return (f"cpu_offload needs {e.host_gib:.1f} GiB of host memory per process, over {host_limit:.1f} GiB "
                 f"({FIT_FRACTION:.0%} of this node's RAM per process, {memory.host_gib:.1f} GiB)")
 
-    want_copies = cfg.parallel.fp8_transposed_copies
-
-    def with_ahead(layout):
-        """`layout` with the experts' transposed copies made one layer ahead (quant.copies_ahead) where
-        parallel.fp8_transposed_copies allows them (auto, ahead) and FSDP does not shard the weights: inside the
-        search, so the one layer's copies they keep are in every estimate a layout is chosen by (they save more
-        time than the recompute of a layer's attention costs)."""
-        ok = want_copies in ("auto", "ahead") and not host and counts.fp8_copy_expert_bytes and not layout.fsdp
-        return replace(layout, fp8_copies_ahead=True) if ok else layout
-
     def with_copies(layout, e, reasons):
-        """`layout` with the fp8 weights' transposed copies kept where parallel.fp8_transposed_copies asks for them:
-        true always (an error under FSDP), auto where FSDP does not shard the weights and the estimate with the
-        copies fits — after the layout is chosen, so they never cost a layer's recompute; else the experts' copies
-        made one layer ahead where with_ahead put them (or `ahead` asks for them)."""
-        want = want_copies
+        """`layout` with the fp8 weights' transposed copies where parallel.fp8_transposed_copies asks for them: true
+        always (an error under FSDP), auto where FSDP does not shard the weights and the estimate with the copies
+        fits — after the layout is chosen, so they never cost a layer's recompute."""
+        want = cfg.parallel.fp8_transposed_copies
         # on a CPU run the fp8 weights are dequantised just in time (no fp8 GEMM reads a copy)
         if not counts.fp8_copy_bytes or want is False or (host and want == "auto"):
             return layout, e
         if layout.fsdp and want == "auto":
-            reasons.append("fp8 transposed copies: none kept or made ahead (FSDP shards the weights)")
+            reasons.append("fp8 transposed copies: not kept (FSDP shards the weights)")
             return layout, e
-        not_kept = ""
-        if want in (True, "auto"):
-            kept = replace(layout, fp8_copies=True, fp8_copies_ahead=False)
-            et = estimate(kept)
-            if want is True or fits(et):
-                reasons.append(f"fp8 transposed copies: kept ({et.total_gib:.2f} GiB with them, {e.total_gib:.2f} "
-                               "without)" + ("" if fits(et) else f"; warning: over {limit:.1f} GiB, the run may "
-                                             "run out of memory"))
-                return kept, et
-            not_kept = f"not kept ({et.total_gib:.2f} GiB with them, over {limit:.1f})"
-        if want == "ahead" and not layout.fp8_copies_ahead and counts.fp8_copy_expert_bytes:
-            layout = replace(layout, fp8_copies_ahead=True)
-            e = estimate(layout)
-        if layout.fp8_copies_ahead:
-            reasons.append("fp8 transposed copies: " + (not_kept + "; " if not_kept else "") + "the experts' made "
-                           f"one layer ahead of the backward (in the estimate: {e.total_gib:.2f} GiB)"
-                           + ("" if fits(e) else f"; warning: over {limit:.1f} GiB, the run may run out of memory"))
-        elif not_kept:
-            reasons.append(f"fp8 transposed copies: {not_kept}")
+        trial = replace(layout, fp8_copies=True)
+        et = estimate(trial)
+        if want is True or fits(et):
+            reasons.append(f"fp8 transposed copies: kept ({et.total_gib:.2f} GiB with them, {e.total_gib:.2f} "
+                           "without)" + ("" if fits(et) else f"; warning: over {limit:.1f} GiB, the run may run "
+                                         "out of memory"))
+            return trial, et
+        reasons.append(f"fp8 transposed copies: not kept ({et.total_gib:.2f} GiB with them, over {limit:.1f})")
         return layout, e
 
     if len(pinned) == len(PINNABLE):
-        layout = with_ahead(make_layout(world_size, pinned["ep"], pinned["dp_shard"],
-                                        pinned["activation_checkpointing"], pinned["cpu_offload"], auto=False,
-                                        **common))
+        layout = make_layout(world_size, pinned["ep"], pinned["dp_shard"], pinned["activation_checkpointing"],
+                             pinned["cpu_offload"], auto=False, **common)
         e = estimate(layout)
         why = ("parallel.layout: manual: ep, dp_shard, cpu_offload and activation checkpointing as written"
                if cfg.parallel.layout == "manual" else "every layout key is set in the config: taken as written")
@@ -432,8 +403,8 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
         best, lo, hi = None, 1, n_layers - 1  # layers in the heavier mode
         while lo <= hi:
             n = (lo + hi) // 2
-            layout = with_ahead(make_layout(world_size, ep, dp_shard, {ac: n, lighter: n_layers - n}, offload,
-                                            auto=True, **common))
+            layout = make_layout(world_size, ep, dp_shard, {ac: n, lighter: n_layers - n}, offload, auto=True,
+                                 **common)
             e = estimate(layout)
             if fits(e):
                 best, hi = (layout, e), n - 1
@@ -443,8 +414,7 @@ def resolve_layout(cfg, world_size: int, memory: MemoryLimit | float | None = No
 
     for ep, dp_shard, ac, offload in candidates:
         found = split(ep, dp_shard, offload, ac) if ac in ("attention", "full") else None
-        layout, e = found or (with_ahead(make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common)),
-                              None)
+        layout, e = found or (make_layout(world_size, ep, dp_shard, ac, offload, auto=True, **common), None)
         e = estimate(layout) if e is None else e
         tried.append((layout, e))
         if fits(e):

@@ -13,7 +13,6 @@ from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import (as_dtype, build_model, cast_model, checkpoint_reader, fill_seeded, init_weights,
                                  load_hf_weights)
 from moetune.model.quant.checkpoint import prepare_fp8_base
-from moetune.model.quant.copies_ahead import copy_ahead
 from moetune.model.quant.modules import keep_transposed_copies
 from moetune.model.trainable import prepare_trainable
 from moetune.parallel.apply import check_cuda_graphs, parallelize, place_buffers
@@ -66,10 +65,6 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
     if layout.fp8_copies:
         nbytes = keep_transposed_copies(model)
         log.info(f"fp8 base: transposed copies of its weights kept for the input gradient ({nbytes / 2**30:.2f} GiB)")
-    elif layout.fp8_copies_ahead:
-        nbytes = copy_ahead(model)
-        log.info(f"fp8 base: the experts' transposed copies made one layer ahead of the backward ({nbytes / 2**30:.2f}"
-                 " GiB)")
     return model
 
 

@@ -90,7 +90,6 @@ def expert_weight(experts: nn.Module, name: str):
 # attributes, not parameters or buffers: nothing that saves, exports or streams the model sees them, and they never
 # go stale because the weights they copy never train.
 TRANSPOSED = "_transposed"
-AHEAD = "_ahead"  # an Experts module's `<stack>_ahead`: the stack its backward copies for the layer before (copies_ahead)
 
 
 def transposed_copy(module: nn.Module, weight_name: str) -> torch.Tensor | None:
@@ -116,9 +115,8 @@ def keep_transposed_copies(model) -> int:
 
 
 def drop_transposed_copies(model) -> None:
-    """Drop the kept copies, and the slots and sources of the copies made ahead (copies_ahead)."""
     for mod in model.modules():
-        for key in [k for k in mod.__dict__ if k.endswith(TRANSPOSED) or k.endswith(AHEAD)]:
+        for key in [k for k in mod.__dict__ if k.endswith(TRANSPOSED)]:
             del mod.__dict__[key]
 
 
