@@ -11,6 +11,9 @@ that disagree where each agrees with itself point at a choice made per process: 
     python benchmarks/fp8_determinism.py --layers 16 --procs 4 --modes "" --trainer-steps 5 --caches \
         fresh,fresh,fresh,fresh --proc-trainer-args "||--train.deterministic true|--train.deterministic true"
         (two cold processes as the trainer runs by default, two with train.deterministic)
+    python benchmarks/fp8_determinism.py --layers 16 --procs 6 --modes "" --trainer-steps 5 --caches \
+        fresh,fresh,fresh,fresh,fresh,fresh --proc-settings "algorithms|algorithms|inductor|inductor|cudnn+cublas|\
+        cudnn+cublas"      (which of train.deterministic's settings makes the evaluation repeat: two processes each)
 
 Cases: an evaluation-like batch (one short document, the rest of the row padding, as the trainer's last packed eval
 row) and a full packed row; each under torch.no_grad (the evaluation) and with gradients (the training forward,
@@ -82,6 +85,38 @@ def digest(tensors) -> str:
         t = t.detach().double().flatten().cpu()
         total += (t * torch.linspace(1, 2, t.numel(), dtype=torch.float64)).sum() * (i + 1)
     return float(total).hex()
+
+
+# one of train.deterministic's settings at a time, for the whole process (--proc-settings): which one makes the
+# evaluation repeat across processes (the twentieth session: Inductor's mode during the evaluation alone did not)
+SETTINGS = {
+    "algorithms": lambda: torch.use_deterministic_algorithms(True, warn_only=True),
+    "algorithms_nofill": lambda: (torch.use_deterministic_algorithms(True, warn_only=True),
+                                  setattr(torch.utils.deterministic, "fill_uninitialized_memory", False)),
+    "inductor": lambda: setattr(inductor_config(), "deterministic", True),
+    "cudnn": lambda: (setattr(torch.backends.cudnn, "deterministic", True),
+                      setattr(torch.backends.cudnn, "benchmark", False)),
+    "cublas": lambda: os.environ.__setitem__("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+}
+
+
+def inductor_config():
+    import torch._inductor.config as config
+
+    return config
+
+
+def setting_names(names: str) -> list[str]:
+    out = list(filter(None, names.split("+")))
+    for name in out:
+        if name not in SETTINGS:
+            raise SystemExit(f"--proc-settings: unknown {name!r} (known: {', '.join(SETTINGS)})")
+    return out
+
+
+def apply_settings(names: str) -> None:
+    for name in setting_names(names):
+        SETTINGS[name]()
 
 
 def trainer_steps(cfg: dict, S: int, dev, steps: int, args: list) -> dict:
@@ -160,15 +195,22 @@ def main():
     ap.add_argument("--caches", default="", help="per process, comma-separated: `shared` (one compile cache, cold "
                     "for the first process that uses it, then warm) or `fresh` (its own empty cache); default: the "
                     "machine's")
+    ap.add_argument("--proc-settings", default="", help="per process, separated by |: train.deterministic's "
+                    f"settings to turn on for the whole process, joined by + (of {', '.join(SETTINGS)})")
+    ap.add_argument("--settings", default="", help=argparse.SUPPRESS)  # a child's own --proc-settings entry
     ap.add_argument("--child", action="store_true")
     a = ap.parse_args()
     if a.child:
+        apply_settings(a.settings)
         res = one_process(a.layers, a.modes.split(","), a.cases, a.trainer_steps, a.trainer_args.split())
         print("RESULT " + json.dumps(res), flush=True)
         return
     procs = []
     caches = a.caches.split(",") if a.caches else []
     per_proc = a.proc_trainer_args.split("|") if a.proc_trainer_args else []
+    per_settings = a.proc_settings.split("|") if a.proc_settings else []
+    setting_names("+".join(per_settings))  # the names checked before any process runs (and not applied here: the
+    # processes inherit this one's environment)
     shared = tempfile.mkdtemp(prefix="det_cache_shared_")
     for i in range(a.procs):
         env = dict(os.environ)
@@ -177,7 +219,8 @@ def main():
             env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(d, "inductor"), TRITON_CACHE_DIR=os.path.join(d, "triton"))
         r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(a.layers), "--modes", a.modes,
                             "--cases", a.cases, "--trainer-steps", str(a.trainer_steps),
-                            "--trainer-args=" + " ".join([a.trainer_args] + per_proc[i:i + 1])],
+                            "--trainer-args=" + " ".join([a.trainer_args] + per_proc[i:i + 1]),
+                            "--settings", per_settings[i] if i < len(per_settings) else ""],
                            capture_output=True, text=True, env=env)
         lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
         if r.returncode or not lines:
@@ -187,10 +230,13 @@ def main():
         procs.append(json.loads(lines[-1][7:]))
         print(f"process {i}: {json.dumps(procs[-1].get('trainer', 'done'))}", flush=True)
     keys = sorted({k for p in procs for k in p if k != "error"})
-    # processes compare with those run with the same trainer overrides (--proc-trainer-args)
+    # processes compare with those run with the same trainer overrides and settings (--proc-trainer-args,
+    # --proc-settings)
     groups: dict[str, list] = {}
     for i, p in enumerate(procs):
-        groups.setdefault(per_proc[i] if i < len(per_proc) else "", []).append(p)
+        group = " ".join(x for x in (per_proc[i] if i < len(per_proc) else "",
+                                     per_settings[i] if i < len(per_settings) else "") if x)
+        groups.setdefault(group, []).append(p)
     summary = {f"{k}{' [' + g + ']' if g else ''}": {
         "within_each": [p.get(k, {}).get("same") for p in ps],
         "across": len({json.dumps(p.get(k, {}).get("runs")) for p in ps}) == 1 and all(finite(p.get(k)) for p in ps)}
