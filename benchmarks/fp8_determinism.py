@@ -35,10 +35,13 @@ import sys
 import tempfile
 
 import torch
+import torch._inductor.config as inductor_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+from moetune.train.determinism import CUBLAS_WORKSPACE  # noqa: E402 (src is on the path above)
 
 CPU = bool(os.environ.get("BENCH_CPU"))
 OUT = os.environ.get("OUT", "/tmp")
@@ -93,18 +96,11 @@ SETTINGS = {
     "algorithms": lambda: torch.use_deterministic_algorithms(True, warn_only=True),
     "algorithms_nofill": lambda: (torch.use_deterministic_algorithms(True, warn_only=True),
                                   setattr(torch.utils.deterministic, "fill_uninitialized_memory", False)),
-    "inductor": lambda: setattr(inductor_config(), "deterministic", True),
+    "inductor": lambda: setattr(inductor_config, "deterministic", True),
     "cudnn": lambda: (setattr(torch.backends.cudnn, "deterministic", True),
                       setattr(torch.backends.cudnn, "benchmark", False)),
-    "cublas": lambda: os.environ.__setitem__("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+    "cublas": lambda: os.environ.__setitem__("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE),
 }
-
-
-def inductor_config():
-    import torch._inductor.config as config
-
-    return config
-
 
 def setting_names(names: str) -> list[str]:
     out = list(filter(None, names.split("+")))
