@@ -13,15 +13,16 @@ FlexAttention (compiled; with Inductor's autotuning; and on the model's layout: 
 [B, S, heads, D] projections, the output transposed back — as is and made contiguous first), FlashAttention-2's
 varlen kernel (with the documents' bound at the row's length, what the compiled model passes, and at the longest
 document; and through the model's path), SDPA with the dense mask; with equal documents also cuDNN on the documents
-as a batch (the bound a ragged kernel would have to match). cuDNN's own ragged layout (aten._cudnn_attention_forward
-with cumulative lengths) was measured on 2026-12-02 and dropped: 50-90 ms a call and wrong query gradients in torch 2.11. Every packed backend's output
-and query gradient are compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
+as a batch (the bound a ragged kernel would have to match). Both: FlashAttention-4 (`flash-attn-4`) where installed.
+cuDNN's own ragged layout (aten._cudnn_attention_forward with cumulative lengths) was measured on 2026-12-02 and
+dropped: 50-90 ms a call and wrong query gradients in torch 2.11. Every backend's output and query gradient are compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
 A backend that refuses a shape is a result ("error"), not a failure.
 TFLOP/s counts the causal half: fwd 2·2·(L²/2)·H·(Dqk + Dv)/2 per document, backward 2.5× the forward.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -119,6 +120,7 @@ def backends(name, B, H, KV, S, docs):
             out["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
             out["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
             out["sdpa_efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
+        out.update(fa4_backends(B, S, docs))
         return out
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -136,6 +138,7 @@ def backends(name, B, H, KV, S, docs):
     out["flex"] = lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=gqa)
     dense = dense_document_mask(pos)  # every (q, k) pair of the row computed, the mask applied
     out["sdpa_dense_mask"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+    out.update(fa4_backends(B, S, docs))
     if CPU:
         return out
     if name in os.environ.get("ATTN_AUTOTUNE", "").split():  # minutes of autotuning: the cases named only
@@ -192,6 +195,32 @@ def backends(name, B, H, KV, S, docs):
     return out
 
 
+def fa4_backends(B, S, docs):
+    """FlashAttention-4 (`flash-attn-4`, CuTe DSL kernels; SM90 forward and backward up to head dim 256) where it is
+    installed: q, k, v as the model's projections lay them out ([B, S, heads, D], here transposed views), one
+    document causal, packed rows through its varlen entry point (cumulative starts, the longest document)."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return {}
+
+    def bshd(t):
+        return t.transpose(1, 2)
+
+    if len(docs) == 1:
+        return {"fa4": lambda q, k, v: bshd(flash_attn_func(bshd(q), bshd(k), bshd(v), causal=True)[0])}
+    starts = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32, device=DEV)
+    cu = torch.cat([starts[:-1] + b * S for b in range(B)] + [starts[-1:] + (B - 1) * S])
+    longest = max(docs)
+
+    def varlen(q, k, v):
+        flat = [bshd(t).reshape(B * S, t.shape[1], t.shape[-1]) for t in (q, k, v)]
+        o = flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                   max_seqlen_k=longest, causal=True)[0]
+        return o.view(B, S, q.shape[1], -1).transpose(1, 2)
+    return {"fa4_varlen": varlen}
+
+
 def reference(q, k, v, docs):
     """The dense document-causal mask in fp32 (math): output and the query's gradient for one fixed grad."""
     from moetune.model.attention import dense_document_mask
@@ -219,7 +248,7 @@ def main():
         q, k, v = mk(H, dqk), mk(KV, dqk), mk(KV, dv)
         fwd_flop, bwd_flop = flops(B, H, dqk, dv, docs)
         try:
-            ref = reference(q, k, v, docs) if len(docs) > 1 else None
+            ref = reference(q, k, v, docs)
             cands = backends(name, B, H, KV, S, docs)
         except Exception as e:  # the case's setup failed: say so and go on with the next case
             cands, r = {}, {"case": name, "error": f"{type(e).__name__}: {str(e)[:600]}"}
