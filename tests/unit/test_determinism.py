@@ -1,6 +1,6 @@
-"""train.deterministic (train/determinism.py): the settings a repeatable run needs are on while its trainer lives —
-including while torch.compile compiles, which is where Inductor would otherwise choose kernels by timing them — and
-the process's own settings are back after it, also when building the trainer fails. Whether a compiled GPU run then
+"""train.deterministic (train/determinism.py): the settings a repeatable run needs (all of them with true, Inductor's
+alone with "compile") are on while its trainer lives — including while torch.compile compiles, which is where Inductor
+would otherwise choose kernels by timing them — and the process's own settings are back after it, also when building the trainer fails. Whether a compiled GPU run then
 repeats bit for bit is measured on a GPU (benchmarks/fp8_determinism.py), the CPU having no timing-based choices."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from helpers import small_run_args
-from moetune.config import load_config
+from moetune.config import ConfigError, load_config
 from moetune.train.trainer import Trainer
 
 
@@ -42,6 +42,22 @@ def test_on_for_the_trainers_life_then_restored(tmp_path, process_defaults):
         seen.append(_settings())
     assert seen == [(True, True, True, False, True, ":4096:8")] * 2
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+
+
+def test_compile_holds_only_inductor(tmp_path, process_defaults):
+    """"compile": Inductor's deterministic mode alone (the level that made evaluations repeat at ~1% cost); torch's
+    algorithms, cuDNN and cuBLAS stay as the process had them."""
+    cfg = load_config(None, small_run_args(tmp_path, "comp", **{"train.deterministic": "compile", "train.steps": 1,
+                                                                   "parallel.layout": "manual"}))
+    with Trainer(cfg) as trainer:
+        trainer.step(trainer.next_batches())
+        assert _settings() == (False, False, False, False, True, None)
+    assert _settings() == process_defaults
+
+
+def test_an_unknown_level_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="train.deterministic"):
+        load_config(None, small_run_args(tmp_path, "bad", **{"train.deterministic": "fast"}))
 
 
 def test_off_changes_nothing(tmp_path, process_defaults):

@@ -1,16 +1,17 @@
-"""`train.deterministic`: a run that gives the same numbers, bit for bit, when it runs again (torchtitan's
-debug.deterministic).
+"""`train.deterministic`: a run that gives the same numbers, bit for bit, when it runs again in another process
+(torchtitan's debug.deterministic), at one of two costs.
 
 Without it a compiled run may differ from the same run in another process: Inductor picks some kernels' reduction
 block sizes and warp counts, and whether to pad a matmul, by timing candidates on the GPU as it compiles (or reads a
-former process's cached pick), and each choice sums in another order. On: torch's deterministic algorithms (an op
-that has none warns, naming itself, instead of failing the run), which also hold Inductor to one reduction config;
-Inductor's deterministic mode (no timing-based choice that changes numerics); cuDNN's deterministic kernels without
-benchmarking; cuBLAS's fixed workspace. Our own kernels are deterministic either way (no atomics, fixed launch
-configs). Measured (BENCHMARKS.md, nineteenth and twentieth sessions; GLM-4.7-Flash's shapes on an fp8 base, two
-processes with fresh compile caches): without it the training steps were equal bit for bit and the evaluation after
-them was not (also with Inductor's deterministic mode on while the evaluation compiles: the per-process choice is
-elsewhere); with it both were.
+former process's cached pick), and each choice sums in another order. Levels:
+- "compile": Inductor's deterministic mode alone (no timing-based choice that changes numerics), for the whole run.
+- true: besides, torch's deterministic algorithms (an op that has none warns, naming itself, instead of failing the
+  run), cuDNN's deterministic kernels without benchmarking, cuBLAS's fixed workspace.
+Our own kernels are deterministic either way (no atomics, fixed launch configs). Measured (BENCHMARKS.md, nineteenth
+to twenty-first sessions; GLM-4.7-Flash's shapes on an fp8 base, processes with fresh compile caches): without it the
+training steps repeated and the evaluation after them did not (three values in six processes); with "compile", and
+with true, both repeated. Full-size GLM-4.7-Flash through `moetune train`, one H200, same call: "compile" −0.1% on a
+bf16 base, −1.1% on an fp8 base with CUDA graphs; true −26% on bf16 (18,065 against 13,379 tokens/s).
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ import os
 import torch
 
 CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick the same algorithm every call (CUDA's reproducibility notes)
+COMPILE = "compile"  # the level that holds only the compiler to repeatable choices
 
 
 class Determinism:
-    """The settings on for one trainer's life (`on`), the process's former ones back at `close`: the step API runs
-    inside longer-lived processes (an RL loop, the tests)."""
+    """The settings of `level` (False, COMPILE or True) on for one trainer's life, the process's former ones back at
+    `close`: the step API runs inside longer-lived processes (an RL loop, the tests)."""
 
-    def __init__(self, on: bool):
-        self.on = on
-        if not on:
+    def __init__(self, level: bool | str):
+        self.on = level is True or level == COMPILE
+        if not self.on:
             return
         import torch._inductor.config as inductor_config
 
@@ -36,10 +38,11 @@ class Determinism:
         self._saved = (torch.are_deterministic_algorithms_enabled(),
                        torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cudnn.deterministic,
                        torch.backends.cudnn.benchmark, inductor_config.deterministic, cublas)
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas or CUBLAS_WORKSPACE  # a user's own value is kept
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         inductor_config.deterministic = True
+        if level is True:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas or CUBLAS_WORKSPACE  # a user's own value is kept
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
     def close(self) -> None:
         if not self.on:
