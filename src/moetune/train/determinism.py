@@ -11,7 +11,8 @@ Our own kernels are deterministic either way (no atomics, fixed launch configs).
 to twenty-first sessions; GLM-4.7-Flash's shapes on an fp8 base, processes with fresh compile caches): without it the
 training steps repeated and the evaluation after them did not (three values in six processes); with "compile", and
 with true, both repeated. Full-size GLM-4.7-Flash through `moetune train`, one H200, same call: "compile" −0.1% on a
-bf16 base, −1.1% on an fp8 base with CUDA graphs; true −26% on bf16 (18,065 against 13,379 tokens/s).
+bf16 base, −1.1% on an fp8 base with CUDA graphs (AIR-8: +0.5%, −0.8%); true −26% on bf16 (18,065 against 13,379
+tokens/s).
 """
 
 from __future__ import annotations
