@@ -15,7 +15,8 @@ varlen kernel (with the documents' bound at the row's length, what the compiled 
 document; and through the model's path), SDPA with the dense mask; with equal documents also cuDNN on the documents
 as a batch (the bound a ragged kernel would have to match). Both: FlashAttention-4 (`flash-attn-4`) where installed.
 cuDNN's own ragged layout (aten._cudnn_attention_forward with cumulative lengths) was measured on 2026-12-02 and
-dropped: 50-90 ms a call and wrong query gradients in torch 2.11. Every backend's output and query gradient are compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
+dropped: 50-90 ms a call and wrong query gradients in torch 2.11. Every backend's output and query gradient are
+compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
 A backend that refuses a shape is a result ("error"), not a failure.
 TFLOP/s counts the causal half: fwd 2·2·(L²/2)·H·(Dqk + Dv)/2 per document, backward 2.5× the forward.
 """

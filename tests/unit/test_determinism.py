@@ -1,7 +1,8 @@
 """train.deterministic (train/determinism.py): the settings a repeatable run needs (all of them with true, Inductor's
 alone with "compile") are on while its trainer lives — including while torch.compile compiles, which is where Inductor
-would otherwise choose kernels by timing them — and the process's own settings are back after it, also when building the trainer fails. Whether a compiled GPU run then
-repeats bit for bit is measured on a GPU (benchmarks/fp8_determinism.py), the CPU having no timing-based choices."""
+would otherwise choose kernels by timing them — and the process's own settings are back after it, also when building
+the trainer fails. Whether a compiled GPU run then repeats bit for bit is measured on a GPU
+(benchmarks/fp8_determinism.py), the CPU having no timing-based choices."""
 
 from __future__ import annotations
 

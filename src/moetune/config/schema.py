@@ -181,6 +181,9 @@ class DataConfig(_Section):
     cache_dir: Optional[str] = None
 
 
+DETERMINISTIC_COMPILE = "compile"  # train.deterministic's level that holds only the compiler (train/determinism.py)
+
+
 class TrainConfig(_Section):
     steps: int = Field(200, ge=1)  # optimizer steps
     # passes over the training data; when set, steps is derived from it and the data size (train_steps_for_epochs)
@@ -198,7 +201,7 @@ class TrainConfig(_Section):
     cuda_graphs: bool = False
     # bit-for-bit repeatable runs in another process (train/determinism.py): "compile" holds Inductor to choices made
     # without timing (~1% on GLM-4.7-Flash); true also torch's deterministic algorithms and cuDNN/cuBLAS fixed (−26%)
-    deterministic: Union[bool, Literal["compile"]] = False
+    deterministic: Union[bool, Literal[DETERMINISTIC_COMPILE]] = False
     max_grad_norm: float = Field(1.0, ge=0)  # 0 disables clipping
     aux_loss_coef: float = Field(0.0, ge=0)  # load-balancing loss; 0 = off
     # Python's automatic garbage collection off during training, a young-generation collection every this many
@@ -215,12 +218,12 @@ class TrainConfig(_Section):
     @classmethod
     def _one_level(cls, v):
         # one message, not one per member of the union
-        if v == "compile":
+        if v == DETERMINISTIC_COMPILE:
             return v
         try:
             return TypeAdapter(bool).validate_python(v)  # a switch as pydantic reads one ("true", "off", ...)
         except ValidationError:
-            raise ValueError(f'must be true, false or "compile", got {v!r}') from None
+            raise ValueError(f'must be true, false or "{DETERMINISTIC_COMPILE}", got {v!r}') from None
 
 
 class OptimConfig(_Section):

@@ -21,16 +21,17 @@ import os
 
 import torch
 
+from moetune.config.schema import DETERMINISTIC_COMPILE
+
 CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs to pick the same algorithm every call (CUDA's reproducibility notes)
-COMPILE = "compile"  # the level that holds only the compiler to repeatable choices
 
 
 class Determinism:
-    """The settings of `level` (False, COMPILE or True) on for one trainer's life, the process's former ones back at
-    `close`: the step API runs inside longer-lived processes (an RL loop, the tests)."""
+    """The settings of `level` (False, DETERMINISTIC_COMPILE or True) on for one trainer's life, the process's former
+    ones back at `close`: the step API runs inside longer-lived processes (an RL loop, the tests)."""
 
     def __init__(self, level: bool | str):
-        self.on = level is True or level == COMPILE
+        self.on = level is True or level == DETERMINISTIC_COMPILE
         if not self.on:
             return
         import torch._inductor.config as inductor_config
