@@ -41,7 +41,7 @@ gg.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under the interpreter
 OUT = os.environ.get("OUT", "/tmp")
 SWEEP = os.environ.get("SWEEP", "quick")
 # which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA);
-# copy: the K-major copies of the fp8 stacks
+# tma_persistent: the TMA kinds asked for, again through the persistent kernel; copy: the K-major copies of the stacks
 KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8,tma,tma_w8a8,copy").split(",")
 
 SHAPES = {  # experts here, all experts (routing), hidden, moe_intermediate, tokens, top-k
@@ -295,6 +295,9 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
                 record("torch_fp8_on_copy", lambda: torch._scaled_grouped_mm(
                     gq, copy.transpose(-2, -1), scale_a=sg.view(-1), scale_b=ones, offs=offs,
                     out_dtype=torch.bfloat16, use_fast_accum=matmul.FAST_ACCUM_DGRAD), ref8)
+    if "tma_persistent" in KINDS:  # the same GEMMs through the persistent kernel (a program an SM, loops flattened)
+        cands += [(kind + "_persistent", x, w, s, tr, dict(extra, persistent=True), reference, base)
+                  for kind, x, w, s, tr, extra, reference, base in list(cands) if not kind.endswith("nmajor")]
     for kind, x, w, s, tr, extra, reference, base in cands:
         best = None
         for BM, BN, BK, stages, warps in base:
@@ -349,6 +352,23 @@ for wdt, scale, transpose, swap, prefetch in [
     out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' swap' if swap else ''}{' prefetch' if prefetch else ''}"] = dict(
         shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
         async_copies=ttgir.count("async_copy_global_to_local"))
+import re
+from moetune.model import grouped_gemm as gg
+for name, k in [("tma", gg._grouped_gemm_tma_kernel), ("tma_persistent", gg._grouped_gemm_tma_persistent_kernel)]:
+    const = dict(E_POW2=128, B_KMAJOR=True, SCALE_A=True, SCALE_B=True, DOT_FP32=False, BM=128, BN=256, BK=128,
+                 GROUP_M=8, **({"FLATTEN": True} if "persistent" in name else {}))
+    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "scale_ptr": "*fp32", "ascale_ptr": "*fp32",
+            "offs_ptr": "*i32"}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
+    div16 = [n for n in k.arg_names if n in ptrs or n in ("N", "K", "stride_am", "stride_cm", "stride_se")]
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
+                    attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+    ttgir = c.asm["ttgir"]
+    # a persistent loop that Triton flattened runs one loop of unit step over tiles × K tiles (the K loop's step is BK)
+    out[f"fp8 fwd {name}"] = dict(shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
+                                  tma_loads=ttgir.count("async_tma_copy_global_to_local"),
+                                  loop_steps=re.findall(r"scf\.for %\S+ = \S+ to \S+ step (%\S+)", ttgir))
 print("RESULT" + json.dumps(out))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

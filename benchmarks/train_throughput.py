@@ -228,6 +228,10 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # session), without and with the kept copies
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
     VARIANTS[f"{_base}_kmcg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead", "fp8_copies": True})
+    # the TMA kernel as a persistent one (a program an SM, its loops flattened; grouped_gemm.TMA_PERSISTENT), without
+    # and with the layers as CUDA graphs
+    VARIANTS[f"{_base}_tp"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": True})
+    VARIANTS[f"{_base}_tpcg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": True, "compile_mode": "reduce-overhead"})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
@@ -326,6 +330,9 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)
         fp8_matmul.K_MAJOR_COPY = extra.get("k_major_copy", fp8_matmul.K_MAJOR_COPY)
         fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
+        import moetune.model.grouped_gemm as grouped_gemm_module
+
+        grouped_gemm_module.TMA_PERSISTENT = extra.get("tma_persistent", grouped_gemm_module.TMA_PERSISTENT)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 

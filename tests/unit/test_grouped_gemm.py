@@ -214,14 +214,17 @@ def tma_on_cpu(monkeypatch):
     monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
 @pytest.mark.parametrize("pad", [0, 3])
 @pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "fp8_forward", "fp8_dgrad_on_k_major_copy"])
-def test_tma_kernel_matches_reference(case, pad, tma_on_cpu):
+def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeypatch):
     """The TMA kernel on every operand form it takes: a bf16 stack forward (K-major) and input gradient (read as
     stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient on a K-major copy
     (the weight's scales folded into the fp8 gradient rows), and on the stack as stored (slow: not taken, but the
     benchmark's row). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group
-    are not stored."""
+    are not stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles,
+    empty ones among them)."""
+    monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
     rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
     if case.startswith("bf16"):
         transpose = case.endswith("forward")

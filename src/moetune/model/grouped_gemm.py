@@ -18,7 +18,8 @@ A second kernel, `_grouped_gemm_tma_kernel`, has the same tile schedule with its
 tensor memory accelerator), pipelined by Triton: the fp8 × fp8 forward of a row-scaled fp8 stack and its input
 gradient on a K-major copy (model/quant/matmul.py's "tma", the default there), and bf16 stacks both ways (no faster
 than torch's `_grouped_mm`: not used by default). `grouped_mm_tma` is it as a triton_op, which torch.compile launches
-from its own code.
+from its own code. `_grouped_gemm_tma_persistent_kernel` computes the same tiles with a program an SM, enumerating only
+tiles that have rows and running its tile and K loops as one pipelined loop (`TMA_PERSISTENT`, off until timed).
 
 `grouped_mm_frozen` is the autograd-facing op (a torch.library custom op, opaque to Inductor): it gives only the
 input's gradient (the weight is frozen). `grouped_mm_reference` is the torch computation, which is also the path off
@@ -170,32 +171,24 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _grouped_gemm_tma_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
-                                 stride_am, stride_cm, stride_se,
-                                 E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
-                                 SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 BK: tl.constexpr, GROUP_M: tl.constexpr):
-        """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
-        asynchronous copy per tile into shared memory, which Triton pipelines over K). B_KMAJOR: the stack is
-        [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major copy); else [E, K, N] (a
-        16-bit stack's input gradient, read as stored; K % BK == 0). SCALE_A: C[m, :] *= a_s[m] (fp8 rows);
-        SCALE_B: C[:, n] *= s[g, n] (a row-scaled fp8 stack's forward).
-
-        The descriptors see A as [M, K] and the stack as one [E·N, K] (or [E·K, N]) matrix: a row tile running past
-        its group reads the next group's rows (or TMA's zeros past the end), and those rows are never stored; a
-        column tile running past N reads the next expert's rows, whose columns are never stored either. K past the
-        end is zero in both operands; with B N-major a K tile never crosses an expert (K % BK == 0)."""
-        g, row0, row_b, tn = _tile(tl.program_id(0), offs_ptr, M, N, E, E_POW2, BM, BN, GROUP_M)
-        if row0 >= row_b:
-            return
+    def _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
+        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major) or [E·K, N] matrix."""
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
         if B_KMAJOR:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BK, BN])
-        ge = tl.minimum(g, E - 1)  # the padding group (zeros) reads expert E − 1 (in bounds, finite)
+        return a_desc, b_desc
+
+    @triton.jit
+    def _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
+                  stride_se, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+                  DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
+        k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed."""
+        ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         for k0 in range(0, k_end, BK):
             a = a_desc.load([row0, k0])
             if B_KMAJOR:
@@ -214,8 +207,84 @@ if triton is not None:
             acc = acc * tl.load(scale_ptr + ge.to(tl.int64) * stride_se + rn, mask=n_mask, other=0.0)[None, :]
         if SCALE_A:
             acc = acc * tl.load(ascale_ptr + rm, mask=m_mask, other=0.0)[:, None]
+        acc = tl.where(g < E, acc, 0.0)  # not a product: the padding rows may hold anything
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _real_tile(t, starts, ends, first, R, num_n, E_POW2: tl.constexpr, BM: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+        """Tile t of the R·num_n tiles that have rows (`_row_tiles`), in grouped order: its group, first row, the
+        group's end and its column tile."""
+        per_group = GROUP_M * num_n
+        first_m = (t // per_group) * GROUP_M
+        group_rows = tl.minimum(R - first_m, GROUP_M)
+        r = first_m + (t % per_group) % group_rows
+        tn = (t % per_group) // group_rows
+        idx = tl.arange(0, E_POW2)
+        g = tl.sum((first <= r).to(tl.int32), axis=0) - 1  # groups without rows share their successor's `first`
+        g_first = tl.sum(tl.where(idx == g, first, 0), axis=0)
+        row0 = tl.sum(tl.where(idx == g, starts, 0), axis=0) + (r - g_first) * BM
+        return g, row0, tl.sum(tl.where(idx == g, ends, 0), axis=0), tn
+
+    @triton.jit
+    def _row_tiles(offs_ptr, M, E, E_POW2: tl.constexpr, BM: tl.constexpr):
+        """Each group's first row, end and first row tile (groups 0..E, E the padding rows; empty groups have no
+        tiles), and the row tiles in all: ⌈n_g/BM⌉ for a group of n_g rows, as a per-expert GEMM has."""
+        idx = tl.arange(0, E_POW2)
+        starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx <= E), other=0)
+        ends = tl.where(idx < E, tl.load(offs_ptr + idx, mask=idx < E, other=0), M)
+        ends = tl.where(idx <= E, tl.minimum(ends, M), 0)
+        starts = tl.minimum(starts, ends)
+        tiles = (ends - starts + BM - 1) // BM
+        last = tl.cumsum(tiles, axis=0)
+        first = tl.where(idx <= E, last - tiles, 2147483647)  # groups past E never match a tile
+        return starts, ends, first, tl.sum(tiles, axis=0)
+
+    @triton.jit
+    def _grouped_gemm_tma_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
+                                 stride_am, stride_cm, stride_se,
+                                 E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
+                                 SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
+        asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
+        B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
+        copy); else [E, K, N] (a 16-bit stack's input gradient, read as stored; K % BK == 0). SCALE_A: C[m, :] *=
+        a_s[m] (fp8 rows); SCALE_B: C[:, n] *= s[g, n] (a row-scaled fp8 stack's forward).
+
+        The descriptors see A as [M, K] and the stack as one [E·N, K] (or [E·K, N]) matrix: a row tile running past
+        its group reads the next group's rows (or TMA's zeros past the end), and those rows are never stored; a
+        column tile running past N reads the next expert's rows, whose columns are never stored either. K past the
+        end is zero in both operands; with B N-major a K tile never crosses an expert (K % BK == 0)."""
+        g, row0, row_b, tn = _tile(tl.program_id(0), offs_ptr, M, N, E, E_POW2, BM, BN, GROUP_M)
+        if row0 >= row_b:
+            return
+        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK)
+        k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
+        _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
+                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK)
+
+    @triton.jit
+    def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
+                                            stride_am, stride_cm, stride_se,
+                                            E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
+                                            SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr,
+                                            BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                                            num_programs, FLATTEN: tl.constexpr):
+        """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
+        Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
+        this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
+        and the stores that end it are a large part of a one-tile program (the candidate for the grouped GEMMs' rate
+        on small groups: BENCHMARKS.md, twenty-first session). Only tiles with rows are enumerated (`_row_tiles`):
+        every tile runs the whole K loop, which the loops' flattening needs; the padding group's is stored as zeros."""
+        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK)
+        starts, ends, first, R = _row_tiles(offs_ptr, M, E, E_POW2, BM)
+        num_n = tl.cdiv(N, BN)
+        for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
+            g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
+            _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
+                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK)
 
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
@@ -311,6 +380,13 @@ TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages
 # Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
 # interpreter): see `tma_supported`.
 TMA = True
+# The TMA kernel as a persistent one (a program an SM striding over the tiles, its tile and K loops flattened so that a
+# tile's first loads overlap the last one's epilogue) instead of a program a tile. Off: built and tested under the
+# interpreter, its sm_90 compile checked on the CPU; not yet timed on a GPU (`benchmarks/grouped_gemm.py`, kind
+# `tma_w8a8_persistent`).
+TMA_PERSISTENT = False
+# programs of the persistent kernel under the interpreter (a GPU: its SM count)
+_INTERPRETER_PROGRAMS = 3
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -353,12 +429,13 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
-                     config: dict | None = None, launch=None) -> torch.Tensor:
+                     config: dict | None = None, launch=None, persistent: bool | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient
     on a K-major copy, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
     operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
-    `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself)."""
+    `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
+    `persistent`: the persistent kernel (default TMA_PERSISTENT)."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
@@ -379,8 +456,15 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
-    grid = ((M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"]),)
-    (launch or (lambda k: k))(_grouped_gemm_tma_kernel)[grid](*args, **meta, **config)
+    tiles = (M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"])
+    launch = launch or (lambda k: k)
+    if TMA_PERSISTENT if persistent is None else persistent:
+        programs = min(tiles, _INTERPRETER_PROGRAMS if _interpreting()
+                       else torch.cuda.get_device_properties(x.device).multi_processor_count)
+        launch(_grouped_gemm_tma_persistent_kernel)[(programs,)](*args, **meta, **config, num_programs=programs,
+                                                                 FLATTEN=not _interpreting())
+    else:
+        launch(_grouped_gemm_tma_kernel)[(tiles,)](*args, **meta, **config)
     return y
 
 
