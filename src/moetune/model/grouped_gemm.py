@@ -79,19 +79,21 @@ def scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype, **_):
 # ------------------------------------------------------------------------------------------------ kernel
 if triton is not None:
     @triton.jit
+    def _grouped_order(t, num_m, num_n, GROUP_M: tl.constexpr):
+        """Tile t's row and column tile in grouped order: GROUP_M row tiles (a few experts) sweep the column tiles
+        together, so each weight tile is read from memory once for all of an expert's row tiles."""
+        per_group = GROUP_M * num_n
+        first_m = (t // per_group) * GROUP_M
+        group_rows = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (t % per_group) % group_rows, (t % per_group) // group_rows
+
+    @triton.jit
     def _tile(pid, offs_ptr, M, N, E, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               GROUP_M: tl.constexpr):
         """Program `pid`'s output tile: its group g (E: the padding rows past the last end), its first row `row0`,
         the group's end `row_b` (row0 >= row_b: a virtual tile with nothing to do) and its column tile `tn`."""
         num_m = M // BM + E + 1  # virtual row tiles (see the module's docstring)
-        num_n = tl.cdiv(N, BN)
-        # grouped order: GROUP_M row tiles (a few experts) sweep the column tiles together, so each weight tile is
-        # read from memory once for all of an expert's row tiles
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = tl.minimum(num_m - first_m, GROUP_M)
-        tm = first_m + (pid % per_group) % group_rows
-        tn = (pid % per_group) // group_rows
+        tm, tn = _grouped_order(pid, num_m, tl.cdiv(N, BN), GROUP_M)
 
         idx = tl.arange(0, E_POW2)
         prev = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx <= E), other=0)  # a_g: rows before group g
@@ -216,11 +218,7 @@ if triton is not None:
                    GROUP_M: tl.constexpr):
         """Tile t of the R·num_n tiles that have rows (`_row_tiles`), in grouped order: its group, first row, the
         group's end and its column tile."""
-        per_group = GROUP_M * num_n
-        first_m = (t // per_group) * GROUP_M
-        group_rows = tl.minimum(R - first_m, GROUP_M)
-        r = first_m + (t % per_group) % group_rows
-        tn = (t % per_group) // group_rows
+        r, tn = _grouped_order(t, R, num_n, GROUP_M)
         idx = tl.arange(0, E_POW2)
         g = tl.sum((first <= r).to(tl.int32), axis=0) - 1  # groups without rows share their successor's `first`
         g_first = tl.sum(tl.where(idx == g, first, 0), axis=0)
