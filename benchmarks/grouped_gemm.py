@@ -241,7 +241,8 @@ def run_shape(name, p, results):
         line = [f"{op:14s} M={R} N={N} K={K}"]
         for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "tma_bf16", "tma_bf16_autotuned",
                   "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
-                  "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor"):
+                  "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor",
+                  "tma_bf16_persistent", "tma_w8a8_persistent"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
