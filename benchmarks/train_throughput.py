@@ -195,6 +195,8 @@ for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096"
               "ours_flash_mla_1x4096_cg", "ours_qkvo_4x1024_cg", "ours_ep8rank_qkvo_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
+    # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT)
+    VARIANTS[f"{_base}_tg1"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton", "tma_persistent": False})
 # the fp8 base's expert stacks through the Triton kernels (model/quant/matmul.py): the input gradient W8A16 from the
 # stack as stored (_gd), and the forward fp8 x fp8 too (_gdf)
 for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash_mla_1x4096",
@@ -228,10 +230,9 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # session), without and with the kept copies
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
     VARIANTS[f"{_base}_kmcg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead", "fp8_copies": True})
-    # the TMA kernel as a persistent one (a program an SM, its loops flattened; grouped_gemm.TMA_PERSISTENT), without
-    # and with the layers as CUDA graphs
-    VARIANTS[f"{_base}_tp"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": True})
-    VARIANTS[f"{_base}_tpcg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": True, "compile_mode": "reduce-overhead"})
+    # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT), without and with the layers as CUDA graphs
+    VARIANTS[f"{_base}_t1"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False})
+    VARIANTS[f"{_base}_t1cg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False, "compile_mode": "reduce-overhead"})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
@@ -330,13 +331,14 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)
         fp8_matmul.K_MAJOR_COPY = extra.get("k_major_copy", fp8_matmul.K_MAJOR_COPY)
         fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
-        import moetune.model.grouped_gemm as grouped_gemm_module
-
-        grouped_gemm_module.TMA_PERSISTENT = extra.get("tma_persistent", grouped_gemm_module.TMA_PERSISTENT)
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         import moetune.model.experts as experts_module
 
         experts_module.GROUPED_GEMM = extra["ggemm"]
+    if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
+        import moetune.model.grouped_gemm as grouped_gemm_module
+
+        grouped_gemm_module.TMA_PERSISTENT = extra["tma_persistent"]
     if not full:
         apply_lora(model, targets, 16, 32)
     model.attn_implementation = extra.get("attn", "auto")  # model.attn_implementation (packed rows: flex, varlen)
