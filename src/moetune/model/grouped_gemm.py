@@ -16,8 +16,8 @@ gradient (the scale lies inside that sum).
 
 A second kernel, `_grouped_gemm_tma_kernel`, has the same tile schedule with its operand tiles loaded by TMA (Hopper's
 tensor memory accelerator), pipelined by Triton: the fp8 × fp8 forward of a row-scaled fp8 stack and its input
-gradient on a K-major copy (model/quant/matmul.py's "tma", the default there), and bf16 stacks both ways (no faster
-than torch's `_grouped_mm`: not used by default). `grouped_mm_tma` is it as a triton_op, which torch.compile launches
+gradient on a K-major copy (model/quant/matmul.py's "tma", the default there), and bf16 stacks both ways (not used by
+default: within 3% of torch's `_grouped_mm` end to end, BENCHMARKS.md, twenty-second session). `grouped_mm_tma` is it as a triton_op, which torch.compile launches
 from its own code. `_grouped_gemm_tma_persistent_kernel` computes the same tiles with a program an SM, enumerating only
 tiles that have rows and running its tile and K loops as one pipelined loop (`TMA_PERSISTENT`).
 
