@@ -242,7 +242,7 @@ def run_shape(name, p, results):
         for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "tma_bf16", "tma_bf16_autotuned",
                   "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
                   "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor",
-                  "tma_bf16_persistent", "tma_w8a8_persistent"):
+                  "tma_bf16_persistent", "tma_w8a8_persistent", "tma_w8a8_nmajor_persistent"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -263,8 +263,10 @@ TMA_QUICK_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4,
                  (128, 64, 128, 4, 4), (128, 128, 64, 4, 8), (128, 256, 128, 4, 8), (256, 128, 128, 3, 8),
                  (64, 64, 128, 4, 4)]
 CPU_TMA = [(16, 16, 16, 1, 1)]
-TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (128, 128, 128, 4, 4), (64, 128, 128, 4, 4),
-                  (128, 256, 64, 4, 8)]
+# the stack as stored runs as the transposed product (the MMA's M is BN, its N the rows' BM): the stack's tile is
+# read from shared memory byte by byte into registers, a cost per BN × BK tile that larger row tiles (BM) amortise
+TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (128, 128, 128, 4, 8), (256, 128, 128, 3, 8),
+                  (64, 256, 128, 3, 8), (128, 128, 128, 4, 4), (128, 256, 64, 4, 8)]
 if os.environ.get("GG_TMA_CONFIGS") == "fixed":  # the module's launch configs only (and the N-major candidates)
     _f = lambda c: [(c["BM"], c["BN"], c["BK"], c["num_stages"], c["num_warps"])]  # noqa: E731
     TMA_QUICK, TMA_QUICK_FP8 = _f(gg.TMA_CONFIG), _f(gg.TMA_CONFIG_FP8)
@@ -298,7 +300,7 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
                     out_dtype=torch.bfloat16, use_fast_accum=matmul.FAST_ACCUM_DGRAD), ref8)
     if "tma_persistent" in KINDS:  # the same GEMMs through the persistent kernel (a program an SM, loops flattened)
         cands += [(kind + "_persistent", x, w, s, tr, dict(extra, persistent=True), reference, base)
-                  for kind, x, w, s, tr, extra, reference, base in list(cands) if not kind.endswith("nmajor")]
+                  for kind, x, w, s, tr, extra, reference, base in list(cands)]
     for kind, x, w, s, tr, extra, reference, base in cands:
         best = None
         for BM, BN, BK, stages, warps in base:
@@ -355,9 +357,12 @@ for wdt, scale, transpose, swap, prefetch in [
         async_copies=ttgir.count("async_copy_global_to_local"))
 import re
 from moetune.model import grouped_gemm as gg
-for name, k in [("tma", gg._grouped_gemm_tma_kernel), ("tma_persistent", gg._grouped_gemm_tma_persistent_kernel)]:
-    const = dict(E_POW2=128, B_KMAJOR=True, SCALE_A=True, SCALE_B=True, DOT_FP32=False, BM=128, BN=256, BK=128,
-                 GROUP_M=8, **({"FLATTEN": True} if "persistent" in name else {}))
+for name, k, stored in [("fwd tma", gg._grouped_gemm_tma_kernel, False),
+                        ("fwd tma_persistent", gg._grouped_gemm_tma_persistent_kernel, False),
+                        ("dgrad as stored tma", gg._grouped_gemm_tma_kernel, True),
+                        ("dgrad as stored tma_persistent", gg._grouped_gemm_tma_persistent_kernel, True)]:
+    const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=True, SCALE_B=not stored, DOT_FP32=False, BM=128, BN=256,
+                 BK=128, GROUP_M=8, SWAP=stored, **({"FLATTEN": True} if "persistent" in name else {}))
     ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "scale_ptr": "*fp32", "ascale_ptr": "*fp32",
             "offs_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
@@ -366,10 +371,16 @@ for name, k in [("tma", gg._grouped_gemm_tma_kernel), ("tma_persistent", gg._gro
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
     ttgir = c.asm["ttgir"]
-    # a persistent loop that Triton flattened runs one loop of unit step over tiles × K tiles (the K loop's step is BK)
-    out[f"fp8 fwd {name}"] = dict(shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
-                                  tma_loads=ttgir.count("async_tma_copy_global_to_local"),
-                                  loop_steps=re.findall(r"scf\.for %\S+ = \S+ to \S+ step (%\S+)", ttgir))
+    # a persistent loop that Triton flattened runs one loop of unit step over tiles × K tiles (the K loop's step is
+    # BK); the stack as stored (SWAP): its tile the MMA's A operand from registers ("tensor"), the MMAs asynchronous
+    # (a wait that leaves one in flight) and no byte-wise transpose written back to shared memory
+    out[f"fp8 {name}"] = dict(shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
+                              tma_loads=ttgir.count("async_tma_copy_global_to_local"),
+                              loop_steps=re.findall(r"scf\.for %\S+ = \S+ to \S+ step (%\S+)", ttgir),
+                              a_operand=sorted(set(re.findall(r"warp_group_dot %\S+, %\S+, %\S+ \{[^}]*\} : "
+                                                              r"(tensor|!ttg\.memdesc)", ttgir))),
+                              waits_pending=sorted(set(re.findall(r"pendings = (\d+)", ttgir))),
+                              byte_stores_to_shared=c.asm["ptx"].count("st.shared.b8"))
 print("RESULT" + json.dumps(out))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -230,6 +230,10 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # session), without and with the kept copies
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
     VARIANTS[f"{_base}_kmcg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead", "fp8_copies": True})
+    # the input gradient fp8 x fp8 on the stacks as stored (no K-major copies: the TMA kernel's transposed product),
+    # without and with the layers as CUDA graphs
+    VARIANTS.setdefault(f"{_base}_g8", (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"}))
+    VARIANTS[f"{_base}_g8cg"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "compile_mode": "reduce-overhead"})
     # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT), without and with the layers as CUDA graphs
     VARIANTS[f"{_base}_t1"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False})
     VARIANTS[f"{_base}_t1cg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False, "compile_mode": "reduce-overhead"})

@@ -823,6 +823,39 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
         assert not [n for n in want if not torch.equal(got[n], want[n])], copies
 
 
+def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of_the_k_major_copies(monkeypatch):
+    """GROUPED_DGRAD "w8a8" on the TMA path (forced on, Triton's interpreter): the fused expert node's two input
+    gradients run on the stacks as stored (the TMA kernel's transposed product, SWAP) and no K-major copy is made;
+    the loss and LoRA gradients are those of "tma", which multiplies the same fp8 operands on the copies."""
+    from moetune.model import grouped_gemm as gg
+    from moetune.model.quant import matmul
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=gg._INTERPRETER_CONFIG["BK"]))
+    swaps, copies = [], []
+    real, real_copy = gg.grouped_gemm_tma, gg.k_major_copy
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: swaps.append(not a[4]) or real(*a, **k))
+    monkeypatch.setattr(matmul, "k_major_copy", lambda w: copies.append(w.shape) or real_copy(w))
+    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(dgrad):
+        monkeypatch.setattr(matmul, "GROUPED_DGRAD", dgrad)
+        swaps.clear(), copies.clear()
+        model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
+        loss = model(ids, labels=torch.roll(ids, -1, 1))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    loss, grads = run("tma")
+    assert swaps.count(True) == 0 and len(copies) == 2  # gate_up's and down's copies, one a backward
+    got_loss, got = run("w8a8")
+    assert swaps.count(True) == 2 and not copies  # both input gradients on the stacks as stored
+    assert torch.equal(got_loss, loss)
+    for n in grads:
+        torch.testing.assert_close(got[n], grads[n], rtol=1e-3, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(monkeypatch, compiled):
     """On the fp8 tensor-core path as a GPU runs it (forced on: the expert stacks through the TMA kernel under

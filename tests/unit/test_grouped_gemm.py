@@ -212,18 +212,20 @@ def _tma_case(fp8: bool, pad: int, seed: int):
 def tma_on_cpu(monkeypatch):
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
     monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
+    monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=gg._INTERPRETER_CONFIG["BK"]))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
 @pytest.mark.parametrize("pad", [0, 3])
-@pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "fp8_forward", "fp8_dgrad_on_k_major_copy"])
+@pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "fp8_forward", "fp8_dgrad_on_k_major_copy",
+                                  "fp8_dgrad_as_stored"])
 def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeypatch):
     """The TMA kernel on every operand form it takes: a bf16 stack forward (K-major) and input gradient (read as
-    stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient on a K-major copy
-    (the weight's scales folded into the fp8 gradient rows), and on the stack as stored (slow: not taken, but the
-    benchmark's row). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group
-    are not stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles,
-    empty ones among them)."""
+    stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient (the weight's
+    scales folded into the fp8 gradient rows) on a K-major copy and on the stack as stored (the transposed product,
+    SWAP). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not
+    stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
+    ones among them)."""
     monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
     rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
     if case.startswith("bf16"):
@@ -242,18 +244,17 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     else:
         w8, _ = quantize_rows(w)
         g8, sg = quantize_rows(torch.randn(rows, TMA_OUT))
-        copy = w8.transpose(-2, -1).contiguous()
-        assert not gg.tma_supported(g8, w8, False)  # Hopper's fp8 MMA takes no N-major operand: the copy is needed
-        y = gg.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg)
-        _close(y, grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False))
-        y = gg.grouped_gemm_tma(g8, w8, offs, None, False, x_scale=sg)  # the kernel can (the benchmark's N-major row)
+        as_stored = case.endswith("as_stored")
+        operand = w8 if as_stored else w8.transpose(-2, -1).contiguous()
+        assert gg.tma_supported(g8, operand, not as_stored)
+        y = gg.grouped_gemm_tma(g8, operand, offs, None, not as_stored, x_scale=sg)
         want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
     assert y.shape == want.shape and y.dtype == torch.bfloat16
     _close(y, want)
     assert (y[sum(COUNTS):] == 0).all()
 
 
-def test_tma_refuses_what_it_cannot_load(tma_on_cpu):
+def test_tma_refuses_what_it_cannot_load(tma_on_cpu, monkeypatch):
     """Rows that are not 16-byte aligned, a stride-0 gradient, and an N-major K that a K tile would cross."""
     _, offs, w = _tma_case(fp8=False, pad=0, seed=1)
     wb = w.bfloat16()
@@ -263,29 +264,37 @@ def test_tma_refuses_what_it_cannot_load(tma_on_cpu):
     w40 = torch.randn(E, 40, TMA_IN).bfloat16()
     assert gg.tma_supported(torch.randn(4, TMA_IN).bfloat16(), w40, True)
     assert not gg.tma_supported(torch.randn(4, 40).bfloat16(), w40, False)  # 40 % BK != 0
+    monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=32))  # fp8 rows: 16-byte aligned at 48
+    for out, takes in [(48, False), (64, True)]:  # an fp8 stack as stored: `out` a multiple of BK
+        g8 = torch.randn(4, out).to(torch.float8_e4m3fn)
+        assert gg.tma_supported(g8, torch.randn(E, out, TMA_IN).to(torch.float8_e4m3fn), False) == takes
 
 
-def test_fp8_grouped_input_gradient_through_the_triton_kernel_on_a_k_major_copy(monkeypatch, tma_on_cpu):
-    """GROUPED_DGRAD "tma": the fp8 path's input gradient (dy with the scales folded in, quantised per row) on the
-    K-major copy, through the TMA kernel: equal to that path's reference."""
+@pytest.mark.parametrize("dgrad", ["tma", "w8a8"])
+def test_fp8_grouped_input_gradient_through_the_tma_kernel(dgrad, monkeypatch, tma_on_cpu):
+    """The fp8 path's input gradient (dy with the scales folded in, quantised per row) through the TMA kernel:
+    GROUPED_DGRAD "tma" on the K-major copy the copy kernel makes, "w8a8" on the stack as stored (the transposed
+    product, SWAP) with no copy made. Both equal to that path's reference."""
     from moetune.model.quant import matmul
     from moetune.model.quant.fp8 import scheme_named
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
-    monkeypatch.setattr(matmul, "GROUPED_DGRAD", "tma")
+    monkeypatch.setattr(matmul, "GROUPED_DGRAD", dgrad)
     monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
     calls = []
     real = gg.grouped_gemm_tma
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append((a[1].shape, a[4])) or real(*a, **k))
     copies = _LaunchSpy(gg._k_major_copy_kernel)
     monkeypatch.setattr(gg, "_k_major_copy_kernel", copies)
-    rows, offs, w = _tma_case(fp8=True, pad=0, seed=4)
+    rows, offs, w = _tma_case(fp8=True, pad=2, seed=4)
     w8, scale = quantize_rows(w)
     x = torch.randn(rows, TMA_IN).bfloat16().requires_grad_()
     g = torch.randn(rows, TMA_OUT).bfloat16()
     matmul.fp8_grouped_linear(x, w8, scale, offs, scheme_named("fp8")).backward(g)
-    assert calls == [(E, TMA_IN, TMA_OUT)]  # the TMA kernel ran, on the copy the copy kernel made
-    assert len(copies.grids) == 1
+    if dgrad == "tma":  # the TMA kernel ran on the copy the copy kernel made
+        assert calls == [((E, TMA_IN, TMA_OUT), True)] and len(copies.grids) == 1
+    else:  # on the stack itself
+        assert calls == [((E, TMA_OUT, TMA_IN), False)] and not copies.grids
     gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
     _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))
 

@@ -186,21 +186,32 @@ if triton is not None:
     @triton.jit
     def _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
                   stride_se, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
-                  DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  SWAP: tl.constexpr = False):
         """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
-        k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed."""
+        k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed.
+        SWAP (an N-major fp8 stack): Cᵀ = B[g]ᵀ · Aᵀ, the stack's tile transposed in registers as the MMA's first
+        operand. Hopper's fp8 MMA reads its second operand K-major from shared memory only: an N-major fp8 tile
+        there, Triton transposes it through shared memory again and waits on every MMA (145–157 TFLOP/s,
+        BENCHMARKS.md, fifteenth session); as the first operand it may come from registers, and the MMAs stay
+        asynchronous (the sm_90 compile: wgmma with its A in registers, one group in flight)."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, k_end, BK):
             a = a_desc.load([row0, k0])
             if B_KMAJOR:
                 b = tl.trans(b_desc.load([ge * N + tn * BN, k0]))
             else:
                 b = b_desc.load([ge * K + k0, tn * BN])
+            if SWAP:  # moved as int8: transposed as an fp8 tile, Triton stages it in shared memory for the MMA
+                b = tl.trans(b.to(tl.int8, bitcast=True)).to(b.dtype, bitcast=True)
+                a = tl.trans(a)
             if DOT_FP32:  # Triton's interpreter gets bf16 and fp8 dots wrong; their products are exact in fp32
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(b, a, acc) if SWAP else tl.dot(a, b, acc)
+        if SWAP:
+            acc = tl.trans(acc)
         rm = row0 + tl.arange(0, BM)
         rn = tn * BN + tl.arange(0, BN)
         m_mask = rm < row_b
@@ -244,7 +255,7 @@ if triton is not None:
                                  stride_am, stride_cm, stride_se,
                                  E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
                                  SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 BK: tl.constexpr, GROUP_M: tl.constexpr):
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False):
         """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
         asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
         B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
@@ -261,7 +272,7 @@ if triton is not None:
         a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK)
         k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
-                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK)
+                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP)
 
     @triton.jit
     def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -269,7 +280,7 @@ if triton is not None:
                                             E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
                                             SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr,
                                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                                            num_programs, FLATTEN: tl.constexpr):
+                                            num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
@@ -282,7 +293,7 @@ if triton is not None:
         for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
-                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK)
+                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP)
 
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
@@ -401,10 +412,9 @@ def _aligned(t: torch.Tensor) -> bool:
 def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> bool:
     """Whether the TMA kernel takes y = x · op(W[e]): a GPU with TMA (compute capability 9.0+; or the
     interpreter), x and the stack in one dtype (bf16, or fp8 e4m3 with row scales for x), 16-byte aligned rows with
-    unit inner strides; op(W) = Wᵀ (K-major) for either dtype, W itself only for 16-bit stacks whose K (the stack's
-    `out`) is a multiple of TMA_CONFIG's BK. Hopper's fp8 MMA takes no N-major operand: Triton transposes such a tile
-    on chip, at 145–157 TFLOP/s on Air's and Flash's stacks against 750–800 on a K-major copy (BENCHMARKS.md,
-    fifteenth session), so fp8 is taken K-major only."""
+    unit inner strides; op(W) = Wᵀ (K-major), or W itself (the input gradient on the stack as stored) where K (the
+    stack's `out`) is a multiple of the dtype's BK (TMA_CONFIG, TMA_CONFIG_FP8): a K tile never crosses an expert.
+    An fp8 W as stored runs as the transposed product (`_tma_tile`'s SWAP)."""
     if triton is None or not TMA or weight.dim() != 3 or x.dim() != 2 or x.dtype != weight.dtype:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
@@ -416,7 +426,8 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
         return False
     if not (_aligned(x) and _aligned(weight) and weight.is_contiguous()):
         return False
-    return transpose or (x.dtype != torch.float8_e4m3fn and weight.shape[1] % TMA_CONFIG["BK"] == 0)
+    bk = (TMA_CONFIG_FP8 if x.dtype == torch.float8_e4m3fn else TMA_CONFIG)["BK"]
+    return transpose or weight.shape[1] % bk == 0
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -429,8 +440,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
                      config: dict | None = None, launch=None, persistent: bool | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
-    (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient
-    on a K-major copy, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
+    (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
+    on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
     operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
     `persistent`: the persistent kernel (default TMA_PERSISTENT)."""
@@ -450,7 +461,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     args = (x, weight, y, scale_t, x_scale, offs.to(torch.int32), M, N, K, E, x.stride(0), y.stride(0),
             scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
-                DOT_FP32=_interpreting())
+                DOT_FP32=_interpreting(), SWAP=fp8 and not transpose)
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
@@ -578,6 +589,8 @@ def grouped_mm_fp8_dgrad(g8: torch.Tensor, g_scale: torch.Tensor, weight: torch.
     """The fp8 × fp8 input gradient (W8A8): rows g8 [N, out] e4m3 — the incoming gradient with each row's expert's
     weight scales folded in, then quantised per row (`g_scale` [N, 1]) — × each expert's e4m3 weight [E, out, in]
     read as stored: dx [N, in] bf16, fp32 accumulation. The numerics of model/quant/matmul.py's `_gmm_dgrad`."""
+    if (g8.is_cuda or KERNEL_ON_CPU) and tma_supported(g8, weight, False):
+        return grouped_gemm_tma(g8, weight, offs, None, False, x_scale=g_scale)
     if (g8.is_cuda or KERNEL_ON_CPU) and kernel_supported_w8a8(g8, weight):
         return grouped_gemm(g8, weight, offs, None, False, x_scale=g_scale)
     return grouped_mm_reference(g8.float() * g_scale.reshape(-1, 1).float(), weight, offs, None,

@@ -57,9 +57,10 @@ DGRAD = "fp8"
 # forward "scaled_mm" (torch._scaled_grouped_mm) or "triton" (fp8 × fp8, the same numerics); input gradient "fp8"
 # (dy with the scales folded in, quantised per row, × a K-major copy of the stack through _scaled_grouped_mm) or
 # "w8a16" (the Triton kernel reads the stack as stored and converts it to bf16 in registers: no copy, no
-# quantisation of the gradient) or "w8a8" (the Triton kernel, fp8 × fp8 on the stack as stored: the "fp8" numerics
-# without the copy). "tma": the Triton TMA kernel (fp8 × fp8, Hopper) for the forward, and for the input gradient on
-# the K-major copy (the "fp8" numerics), where it takes the operands; torch's kernels elsewhere.
+# quantisation of the gradient) or "w8a8" (fp8 × fp8 on the stack as stored: the "fp8" numerics without the copy; on
+# Hopper the TMA kernel's transposed product, model/grouped_gemm.py's SWAP, where its K tiles fit the stack's `out`).
+# "tma": the Triton TMA kernel (fp8 × fp8, Hopper) for the forward, and for the input gradient on the K-major copy
+# (the "fp8" numerics), where it takes the operands; torch's kernels elsewhere.
 # "tma" for both: on one H200 the kernel runs Air's and Flash's expert GEMMs at 650–1,130 TFLOP/s against 510–1,080
 # for torch 2.11's `_scaled_grouped_mm` (forward, and input gradient on the same copy); with the transposed copies
 # kept, AIR-8 q,k,v,o on an fp8 base 47,471 tokens/s against 39,006 with torch's kernels, 1.23x the bf16 base
@@ -345,7 +346,7 @@ class _Fp8ExpertMLP(torch.autograd.Function):
 def fp8_expert_mlp_applies(x, gate_up, down) -> bool:
     """Whether `fp8_expert_mlp` runs these stacks (FrozenFp8, row scales, on fp8 tensor cores): otherwise the expert
     MLP runs GEMM by GEMM."""
-    return (FUSED_EXPERT_MLP and DGRAD == "fp8" and GROUPED_DGRAD in ("fp8", "tma")
+    return (FUSED_EXPERT_MLP and DGRAD == "fp8" and GROUPED_DGRAD in ("fp8", "tma", "w8a8")
             and all(_fp8_kernels(x, w.q, w.scheme) for w in (gate_up, down)))
 
 
