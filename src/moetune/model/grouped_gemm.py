@@ -441,8 +441,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
                      config: dict | None = None, launch=None, persistent: bool | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
-    on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row scales. y bf16 for fp8
-    operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
+    on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
+    scales. y bf16 for fp8 operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
     `persistent`: the persistent kernel (default TMA_PERSISTENT)."""
     E, n_out, n_in = weight.shape
