@@ -823,10 +823,13 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
         assert not [n for n in want if not torch.equal(got[n], want[n])], copies
 
 
-def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of_the_k_major_copies(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of_the_k_major_copies(monkeypatch,
+                                                                                                     compiled):
     """GROUPED_DGRAD "w8a8" on the TMA path (forced on, Triton's interpreter): the fused expert node's two input
     gradients run on the stacks as stored (the TMA kernel's transposed product, SWAP) and no K-major copy is made;
-    the loss and LoRA gradients are those of "tma", which multiplies the same fp8 operands on the copies."""
+    the loss and LoRA gradients are those of "tma", which multiplies the same fp8 operands on the copies. Eager, and
+    compiled as one graph per layer."""
     from moetune.model import grouped_gemm as gg
     from moetune.model.quant import matmul
 
@@ -843,6 +846,10 @@ def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of
         monkeypatch.setattr(matmul, "GROUPED_DGRAD", dgrad)
         swaps.clear(), copies.clear()
         model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
         loss = model(ids, labels=torch.roll(ids, -1, 1))
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
