@@ -16,10 +16,11 @@ gradient (the scale lies inside that sum).
 
 A second kernel, `_grouped_gemm_tma_kernel`, has the same tile schedule with its operand tiles loaded by TMA (Hopper's
 tensor memory accelerator), pipelined by Triton: the fp8 × fp8 forward of a row-scaled fp8 stack and its input
-gradient on a K-major copy (model/quant/matmul.py's "tma", the default there), and bf16 stacks both ways (not used by
-default: within 3% of torch's `_grouped_mm` end to end, BENCHMARKS.md, twenty-second session). `grouped_mm_tma` is it as a triton_op, which torch.compile launches
-from its own code. `_grouped_gemm_tma_persistent_kernel` computes the same tiles with a program an SM, enumerating only
-tiles that have rows and running its tile and K loops as one pipelined loop (`TMA_PERSISTENT`).
+gradient, on a K-major copy (model/quant/matmul.py's "tma", the default there) or on the stack as stored as the
+transposed product (its "w8a8"), and bf16 stacks both ways (not used by default: within 3% of torch's `_grouped_mm`
+end to end, BENCHMARKS.md, twenty-second session). `grouped_mm_tma` is it as a triton_op, which torch.compile
+launches from its own code. `_grouped_gemm_tma_persistent_kernel` computes the same tiles with a program an SM,
+enumerating only tiles that have rows and running its tile and K loops as one pipelined loop (`TMA_PERSISTENT`).
 
 `grouped_mm_frozen` is the autograd-facing op (a torch.library custom op, opaque to Inductor): it gives only the
 input's gradient (the weight is frozen). `grouped_mm_reference` is the torch computation, which is also the path off
@@ -194,7 +195,7 @@ if triton is not None:
         operand. Hopper's fp8 MMA reads its second operand K-major from shared memory only: an N-major fp8 tile
         there, Triton transposes it through shared memory again and waits on every MMA (145–157 TFLOP/s,
         BENCHMARKS.md, fifteenth session); as the first operand it may come from registers, and the MMAs stay
-        asynchronous (the sm_90 compile: wgmma with its A in registers, one group in flight)."""
+        asynchronous (the sm_90 compile: wgmma with its A in registers, MMAs left in flight at each wait)."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, k_end, BK):
@@ -442,7 +443,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
     on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
-    scales. y bf16 for fp8 operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK, num_warps, num_stages).
+    scales. y bf16 for fp8 operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK,
+    num_warps, num_stages).
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
     `persistent`: the persistent kernel (default TMA_PERSISTENT)."""
     E, n_out, n_in = weight.shape
