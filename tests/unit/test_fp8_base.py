@@ -823,6 +823,19 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
         assert not [n for n in want if not torch.equal(got[n], want[n])], copies
 
 
+def _tiny_fp8_step(ids, compiled):
+    """One forward and backward of the 2-layer tiny model on an fp8 base (LoRA on q, o and the shared expert,
+    nonzero), each layer compiled as one graph or eager: the loss and the LoRA gradients."""
+    model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
+    if compiled:
+        torch._dynamo.reset()
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    loss = model(ids, labels=torch.roll(ids, -1, 1))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of_the_k_major_copies(monkeypatch,
                                                                                                      compiled):
@@ -845,14 +858,7 @@ def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of
     def run(dgrad):
         monkeypatch.setattr(matmul, "GROUPED_DGRAD", dgrad)
         swaps.clear(), copies.clear()
-        model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
-        if compiled:
-            torch._dynamo.reset()
-            for layer in model.model.layers:
-                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
-        loss = model(ids, labels=torch.roll(ids, -1, 1))
-        loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return _tiny_fp8_step(ids, compiled)
 
     loss, grads = run("tma")
     assert swaps.count(True) == 0 and len(copies) == 2  # gate_up's and down's copies, one a backward
@@ -885,14 +891,7 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
 
     def run(fused):
         monkeypatch.setattr(matmul, "FUSED_EXPERT_MLP", fused)
-        model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
-        if compiled:
-            torch._dynamo.reset()
-            for layer in model.model.layers:
-                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
-        loss = model(ids, labels=torch.roll(ids, -1, 1))
-        loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return _tiny_fp8_step(ids, compiled)
 
     loss, grads = run(False)
     assert not calls
