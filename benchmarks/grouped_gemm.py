@@ -265,11 +265,11 @@ TMA_QUICK_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4,
 CPU_TMA = [(16, 16, 16, 1, 1)]
 # the stack as stored runs as the transposed product (the MMA's M is BN, its N the rows' BM): the stack's tile is
 # read from shared memory byte by byte into registers, a cost per BN × BK tile that larger row tiles (BM) amortise
-TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (128, 128, 128, 4, 8), (256, 128, 128, 3, 8),
-                  (64, 256, 128, 3, 8), (128, 128, 128, 4, 4), (128, 256, 64, 4, 8)]
-if os.environ.get("GG_TMA_CONFIGS") == "fixed":  # the module's launch configs only (and the N-major candidates)
+TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (256, 128, 128, 3, 8), (256, 128, 128, 4, 8),
+                  (256, 128, 64, 4, 8), (256, 64, 128, 3, 4), (256, 64, 128, 4, 4)]
+if os.environ.get("GG_TMA_CONFIGS") == "fixed":  # the module's launch configs only
     _f = lambda c: [(c["BM"], c["BN"], c["BK"], c["num_stages"], c["num_warps"])]  # noqa: E731
-    TMA_QUICK, TMA_QUICK_FP8 = _f(gg.TMA_CONFIG), _f(gg.TMA_CONFIG_FP8)
+    TMA_QUICK, TMA_QUICK_FP8, TMA_NMAJOR_FP8 = _f(gg.TMA_CONFIG), _f(gg.TMA_CONFIG_FP8), _f(gg.TMA_CONFIG_FP8_SWAP)
 
 
 def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):

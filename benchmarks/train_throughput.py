@@ -234,6 +234,11 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     # without and with the layers as CUDA graphs
     VARIANTS.setdefault(f"{_base}_g8", (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8"}))
     VARIANTS[f"{_base}_g8cg"] = (_s, _b, _t, _tg, {**_x, "grouped_dgrad": "w8a8", "compile_mode": "reduce-overhead"})
+    # every input gradient without a kept copy on a copy made in its backward (before quant.matmul's
+    # STORED_DGRAD_MAX_ROWS), without and with the layers as CUDA graphs
+    VARIANTS[f"{_base}_gc"] = (_s, _b, _t, _tg, {**_x, "stored_dgrad_max_rows": 0})
+    VARIANTS[f"{_base}_gccg"] = (_s, _b, _t, _tg, {**_x, "stored_dgrad_max_rows": 0,
+                                                  "compile_mode": "reduce-overhead"})
     # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT), without and with the layers as CUDA graphs
     VARIANTS[f"{_base}_t1"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False})
     VARIANTS[f"{_base}_t1cg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False, "compile_mode": "reduce-overhead"})
@@ -330,6 +335,7 @@ def build_ours(cfg: dict, targets, extra, device):
         import moetune.model.quant.matmul as fp8_matmul
 
         fp8_matmul.GROUPED_DGRAD = extra.get("grouped_dgrad", fp8_matmul.GROUPED_DGRAD)
+        fp8_matmul.STORED_DGRAD_MAX_ROWS = extra.get("stored_dgrad_max_rows", fp8_matmul.STORED_DGRAD_MAX_ROWS)
         fp8_matmul.EAGER_QUANT = extra.get("eager_quant", fp8_matmul.EAGER_QUANT)
         fp8_matmul.GROUPED_FORWARD = extra.get("grouped_forward", fp8_matmul.GROUPED_FORWARD)
         fp8_matmul.TMA_LAUNCH = extra.get("tma_launch", fp8_matmul.TMA_LAUNCH)

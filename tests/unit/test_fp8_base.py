@@ -839,34 +839,39 @@ def _tiny_fp8_step(ids, compiled):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of_the_k_major_copies(monkeypatch,
                                                                                                      compiled):
-    """GROUPED_DGRAD "w8a8" on the TMA path (forced on, Triton's interpreter): the fused expert node's two input
-    gradients run on the stacks as stored (the TMA kernel's transposed product, SWAP) and no K-major copy is made;
-    the loss and LoRA gradients are those of "tma", which multiplies the same fp8 operands on the copies. Eager, and
-    compiled as one graph per layer."""
+    """The fused expert node's two input gradients on the TMA path (forced on, Triton's interpreter) run on the
+    stacks as stored (the TMA kernel's transposed product, SWAP), no K-major copy made, under GROUPED_DGRAD "w8a8",
+    and under "tma" where the groups average at most STORED_DGRAD_MAX_ROWS rows (the tiny step's do); above it "tma"
+    makes the copies. The loss and LoRA gradients are the copies' (the same fp8 operands). Eager, and compiled as one
+    graph per layer."""
     from moetune.model import grouped_gemm as gg
     from moetune.model.quant import matmul
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
-    monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=gg._INTERPRETER_CONFIG["BK"]))
+    for name in ("TMA_CONFIG_FP8", "TMA_CONFIG_FP8_SWAP"):
+        monkeypatch.setattr(gg, name, dict(getattr(gg, name), BK=gg._INTERPRETER_CONFIG["BK"]))
     swaps, copies = [], []
     real, real_copy = gg.grouped_gemm_tma, gg.k_major_copy
     monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: swaps.append(not a[4]) or real(*a, **k))
     monkeypatch.setattr(matmul, "k_major_copy", lambda w: copies.append(w.shape) or real_copy(w))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 
-    def run(dgrad):
+    def run(dgrad, max_rows):
         monkeypatch.setattr(matmul, "GROUPED_DGRAD", dgrad)
+        monkeypatch.setattr(matmul, "STORED_DGRAD_MAX_ROWS", max_rows)
         swaps.clear(), copies.clear()
         return _tiny_fp8_step(ids, compiled)
 
-    loss, grads = run("tma")
+    default = matmul.STORED_DGRAD_MAX_ROWS
+    loss, grads = run("tma", 0)
     assert swaps.count(True) == 0 and len(copies) == 2  # gate_up's and down's copies, one a backward
-    got_loss, got = run("w8a8")
-    assert swaps.count(True) == 2 and not copies  # both input gradients on the stacks as stored
-    assert torch.equal(got_loss, loss)
-    for n in grads:
-        torch.testing.assert_close(got[n], grads[n], rtol=1e-3, atol=1e-6, msg=n)
+    for dgrad, max_rows in (("tma", default), ("w8a8", 0)):
+        got_loss, got = run(dgrad, max_rows)
+        assert swaps.count(True) == 2 and not copies, dgrad  # both input gradients on the stacks as stored
+        assert torch.equal(got_loss, loss)
+        for n in grads:
+            torch.testing.assert_close(got[n], grads[n], rtol=1e-3, atol=1e-6, msg=n)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

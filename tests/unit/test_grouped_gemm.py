@@ -212,7 +212,8 @@ def _tma_case(fp8: bool, pad: int, seed: int):
 def tma_on_cpu(monkeypatch):
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
     monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
-    monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=gg._INTERPRETER_CONFIG["BK"]))
+    for name in ("TMA_CONFIG_FP8", "TMA_CONFIG_FP8_SWAP"):
+        monkeypatch.setattr(gg, name, dict(getattr(gg, name), BK=gg._INTERPRETER_CONFIG["BK"]))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
@@ -270,16 +271,19 @@ def test_tma_refuses_what_it_cannot_load(tma_on_cpu, monkeypatch):
         assert gg.tma_supported(g8, torch.randn(E, out, TMA_IN).to(torch.float8_e4m3fn), False) == takes
 
 
-@pytest.mark.parametrize("dgrad", ["tma", "w8a8"])
-def test_fp8_grouped_input_gradient_through_the_tma_kernel(dgrad, monkeypatch, tma_on_cpu):
-    """The fp8 path's input gradient (dy with the scales folded in, quantised per row) through the TMA kernel:
-    GROUPED_DGRAD "tma" on the K-major copy the copy kernel makes, "w8a8" on the stack as stored (the transposed
-    product, SWAP) with no copy made. Both equal to that path's reference."""
+@pytest.mark.parametrize("dgrad,max_rows,stored", [("tma", 0, False), ("tma", 9, False), ("tma", 10, True),
+                                                   ("w8a8", 0, True)])
+def test_fp8_grouped_input_gradient_through_the_tma_kernel(dgrad, max_rows, stored, monkeypatch, tma_on_cpu):
+    """The fp8 path's input gradient (dy with the scales folded in, quantised per row) through the TMA kernel: on
+    the stack as stored (the transposed product, SWAP) with no copy made under GROUPED_DGRAD "w8a8", and under "tma"
+    where the groups average at most STORED_DGRAD_MAX_ROWS rows (here 60 rows, the padding's 2 included, for 6
+    experts), else on the K-major copy the copy kernel makes. Each equal to that path's reference."""
     from moetune.model.quant import matmul
     from moetune.model.quant.fp8 import scheme_named
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
     monkeypatch.setattr(matmul, "GROUPED_DGRAD", dgrad)
+    monkeypatch.setattr(matmul, "STORED_DGRAD_MAX_ROWS", max_rows)
     monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
     calls = []
     real = gg.grouped_gemm_tma
@@ -291,7 +295,8 @@ def test_fp8_grouped_input_gradient_through_the_tma_kernel(dgrad, monkeypatch, t
     x = torch.randn(rows, TMA_IN).bfloat16().requires_grad_()
     g = torch.randn(rows, TMA_OUT).bfloat16()
     matmul.fp8_grouped_linear(x, w8, scale, offs, scheme_named("fp8")).backward(g)
-    if dgrad == "tma":  # the TMA kernel ran on the copy the copy kernel made
+    assert rows == 10 * E  # the threshold's premise
+    if not stored:  # the TMA kernel ran on the copy the copy kernel made
         assert calls == [((E, TMA_IN, TMA_OUT), True)] and len(copies.grids) == 1
     else:  # on the stack itself
         assert calls == [((E, TMA_OUT, TMA_IN), False)] and not copies.grids

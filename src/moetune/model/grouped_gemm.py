@@ -387,6 +387,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
 # N-major (a 16-bit input gradient) needs its K to be a multiple of BK, so that no K tile crosses into the next expert.
 TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
+# The fp8 input gradient on a stack as stored (SWAP: the stack's BK × BN tile transposed in registers, one byte loaded
+# from shared memory per byte of it): 256-row tiles halve those loads per MMA against TMA_CONFIG_FP8's 128. On one
+# H200 Flash's gate_up 0.42 ms against 0.48, Air's 1.43 against 1.69 (BENCHMARKS.md, twenty-third session).
+TMA_CONFIG_FP8_SWAP = dict(BM=256, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 # Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
 # interpreter): see `tma_supported`.
 TMA = True
@@ -427,8 +431,12 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, transpose: bool) -> boo
         return False
     if not (_aligned(x) and _aligned(weight) and weight.is_contiguous()):
         return False
-    bk = (TMA_CONFIG_FP8 if x.dtype == torch.float8_e4m3fn else TMA_CONFIG)["BK"]
-    return transpose or weight.shape[1] % bk == 0
+    return transpose or weight.shape[1] % _tma_config(x.dtype == torch.float8_e4m3fn, transpose)["BK"] == 0
+
+
+def _tma_config(fp8: bool, transpose: bool) -> dict:
+    """The module's launch config on a GPU for these operands (CONFIG, if set, overrides it)."""
+    return (TMA_CONFIG_FP8 if transpose else TMA_CONFIG_FP8_SWAP) if fp8 else TMA_CONFIG
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -464,7 +472,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
             scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
                 DOT_FP32=_interpreting(), SWAP=fp8 and not transpose)
-    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else TMA_CONFIG_FP8 if fp8 else TMA_CONFIG)
+    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else _tma_config(fp8, transpose))
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
     tiles = (M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"])

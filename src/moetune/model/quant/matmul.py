@@ -60,13 +60,21 @@ DGRAD = "fp8"
 # quantisation of the gradient) or "w8a8" (fp8 × fp8 on the stack as stored: the "fp8" numerics without the copy; on
 # Hopper the TMA kernel's transposed product, model/grouped_gemm.py's SWAP, where its K tiles fit the stack's `out`).
 # "tma": the Triton TMA kernel (fp8 × fp8, Hopper) for the forward, and for the input gradient on the K-major copy
-# (the "fp8" numerics), where it takes the operands; torch's kernels elsewhere.
+# or the stack as stored (STORED_DGRAD_MAX_ROWS; the "fp8" numerics either way), where it takes the operands; torch's
+# kernels elsewhere.
 # "tma" for both: on one H200 the kernel runs Air's and Flash's expert GEMMs at 650–1,130 TFLOP/s against 510–1,080
 # for torch 2.11's `_scaled_grouped_mm` (forward, and input gradient on the same copy); with the transposed copies
 # kept, AIR-8 q,k,v,o on an fp8 base 47,471 tokens/s against 39,006 with torch's kernels, 1.23x the bf16 base
 # (BENCHMARKS.md, fifteenth session).
 GROUPED_FORWARD = "tma"
 GROUPED_DGRAD = "tma"
+# Under "tma", where the stack has no kept K-major copy: the input gradient reads the stack as stored (the "w8a8"
+# kernel) when its groups average at most this many rows, else it makes the copy. A copy costs a pass over the stack's
+# bytes whatever the rows; the kernel on the stack as stored runs ~40% slower per row than the K-major one, so it wins
+# on many small groups. One H200, the stack-as-stored kernel against the copy + the K-major kernel, gate_up and down:
+# GLM-4.7-Flash (256 rows an expert) 0.64 against 0.70 ms, AIR-8 (256) 2.20 against 2.47, one EP-8 rank of Air (2,036)
+# 1.61 against 1.14; break-even about 310–520 rows (BENCHMARKS.md, twenty-third session).
+STORED_DGRAD_MAX_ROWS = 320
 # How "tma" launches: "custom_op" (an opaque op whose Python launches the Triton kernel, as the other Triton paths) or
 # "triton_op" (torch.compile launches it from its own code). Within 2% of each other either way on one H200 (AIR-8
 # 1.8% faster as the custom op, GLM-4.7-Flash 1.4% slower); the custom op is what the CPU tests can compile and
@@ -230,6 +238,9 @@ def _gmm_dgrad_quantized(gq, sg, w8, offs, grad, fast_accum=None, transposed=Non
     """dx (in grad's dtype) from the operand already folded and quantised (gq, sg); `grad`, the backward's input,
     is what a copy made here depends on (see _k_major_copy)."""
     if GROUPED_DGRAD == "w8a8" and kernel_supported_w8a8(gq, w8):
+        return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
+    if (GROUPED_DGRAD == "tma" and transposed is None and gq.shape[0] <= STORED_DGRAD_MAX_ROWS * w8.shape[0]
+            and tma_supported(gq, w8, False)):
         return grouped_mm_fp8_dgrad(gq, sg, w8, offs)
     k_major = _k_major_copy(w8, grad) if transposed is None else transposed
     # the copy's rows are `out` bytes, a multiple of 16 as _fp8_kernels requires: TMA takes it where it takes w8
