@@ -189,12 +189,14 @@ VARIANTS["trainer_fp8_flash_mla_1x4096_nc"] = (*VARIANTS["trainer_fp8_flash_mla_
                                                {**VARIANTS["trainer_fp8_flash_mla_1x4096"][4], "fp8_copies": False})
 for _base in ("trainer_fp8_flash_mla_1x4096_nc", "trainer_flash_mla_1x4096", "trainer_fp8_flash_mla_1x4096"):
     VARIANTS[f"{_base}_cg"] = (*VARIANTS[_base][:4], {**VARIANTS[_base][4], "compile_mode": "reduce-overhead"})
-# the Triton grouped GEMM for the frozen expert stacks (model/grouped_gemm.py), bf16 and fp8 bases, with CUDA graphs too
+# the frozen bf16 stacks' grouped GEMMs (experts.GROUPED_GEMM): the Triton TMA kernel (_tg, the default since the
+# twenty-third session) or torch's _grouped_mm (_gt), with CUDA graphs too
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
-              "ours_ep8rank_qkvo_1x4096", "ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096",
-              "ours_flash_mla_1x4096_cg", "ours_qkvo_4x1024_cg", "ours_ep8rank_qkvo_1x4096_cg"):
+              "ours_ep8rank_qkvo_1x4096", "ours_flash_mla_1x4096_cg", "ours_qkvo_4x1024_cg",
+              "ours_ep8rank_qkvo_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
+    VARIANTS[f"{_base}_gt"] = (_s, _b, _t, _tg, {**_x, "ggemm": "torch"})
     # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT)
     VARIANTS[f"{_base}_tg1"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton", "tma_persistent": False})
 # the fp8 base's expert stacks through the Triton kernels (model/quant/matmul.py): the input gradient W8A16 from the

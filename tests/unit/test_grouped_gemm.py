@@ -265,8 +265,9 @@ def test_tma_refuses_what_it_cannot_load(tma_on_cpu, monkeypatch):
     w40 = torch.randn(E, 40, TMA_IN).bfloat16()
     assert gg.tma_supported(torch.randn(4, TMA_IN).bfloat16(), w40, True)
     assert not gg.tma_supported(torch.randn(4, 40).bfloat16(), w40, False)  # 40 % BK != 0
-    monkeypatch.setattr(gg, "TMA_CONFIG_FP8", dict(gg.TMA_CONFIG_FP8, BK=32))  # fp8 rows: 16-byte aligned at 48
-    for out, takes in [(48, False), (64, True)]:  # an fp8 stack as stored: `out` a multiple of BK
+    # fp8 rows: 16-byte aligned at 48
+    monkeypatch.setattr(gg, "TMA_CONFIG_FP8_SWAP", dict(gg.TMA_CONFIG_FP8_SWAP, BK=32))
+    for out, takes in [(48, False), (64, True)]:  # an fp8 stack as stored: `out` a multiple of its launch's BK
         g8 = torch.randn(4, out).to(torch.float8_e4m3fn)
         assert gg.tma_supported(g8, torch.randn(E, out, TMA_IN).to(torch.float8_e4m3fn), False) == takes
 
@@ -302,6 +303,39 @@ def test_fp8_grouped_input_gradient_through_the_tma_kernel(dgrad, max_rows, stor
         assert calls == [((E, TMA_OUT, TMA_IN), False)] and not copies.grids
     gq, sg = quantize_rows(g.float() * scale[matmul.expert_of_rows(offs, rows)].squeeze(-1))
     _close(x.grad, grouped_mm_reference(gq.float() * sg, w8, offs, None, transpose=False))
+
+
+@pytest.mark.parametrize("stack", ["frozen_base", "trainable_base", "lora"])
+def test_bf16_expert_stacks_through_the_tma_kernel_equal_torchs(stack, tma_on_cpu, monkeypatch):
+    """experts.GROUPED_GEMM "triton": a frozen bf16 base stack's forward and input gradient through the TMA kernel
+    (the stack K-major for the forward, read as stored for the gradient), equal to torch._grouped_mm's; a trainable
+    stack, and LoRA's A/B (not a base stack), stay on torch's, the weight's gradient with them."""
+    from moetune.model import experts
+
+    calls = []
+    real = gg.grouped_gemm_tma
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    rows, offs, w = _tma_case(fp8=False, pad=0, seed=5)
+    w = w.bfloat16().requires_grad_(stack == "trainable_base")
+    x = torch.randn(rows, TMA_IN).bfloat16()
+    g = torch.randn(rows, TMA_OUT).bfloat16()
+
+    def run(mode):
+        monkeypatch.setattr(experts, "GROUPED_GEMM", mode)
+        xx = x.clone().requires_grad_()
+        w.grad = None
+        y = experts.grouped_linear(xx, w, offs, base=stack != "lora")
+        y.backward(g)
+        return y, xx.grad, w.grad
+
+    want = run("torch")
+    assert not calls
+    got = run("triton")
+    assert calls == ([True, False] if stack == "frozen_base" else [])
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    if stack == "trainable_base":
+        assert torch.equal(got[2], want[2])
 
 
 def test_tma_triton_op_equals_the_direct_launch(tma_on_cpu):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moetune.model import grouped_gemm
 from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
 from moetune.model.kernels import gather_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
@@ -26,9 +27,13 @@ from moetune.model.recompute import Rebuilt
 from moetune.tensors import local_tensor
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-# The frozen base stacks' GEMMs (bf16, or fp8 with row scales) on CUDA: "torch" (torch._grouped_mm, and the fp8 path of
-# model/quant/matmul.py) or "triton" (model/grouped_gemm.py). LoRA's trainable A/B always take torch._grouped_mm.
-GROUPED_GEMM = "torch"
+# The frozen bf16 base stacks' GEMMs, forward and input gradient: "torch" (torch._grouped_mm) or "triton"
+# (model/grouped_gemm.py: the persistent TMA kernel where it takes the operands, on Hopper). fp8 stacks take
+# model/quant/matmul.py's kernels (its GROUPED_FORWARD, GROUPED_DGRAD); LoRA's trainable A/B and trainable stacks
+# torch._grouped_mm. "triton": on one H200 faster in eight same-call pairs, +0.1–2.8% end to end (Flash and AIR-8,
+# LoRA on attention and on the experts, with and without CUDA graphs; BENCHMARKS.md, twenty-second and
+# twenty-third sessions).
+GROUPED_GEMM = "triton"
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -52,16 +57,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, ba
     (under expert parallelism: this rank's experts, `offs` counting only the rows it received). A `FrozenFp8`
     weight runs through the fp8 grouped GEMM (model/quant). `base`: the weight is an expert stack of the model (not
     LoRA's A or B), which `GROUPED_GEMM` may send through the Triton kernel when it is frozen."""
-    if base and GROUPED_GEMM == "triton" and x.is_cuda:
-        fp8 = isinstance(weight, FrozenFp8)
-        if not fp8 or weight.scheme.block is None:
-            q, scale = (local_tensor(weight.q), local_tensor(weight.scale)) if fp8 else (local_tensor(weight), None)
-            if not q.requires_grad and kernel_supported(x, q, scale):
-                return grouped_mm_frozen(x, q, offs, scale)
     if isinstance(weight, FrozenFp8):
         return fp8_grouped_linear(x, local_tensor(weight.q), local_tensor(weight.scale), offs, weight.scheme,
                                   weight.transposed)
     weight = local_tensor(weight)
+    if (base and GROUPED_GEMM == "triton" and (x.is_cuda or grouped_gemm.KERNEL_ON_CPU)
+            and not weight.requires_grad and kernel_supported(x, weight, None)):
+        return grouped_mm_frozen(x, weight, offs)
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     return _ContiguousGrad.apply(_grouped_mm(x, weight.transpose(-2, -1), offs=offs))
@@ -166,7 +168,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
 
 def fuses_fp8_mlp(x, gate_up_proj, down_proj, lora) -> bool:
     """Whether experts_forward runs these stacks as one fp8 node (quant.matmul.fp8_expert_mlp)."""
-    return (lora is None and GROUPED_GEMM == "torch" and isinstance(gate_up_proj, FrozenFp8)
+    return (lora is None and isinstance(gate_up_proj, FrozenFp8)
             and fp8_expert_mlp_applies(x, gate_up_proj, down_proj))
 
 

@@ -389,7 +389,7 @@ TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 # The fp8 input gradient on a stack as stored (SWAP: the stack's BK × BN tile transposed in registers, one byte loaded
 # from shared memory per byte of it): 256-row tiles halve those loads per MMA against TMA_CONFIG_FP8's 128. On one
-# H200 Flash's gate_up 0.42 ms against 0.48, Air's 1.43 against 1.69 (BENCHMARKS.md, twenty-third session).
+# H200 Flash's gate_up 0.42 ms against 0.48, AIR-8's 1.55 against 1.70 (BENCHMARKS.md, twenty-third session).
 TMA_CONFIG_FP8_SWAP = dict(BM=256, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 # Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
 # interpreter): see `tma_supported`.

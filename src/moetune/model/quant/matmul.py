@@ -72,8 +72,8 @@ GROUPED_DGRAD = "tma"
 # kernel) when its groups average at most this many rows, else it makes the copy. A copy costs a pass over the stack's
 # bytes whatever the rows; the kernel on the stack as stored runs ~40% slower per row than the K-major one, so it wins
 # on many small groups. One H200, the stack-as-stored kernel against the copy + the K-major kernel, gate_up and down:
-# GLM-4.7-Flash (256 rows an expert) 0.64 against 0.70 ms, AIR-8 (256) 2.20 against 2.47, one EP-8 rank of Air (2,036)
-# 1.61 against 1.14; break-even about 310–520 rows (BENCHMARKS.md, twenty-third session).
+# GLM-4.7-Flash (256 rows an expert) 0.64 against 0.70 ms, AIR-8 (256) 2.31 against 2.47, one EP-8 rank of Air (2,036)
+# 1.61 against 1.14; break-even about 300–520 rows (BENCHMARKS.md, twenty-third session).
 STORED_DGRAD_MAX_ROWS = 320
 # How "tma" launches: "custom_op" (an opaque op whose Python launches the Triton kernel, as the other Triton paths) or
 # "triton_op" (torch.compile launches it from its own code). Within 2% of each other either way on one H200 (AIR-8
