@@ -242,7 +242,8 @@ def run_shape(name, p, results):
         for m in ("torch_bf16", "triton_bf16", "triton_bf16_autotuned", "tma_bf16", "tma_bf16_autotuned",
                   "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
                   "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor",
-                  "tma_bf16_persistent", "tma_w8a8_persistent", "tma_w8a8_nmajor_persistent"):
+                  "tma_w8a8_nmajor_bytes", "tma_bf16_persistent", "tma_w8a8_persistent", "tma_w8a8_nmajor_persistent",
+                  "tma_w8a8_nmajor_bytes_persistent"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -292,6 +293,9 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
                           CPU_TMA if CPU else TMA_QUICK_FP8))
             # the stack as stored (N-major: Triton transposes each tile on chip), no copy
             cands.append(("tma_w8a8_nmajor", gq, w8, None, False, dict(x_scale=sg), ref8,
+                          CPU_TMA if CPU else TMA_NMAJOR_FP8))
+            # the stack's tile moved byte by byte (before grouped_gemm.TMA_SWAP_PAIRS)
+            cands.append(("tma_w8a8_nmajor_bytes", gq, w8, None, False, dict(x_scale=sg, pairs=False), ref8,
                           CPU_TMA if CPU else TMA_NMAJOR_FP8))
             if not CPU and hasattr(torch, "_scaled_grouped_mm"):
                 ones = torch.ones(copy.shape[0], copy.shape[1], device=DEV, dtype=torch.float32)
@@ -357,19 +361,24 @@ for wdt, scale, transpose, swap, prefetch in [
         async_copies=ttgir.count("async_copy_global_to_local"))
 import re
 from moetune.model import grouped_gemm as gg
-for name, k, stored in [("fwd tma", gg._grouped_gemm_tma_kernel, False),
-                        ("fwd tma_persistent", gg._grouped_gemm_tma_persistent_kernel, False),
-                        ("dgrad as stored tma", gg._grouped_gemm_tma_kernel, True),
-                        ("dgrad as stored tma_persistent", gg._grouped_gemm_tma_persistent_kernel, True)]:
-    const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=True, SCALE_B=not stored, DOT_FP32=False, BM=128, BN=256,
-                 BK=128, GROUP_M=8, SWAP=stored, **({"FLATTEN": True} if "persistent" in name else {}))
-    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "scale_ptr": "*fp32", "ascale_ptr": "*fp32",
-            "offs_ptr": "*i32"}
+for name, k, stored, pairs in [("fwd tma", gg._grouped_gemm_tma_kernel, False, False),
+                               ("fwd tma_persistent", gg._grouped_gemm_tma_persistent_kernel, False, False),
+                               ("dgrad as stored tma", gg._grouped_gemm_tma_kernel, True, True),
+                               ("dgrad as stored tma_persistent", gg._grouped_gemm_tma_persistent_kernel, True, True),
+                               ("dgrad as stored, bytes, tma_persistent", gg._grouped_gemm_tma_persistent_kernel,
+                                True, False)]:
+    cfg = gg.TMA_CONFIG_FP8_SWAP if stored else gg.TMA_CONFIG_FP8
+    const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=True, SCALE_B=not stored, DOT_FP32=False, BM=cfg["BM"],
+                 BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, SWAP=stored, PAIRS=pairs,
+                 **({"FLATTEN": True} if "persistent" in name else {}))
+    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*i16" if pairs else "*fp8e4nv", "c_ptr": "*bf16", "scale_ptr": "*fp32",
+            "ascale_ptr": "*fp32", "offs_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
     div16 = [n for n in k.arg_names if n in ptrs or n in ("N", "K", "stride_am", "stride_cm", "stride_se")]
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
+                                                                           num_stages=cfg["num_stages"]))
     ttgir = c.asm["ttgir"]
     # a persistent loop that Triton flattened runs one loop of unit step over tiles × K tiles (the K loop's step is
     # BK); the stack as stored (SWAP): its tile the MMA's A operand from registers ("tensor"), the MMAs asynchronous
@@ -380,11 +389,16 @@ for name, k, stored in [("fwd tma", gg._grouped_gemm_tma_kernel, False),
                               a_operand=sorted(set(re.findall(r"warp_group_dot %\S+, %\S+, %\S+ \{[^}]*\} : "
                                                               r"(tensor|!ttg\.memdesc)", ttgir))),
                               waits_pending=sorted(set(re.findall(r"pendings = (\d+)", ttgir))),
-                              byte_stores_to_shared=c.asm["ptx"].count("st.shared.b8"))
+                              byte_stores_to_shared=c.asm["ptx"].count("st.shared.b8"),
+                              byte_loads_from_shared=c.asm["ptx"].count("ld.shared.b8"),
+                              shared_loads=len(re.findall(r"ld\.shared\.", c.asm["ptx"])),
+                              shared_stores=len(re.findall(r"st\.shared\.", c.asm["ptx"])))
 print("RESULT" + json.dumps(out))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(HERE, "..", "src")
+    # COMPILE_TRITON_PATH: another Triton unpacked beside this one (the device's version, compiled here)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("COMPILE_TRITON_PATH"),
+                                                      os.path.join(HERE, "..", "src")]))
     try:
         p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]

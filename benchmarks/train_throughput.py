@@ -241,6 +241,8 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     VARIANTS[f"{_base}_gc"] = (_s, _b, _t, _tg, {**_x, "stored_dgrad_max_rows": 0})
     VARIANTS[f"{_base}_gccg"] = (_s, _b, _t, _tg, {**_x, "stored_dgrad_max_rows": 0,
                                                   "compile_mode": "reduce-overhead"})
+    # the stacks as stored moved byte by byte (before grouped_gemm.TMA_SWAP_PAIRS), with the layers as CUDA graphs
+    VARIANTS[f"{_base}_sbcg"] = (_s, _b, _t, _tg, {**_x, "swap_pairs": False, "compile_mode": "reduce-overhead"})
     # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT), without and with the layers as CUDA graphs
     VARIANTS[f"{_base}_t1"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False})
     VARIANTS[f"{_base}_t1cg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False, "compile_mode": "reduce-overhead"})
@@ -347,6 +349,10 @@ def build_ours(cfg: dict, targets, extra, device):
         import moetune.model.experts as experts_module
 
         experts_module.GROUPED_GEMM = extra["ggemm"]
+    if "swap_pairs" in extra:  # an fp8 stack as stored moved as int16 pairs (True, the default) or bytes
+        import moetune.model.grouped_gemm as grouped_gemm_module
+
+        grouped_gemm_module.TMA_SWAP_PAIRS = extra["swap_pairs"]
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         import moetune.model.grouped_gemm as grouped_gemm_module
 

@@ -175,11 +175,15 @@ if triton is not None:
 
     @triton.jit
     def _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr):
-        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major) or [E·K, N] matrix."""
+                         BN: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr = False):
+        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major) or [E·K, N] matrix
+        (PAIRS: b_ptr is an fp8 stack's int16 view, [E·K, N/2])."""
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
         if B_KMAJOR:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
+        elif PAIRS:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N // 2], strides=[N // 2, 1],
+                                               block_shape=[BK, BN // 2])
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N], strides=[N, 1], block_shape=[BK, BN])
         return a_desc, b_desc
@@ -188,7 +192,7 @@ if triton is not None:
     def _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
                   stride_se, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
                   DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  SWAP: tl.constexpr = False):
+                  SWAP: tl.constexpr = False, PAIRS: tl.constexpr = False):
         """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
         k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed.
         SWAP (an N-major fp8 stack): Cᵀ = B[g]ᵀ · Aᵀ, the stack's tile transposed in registers as the MMA's first
@@ -203,8 +207,16 @@ if triton is not None:
             if B_KMAJOR:
                 b = tl.trans(b_desc.load([ge * N + tn * BN, k0]))
             else:
-                b = b_desc.load([ge * K + k0, tn * BN])
-            if SWAP:  # moved as int8: transposed as an fp8 tile, Triton stages it in shared memory for the MMA
+                b = b_desc.load([ge * K + k0, tn * (BN // 2 if PAIRS else BN)])
+            if SWAP and PAIRS:
+                # the stack's tile as int16 pairs of neighbours along `in`, transposed 16 bits at a time (vector
+                # loads from shared memory where bytes take one load each), each pair then split into its two rows
+                t = tl.trans(b)
+                lo = (t & 0xFF).to(tl.int8)
+                hi = ((t >> 8) & 0xFF).to(tl.int8)
+                b = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BN, BK)).to(tl.float8e4nv, bitcast=True)
+                a = tl.trans(a)
+            elif SWAP:  # moved as int8: transposed as an fp8 tile, Triton stages it in shared memory for the MMA
                 b = tl.trans(b.to(tl.int8, bitcast=True)).to(b.dtype, bitcast=True)
                 a = tl.trans(a)
             if DOT_FP32:  # Triton's interpreter gets bf16 and fp8 dots wrong; their products are exact in fp32
@@ -256,7 +268,8 @@ if triton is not None:
                                  stride_am, stride_cm, stride_se,
                                  E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
                                  SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                 BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False):
+                                 BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False,
+                                 PAIRS: tl.constexpr = False):
         """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
         asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
         B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
@@ -270,10 +283,10 @@ if triton is not None:
         g, row0, row_b, tn = _tile(tl.program_id(0), offs_ptr, M, N, E, E_POW2, BM, BN, GROUP_M)
         if row0 >= row_b:
             return
-        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK)
+        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS)
         k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
-                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP)
+                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS)
 
     @triton.jit
     def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -281,20 +294,21 @@ if triton is not None:
                                             E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
                                             SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr,
                                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                                            num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False):
+                                            num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False,
+                                            PAIRS: tl.constexpr = False):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
         and the stores that end it are a large part of a one-tile program (the candidate for the grouped GEMMs' rate
         on small groups: BENCHMARKS.md, twenty-first session). Only tiles with rows are enumerated (`_row_tiles`):
         every tile runs the whole K loop, which the loops' flattening needs; the padding group's is stored as zeros."""
-        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK)
+        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS)
         starts, ends, first, R = _row_tiles(offs_ptr, M, E, E_POW2, BM)
         num_n = tl.cdiv(N, BN)
         for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
-                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP)
+                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS)
 
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
@@ -399,6 +413,9 @@ TMA = True
 # fp8 x fp8 on Flash's, Air's and an EP-8 rank's expert shapes 2-21% faster, forward and input gradient (BENCHMARKS.md,
 # twenty-second session).
 TMA_PERSISTENT = True
+# The fp8 stack as stored (SWAP) moved to registers as int16 pairs (vector loads from shared memory, the pairs' bytes
+# split in registers) instead of byte by byte (one shared-memory load a byte: 64 a thread a K step at 256 × 128).
+TMA_SWAP_PAIRS = True
 # programs of the persistent kernel under the interpreter (a GPU: its SM count)
 _INTERPRETER_PROGRAMS = 3
 
@@ -447,14 +464,16 @@ def _tma_scratch(size: int, alignment: int, stream):
 
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
-                     config: dict | None = None, launch=None, persistent: bool | None = None) -> torch.Tensor:
+                     config: dict | None = None, launch=None, persistent: bool | None = None,
+                     pairs: bool | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
     on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
     scales. y bf16 for fp8 operands, else x's dtype. `config` as for `grouped_gemm` (GROUP_M, BM, BN, BK,
     num_warps, num_stages).
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
-    `persistent`: the persistent kernel (default TMA_PERSISTENT)."""
+    `persistent`: the persistent kernel (default TMA_PERSISTENT); `pairs`: an fp8 stack as stored moved as int16
+    pairs (default TMA_SWAP_PAIRS)."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
@@ -468,10 +487,12 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     scale_t = offs if scale is None else scale.reshape(E, n_out)  # offs: an unread placeholder
     assert scale is None or (transpose and scale_t.stride(1) == 1)
     x_scale = x_scale.reshape(M).float().contiguous() if fp8 else offs
-    args = (x, weight, y, scale_t, x_scale, offs.to(torch.int32), M, N, K, E, x.stride(0), y.stride(0),
-            scale_t.stride(0) if scale is not None else 0)
+    swap = fp8 and not transpose
+    pairs = swap and (TMA_SWAP_PAIRS if pairs is None else pairs)  # _aligned(weight): its rows are 16-byte multiples, so `in` is even
+    args = (x, weight.view(torch.int16) if pairs else weight, y, scale_t, x_scale, offs.to(torch.int32), M, N, K, E,
+            x.stride(0), y.stride(0), scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
-                DOT_FP32=_interpreting(), SWAP=fp8 and not transpose)
+                DOT_FP32=_interpreting(), SWAP=swap, PAIRS=pairs)
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else _tma_config(fp8, transpose))
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
