@@ -401,9 +401,9 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
 # N-major (a 16-bit input gradient) needs its K to be a multiple of BK, so that no K tile crosses into the next expert.
 TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
-# The fp8 input gradient on a stack as stored (SWAP: the stack's BK × BN tile transposed in registers, one byte loaded
-# from shared memory per byte of it): 256-row tiles halve those loads per MMA against TMA_CONFIG_FP8's 128. On one
-# H200 Flash's gate_up 0.42 ms against 0.48, AIR-8's 1.55 against 1.70 (BENCHMARKS.md, twenty-third session).
+# The fp8 input gradient on a stack as stored (SWAP: the stack's BK × BN tile transposed on its way from shared memory
+# to registers): 256-row tiles halve that work per MMA against TMA_CONFIG_FP8's 128. On one H200, the tile moved byte
+# by byte, Flash's gate_up 0.42 ms against 0.48, AIR-8's 1.55 against 1.70 (BENCHMARKS.md, twenty-third session).
 TMA_CONFIG_FP8_SWAP = dict(BM=256, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 # Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
 # interpreter): see `tma_supported`.
@@ -490,7 +490,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     assert scale is None or (transpose and scale_t.stride(1) == 1)
     x_scale = x_scale.reshape(M).float().contiguous() if fp8 else offs
     swap = fp8 and not transpose
-    pairs = swap and (TMA_SWAP_PAIRS if pairs is None else pairs)  # _aligned(weight): its rows are 16-byte multiples, so `in` is even
+    # _aligned(weight): its rows are 16-byte multiples, so an fp8 stack's `in` is even
+    pairs = swap and (TMA_SWAP_PAIRS if pairs is None else pairs)
     args = (x, weight.view(torch.int16) if pairs else weight, y, scale_t, x_scale, offs.to(torch.int32), M, N, K, E,
             x.stride(0), y.stride(0), scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,

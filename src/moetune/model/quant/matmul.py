@@ -70,10 +70,11 @@ GROUPED_FORWARD = "tma"
 GROUPED_DGRAD = "tma"
 # Under "tma", where the stack has no kept K-major copy: the input gradient reads the stack as stored (the "w8a8"
 # kernel) when its groups average at most this many rows, else it makes the copy. A copy costs a pass over the stack's
-# bytes whatever the rows; the kernel on the stack as stored runs ~40% slower per row than the K-major one, so it wins
-# on many small groups. One H200, the stack-as-stored kernel against the copy + the K-major kernel, gate_up and down:
-# GLM-4.7-Flash (256 rows an expert) 0.64 against 0.70 ms, AIR-8 (256) 2.31 against 2.47, one EP-8 rank of Air (2,036)
-# 1.61 against 1.14; break-even about 300–520 rows (BENCHMARKS.md, twenty-third session).
+# bytes whatever the rows; the kernel on the stack as stored runs ~35% slower per row than the K-major one, so it wins
+# on many small groups. One H200, gate_up's and down's input gradients, as stored against the copy + the K-major
+# kernel: GLM-4.7-Flash (256 rows an expert) 0.59 against 0.69 ms, AIR-8 (256) 2.13 against 2.50; one EP-8 rank of Air
+# (2,036) 1.61 against 1.14 (its tile moved byte by byte; break-even 300–520 rows then; BENCHMARKS.md, twenty-third
+# session).
 STORED_DGRAD_MAX_ROWS = 320
 # How "tma" launches: "custom_op" (an opaque op whose Python launches the Triton kernel, as the other Triton paths) or
 # "triton_op" (torch.compile launches it from its own code). Within 2% of each other either way on one H200 (AIR-8
