@@ -399,3 +399,74 @@ def test_gathered_rows_fp8_kernel_equals_the_torch_reference():
     torch.testing.assert_close(q.float(), rq.float(), rtol=0, atol=0)
     tq, ts = gathered_rows_fp8(src, index, scales, expert, use_kernel=False)
     assert torch.equal(tq.float(), rq.float()) and torch.equal(ts, rs)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_frozen_router_logits_equal_the_fp32_product(device):
+    """The router's logits from bf16 operands on tensor cores (CUDA) are transformers' fp32 product up to the order of
+    the sums, and x's bf16 gradient is the fp32 gradient rounded once, but where the sums' order moves a rounding:
+    the gradient's two 16-bit halves (one alone matches only ~58% of elements)."""
+    from moetune.model.glm4_moe import _FrozenRouterLogits, router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 256).bfloat16().to(device).requires_grad_()
+    w = (torch.randn(64, 256) * 0.02).bfloat16().to(device)
+    x32 = x.detach().float().requires_grad_()
+    got = _FrozenRouterLogits.apply(x, w) if device == "cpu" else router_logits(x, w)
+    want = x32 @ w.float().t()
+    assert got.dtype == torch.float32 and got.grad_fn.name().endswith("FrozenRouterLogitsBackward")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    g = torch.randn(512, 64, device=device)
+    got.backward(g)
+    want.backward(g)
+    assert x.grad.dtype == torch.bfloat16
+    assert (x.grad == x32.grad.bfloat16()).float().mean() > 0.98
+
+
+def test_router_logits_keep_the_fp32_product_where_the_weight_trains():
+    from moetune.model.glm4_moe import router_logits
+
+    x = torch.randn(4, 8).bfloat16()
+    w = torch.randn(3, 8).bfloat16().requires_grad_()
+    router_logits(x, w).sum().backward()  # full fine-tuning: the fp32 product and its weight gradient
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("num_keys,dtype", [(64, torch.uint8), (256, torch.uint8), (257, torch.int16),
+                                            (40000, torch.int32)])
+def test_sort_by_key_sorts_narrow_keys_to_the_int64_order(num_keys, dtype, monkeypatch):
+    from moetune.model import experts
+
+    torch.manual_seed(0)
+    key = torch.randint(0, num_keys, (5000,))
+    key[:50] = num_keys - 1  # the largest key, many ties
+    seen = []
+    argsort = torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda k, **kw: seen.append(k.dtype) or argsort(k, **kw))
+    got = experts.sort_by_key(key, num_keys)
+    assert seen == [dtype]
+    assert torch.equal(got, argsort(key, stable=True))
+
+
+def test_lora_branch_added_in_the_gemm_equals_the_sum(monkeypatch):
+    from moetune.model import lora
+
+    torch.manual_seed(0)
+    layer = lora.LoRALinear(torch.nn.Linear(12, 20, bias=True).double(), rank=4, alpha=8, dropout=0.0, rslora=False)
+    torch.nn.init.normal_(layer.lora_B)
+    layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
+    x = torch.randn(3, 5, 12, dtype=torch.float64)
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(lora, "ADD_IN_GEMM", fused)
+        calls = []
+        addmm = torch.addmm
+        monkeypatch.setattr(torch, "addmm", lambda *a, **kw: calls.append(1) or addmm(*a, **kw))
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        (y * torch.linspace(-1, 1, 20, dtype=torch.float64)).sum().backward()
+        assert bool(calls) == fused
+        results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

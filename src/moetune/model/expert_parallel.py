@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.model.kernels import bag_sum, compiled_for_eager
-from moetune.model.experts import count_values
+from moetune.model.experts import count_values, sort_by_key
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
 
@@ -178,7 +178,7 @@ def _receive_plan_tensors(routing: torch.Tensor, k: int, n_local: int, weights_d
     slots' pair or −1; the rows' weights). Shapes follow the rows only, not the number of local pairs, so that one
     graph with the rows dynamic serves every layer and step."""
     weights, key = routing[:, :k].to(weights_dtype), routing[:, k:].long().flatten()  # key n_local: not here
-    order = torch.argsort(key, stable=True)
+    order = sort_by_key(key, n_local + 1)
     offs = count_values(key, n_local + 1)[:n_local].cumsum(0)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=key.device)

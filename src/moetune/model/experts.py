@@ -88,10 +88,25 @@ def count_values(idx: torch.Tensor, n: int) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.long, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+# Sort keys in the narrowest integer type that holds them: CUDA's radix sort makes one pass over the keys (and the
+# order it carries) per byte of key, eight for the int64 the router's top-k gives. False: the keys as they come.
+NARROW_SORT_KEYS = True
+
+
+def sort_by_key(key: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The stable argsort of integer keys in [0, num_keys): the same order whatever type they are sorted in."""
+    if NARROW_SORT_KEYS:
+        for dtype in (torch.uint8, torch.int16, torch.int32):
+            if num_keys - 1 <= torch.iinfo(dtype).max:
+                key = key.to(dtype)
+                break
+    return torch.argsort(key, stable=True)
+
+
 def permute(topk_idx: torch.Tensor, num_experts: int) -> Permutation:
     k = topk_idx.shape[-1]
     flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = sort_by_key(flat, num_experts)
     counts = count_values(flat, num_experts)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)

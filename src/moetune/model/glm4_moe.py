@@ -106,6 +106,40 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# The router's logits are fp32, as transformers computes them (x and W cast to fp32). From bf16 x and W every product
+# is exact in fp32, so on CUDA a bf16 tensor-core GEMM that accumulates and writes fp32 (`torch.mm`'s out_dtype) gives
+# the same sums up to their order, where fp32 operands run on the SIMT units (~3 ms of GLM-4.7-Flash's step on an H200,
+# forward and input gradient). False: always the fp32 GEMM.
+ROUTER_TENSOR_CORES = True
+
+
+class _FrozenRouterLogits(torch.autograd.Function):
+    """x [T, H] · Wᵀ in fp32 for a frozen bf16 router weight W [E, H] and bf16 x. The input gradient
+    g · W takes the fp32 g as the sum of two 16-bit halves (hi + lo: 16 of fp32's 24 significand bits, where x's
+    bf16 gradient keeps 8) in one GEMM over [hi, lo] · [W; W], accumulated in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        if x.is_cuda:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return x.float() @ weight.float().t()  # torch.mm's out_dtype is CUDA's only (the CPU tests' twin)
+
+    @staticmethod
+    def backward(ctx, g):
+        (weight,) = ctx.saved_tensors
+        hi = g.to(weight.dtype)
+        lo = (g - hi.float()).to(weight.dtype)
+        return torch.cat([hi, lo], 1) @ torch.cat([weight, weight], 0), None
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, H] · weightᵀ in fp32 (transformers' numerics: both operands cast to fp32)."""
+    if ROUTER_TENSOR_CORES and x.is_cuda and not weight.requires_grad and x.dtype == weight.dtype == torch.bfloat16:
+        return _FrozenRouterLogits.apply(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -118,7 +152,7 @@ class Router(nn.Module):
 
     def forward(self, x):
         """x [T, H] -> (scores [T, E] fp32, topk weights [T, k] fp32, topk indices [T, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:

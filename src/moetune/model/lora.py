@@ -24,6 +24,12 @@ from moetune.tensors import local_tensor
 _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the other, by q_lora_rank
 
 
+# The LoRA branch's s·(h·Bᵀ) added to the base output by the GEMM that makes it (`addmm`, the sum in its epilogue, as
+# Unsloth's fast LoRA), not written out and added by a pass of its own: on GLM-4.7-Flash's MLA projections one
+# [tokens, out] write and read fewer per projection. False: the product, then the sum.
+ADD_IN_GEMM = True
+
+
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
@@ -57,7 +63,11 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
-        return y + F.linear(h, self.lora_B.to(x.dtype)) * self.scaling
+        if not ADD_IN_GEMM:
+            return y + F.linear(h, self.lora_B.to(x.dtype)) * self.scaling
+        y2 = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_B.to(x.dtype).t(),
+                         alpha=self.scaling)
+        return y2.view(y.shape)
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling:g}"
