@@ -470,3 +470,27 @@ def test_lora_branch_added_in_the_gemm_equals_the_sum(monkeypatch):
         results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_scaled_rows_fp8_kernel_equals_the_torch_reference(scaled):
+    """Rows (times a weight's row scales: a dense input gradient's operand) quantised per row in one pass, against
+    the torch reference the CPU runs: the same scales (one exact amax of the same fp32 products), every value equal
+    (the interpreter's cast corrected onto the fp8 grid); a row of zeros gets the tiny scale and zeros."""
+    from moetune.model.kernels import kernel_available, scaled_rows_fp8, scaled_rows_fp8_torch
+    from moetune.model.quant.fp8 import _TINY, FP8
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert kernel_available(device)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(23, 200, generator=g) * 3).to(device, torch.bfloat16)
+    x[4] = 0
+    cs = (torch.rand(200, generator=g) * 3 + 0.01).to(device) if scaled else None
+    q, s = scaled_rows_fp8(x, cs, use_kernel=True)
+    rq, rs = scaled_rows_fp8_torch(x, cs)
+    assert q.dtype == FP8 and q.shape == x.shape and s.shape == (23, 1)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(q.float(), rq.float(), rtol=0, atol=0)
+    assert s[4].item() == torch.tensor(_TINY).item() and not q[4].float().any()
+    if scaled:  # the scales are applied: without them the values differ
+        assert not torch.equal(q.float(), scaled_rows_fp8_torch(x)[0].float())

@@ -908,3 +908,33 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
     assert got.keys() == grads.keys()
     for n in grads:
         torch.testing.assert_close(got[n], grads[n], rtol=1e-2, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisations_gradients(monkeypatch, compiled):
+    """The dense fp8 linears' operands (the activation forward; the gradient times the weight's row scales backward)
+    quantised by the row kernel as an opaque op (DENSE_QUANT "kernel", forced on the CPU, where the op runs its torch
+    reference) give the loss and LoRA gradients of quantize_rows traced into the graph ("inductor"), bitwise: the
+    same arithmetic. Eager, and compiled as one graph per layer."""
+    from moetune.model import grouped_gemm as gg
+    from moetune.model.quant import matmul
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    calls = []
+    real = matmul.scaled_rows_fp8
+    monkeypatch.setattr(matmul, "scaled_rows_fp8", lambda x, cs: calls.append(cs is not None) or real(x, cs))
+    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(mode):
+        monkeypatch.setattr(matmul, "DENSE_QUANT", mode)
+        monkeypatch.setattr(matmul, "_dense_kernel_quant", lambda x2: mode == "kernel")
+        calls.clear()
+        return _tiny_fp8_step(ids, compiled)
+
+    loss, grads = run("inductor")
+    assert not calls
+    got_loss, got = run("kernel")
+    assert calls.count(False) >= 4 and calls.count(True) >= 4  # q, o and the shared expert's, forward and backward
+    assert torch.equal(got_loss, loss)
+    assert not [n for n in grads if not torch.equal(got[n], grads[n])]

@@ -12,6 +12,8 @@ against those references.
   takes five kernels forward and twelve backward over the [rows, intermediate] activations.
 - `gathered_rows_fp8`: rows gathered, times each row's expert's weight scales, quantised per row (down_proj's
   input-gradient operand on an fp8 base, from the tokens' gradient).
+- `scaled_rows_fp8`: rows (times a weight's row scales) quantised per row, one pass each: an fp8 base's dense GEMM
+  operands (model/quant/matmul.py's DENSE_QUANT).
 - `weighted_swiglu_fp8` / `weighted_swiglu_bwd_fp8`: the same with their outputs quantised per row for an fp8 base's
   expert GEMMs (model/quant/matmul.py `fp8_expert_mlp`), the gradient first multiplied by each row's expert's weight
   scales. Compiled, Inductor writes these as reductions that read their inputs twice and, for the gradient, store
@@ -177,6 +179,34 @@ def weighted_swiglu_bwd_fp8(h, w, grad, scales, expert, use_kernel: bool | None 
     return q, scale, grad_w
 
 
+def scaled_rows_fp8_torch(x, col_scales=None):
+    """(fp8 [N, K], fp32 scales [N, 1]): x times `col_scales` [K] fp32 (when given), quantised per row."""
+    xf = x.float()
+    return quantize_rows(xf if col_scales is None else xf * col_scales)
+
+
+# The widest row scaled_rows_fp8 keeps on chip (one row a program); wider ones take the torch reference.
+SCALED_ROWS_MAX = 32768
+
+
+def scaled_rows_fp8(x, col_scales=None, use_kernel: bool | None = None):
+    """x [N, K] (times `col_scales` [K] fp32: a frozen weight's row scales folded into its input gradient's operand)
+    quantised per row in one pass, a row on chip: an fp8 base's dense GEMM operands. Compiled, Inductor fuses the
+    same quantisation into the kernel that produces x as a reduction that reads (and recomputes) the row twice."""
+    if not _use_kernel(x, use_kernel) or x.shape[0] == 0 or x.shape[1] > SCALED_ROWS_MAX:
+        return scaled_rows_fp8_torch(x, col_scales)
+    x = x.contiguous()
+    N, K = x.shape
+    q = torch.empty(N, K, dtype=FP8, device=x.device)
+    scale = torch.empty(N, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(K)
+    cs = x if col_scales is None else col_scales.float().contiguous()  # x: an unread placeholder
+    _scaled_rows_fp8_kernel[(N,)](x, cs, q, scale, K, SCALED=col_scales is not None, FP8_MAX=FP8_MAX, TINY=_TINY,
+                                  GRID=_interpreted(), BLOCK=block,
+                                  num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+    return q, scale
+
+
 def gathered_rows_fp8_torch(src, index, row_scales):
     """(fp8 [N, H], fp32 scales [N, 1]): src[index] times row_scales [N, H] fp32, quantised per row."""
     return quantize_rows(src[index].float() * row_scales)
@@ -283,6 +313,19 @@ if triton is not None:
         s = _fp8_scale(tl.maximum(tl.max(tl.abs(d_gate), axis=0), tl.max(tl.abs(d_up), axis=0)), FP8_MAX, TINY)
         tl.store(q + row * 2 * I + cols, _fp8_values(d_gate, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
         tl.store(q + row * 2 * I + I + cols, _fp8_values(d_up, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
+        tl.store(scale + row, s)
+
+    @triton.jit
+    def _scaled_rows_fp8_kernel(x, cs, q, scale, K, SCALED: tl.constexpr, FP8_MAX: tl.constexpr, TINY: tl.constexpr,
+                                GRID: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < K
+        v = tl.load(x + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * tl.load(cs + cols, mask=mask, other=0.0)
+        s = _fp8_scale(tl.max(tl.abs(v), axis=0), FP8_MAX, TINY)
+        tl.store(q + row * K + cols, _fp8_values(v, s, q.dtype.element_ty, FP8_MAX, GRID), mask=mask)
         tl.store(scale + row, s)
 
     @triton.jit

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy, k_major_copy_reference,
                                         kernel_supported, kernel_supported_w8a8, tma_supported)
-from moetune.model.kernels import (compiled_for_eager, gather_sum, gathered_rows_fp8, weighted_swiglu_bwd_fp8,
-                                   weighted_swiglu_fp8)
+from moetune.model.kernels import (SCALED_ROWS_MAX, compiled_for_eager, gather_sum, gathered_rows_fp8, scaled_rows_fp8,
+                                   weighted_swiglu_bwd_fp8, weighted_swiglu_fp8)
 from moetune.model.quant.fp8 import FP8, Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -120,8 +120,33 @@ def _(w8, grad):
     return w8.new_empty(*w8.shape[:-2], w8.shape[-1], w8.shape[-2])
 
 
+# How the dense fp8 GEMMs' operands are quantised on CUDA (the activation forward, the gradient with the weight's row
+# scales folded in backward): "kernel", model/kernels.py's one-pass row kernel as an opaque op (rows up to
+# SCALED_ROWS_MAX wide), or "inductor", quantize_rows traced into the graph, where Inductor fuses it into the kernel
+# producing the operand as a reduction that reads and recomputes each row twice (the ~19 ms of GLM-4.7-Flash's fp8
+# step that is quantisation: BENCHMARKS.md, eighteenth session).
+DENSE_QUANT = "kernel"
+
+
+@torch.library.custom_op("moetune::scaled_rows_fp8", mutates_args=())
+def _scaled_rows_fp8(x: torch.Tensor, col_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return scaled_rows_fp8(x, col_scales)
+
+
+@_scaled_rows_fp8.register_fake
+def _(x, col_scales):
+    return x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], 1, dtype=torch.float32)
+
+
+def _dense_kernel_quant(x2: torch.Tensor) -> bool:
+    return DENSE_QUANT == "kernel" and x2.is_cuda and x2.shape[-1] <= SCALED_ROWS_MAX
+
+
 def _mm_fwd(x2, w8, scale, bias):
-    xq, sx = _quantized(quantize_rows, x2)
+    if _dense_kernel_quant(x2):
+        xq, sx = _scaled_rows_fp8(x2, None)
+    else:
+        xq, sx = _quantized(quantize_rows, x2)
     # _scaled_mm takes a bias only for a 16-bit output
     fused_bias = bias is not None and x2.dtype != torch.float32
     y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
@@ -137,7 +162,10 @@ def _mm_dgrad_operand(g2, scale):
 
 def _mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
     """dx through w8 [out, in]: the GEMM reads it K-major, `transposed` [in, out] (a kept copy) or a copy made here."""
-    gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
+    if _dense_kernel_quant(g2):
+        gq, sg = _scaled_rows_fp8(g2, _row_scales(scale).float())
+    else:
+        gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
     k_major = (w8.t().contiguous() if transposed is None else transposed).t()
     return torch._scaled_mm(gq, k_major, scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
