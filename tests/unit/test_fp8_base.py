@@ -913,7 +913,7 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
 @pytest.mark.parametrize("compiled", [False, True])
 def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisations_gradients(monkeypatch, compiled):
     """The dense fp8 linears' operands (the activation forward; the gradient times the weight's row scales backward)
-    quantised by the row kernel as a triton_op (DENSE_QUANT "kernel", forced on the CPU, where the op runs its torch
+    quantised by the row kernel as an opaque op (DENSE_QUANT "kernel", forced on the CPU, where the op runs its torch
     reference) give the loss and LoRA gradients of quantize_rows traced into the graph ("inductor"), bitwise: the
     same arithmetic. Eager, and compiled as one graph per layer."""
     from moetune.model import grouped_gemm as gg
@@ -923,7 +923,7 @@ def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisation
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
     calls = []
     real = matmul.scaled_rows_fp8
-    monkeypatch.setattr(matmul, "scaled_rows_fp8", lambda x, cs, **kw: calls.append(cs is not None) or real(x, cs, **kw))
+    monkeypatch.setattr(matmul, "scaled_rows_fp8", lambda x, cs: calls.append(cs is not None) or real(x, cs))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 
     def run(mode):

@@ -189,11 +189,10 @@ def scaled_rows_fp8_torch(x, col_scales=None):
 SCALED_ROWS_MAX = 32768
 
 
-def scaled_rows_fp8(x, col_scales=None, use_kernel: bool | None = None, launch=None):
+def scaled_rows_fp8(x, col_scales=None, use_kernel: bool | None = None):
     """x [N, K] (times `col_scales` [K] fp32: a frozen weight's row scales folded into its input gradient's operand)
     quantised per row in one pass, a row on chip: an fp8 base's dense GEMM operands. Compiled, Inductor fuses the
-    same quantisation into the kernel that produces x as a reduction that reads (and recomputes) the row twice.
-    `launch`: torch.library.wrap_triton inside a triton_op (torch.compile then launches the kernel itself)."""
+    same quantisation into the kernel that produces x as a reduction that reads (and recomputes) the row twice."""
     if not _use_kernel(x, use_kernel) or x.shape[0] == 0 or x.shape[1] > SCALED_ROWS_MAX:
         return scaled_rows_fp8_torch(x, col_scales)
     x = x.contiguous()
@@ -202,9 +201,9 @@ def scaled_rows_fp8(x, col_scales=None, use_kernel: bool | None = None, launch=N
     scale = torch.empty(N, 1, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(K)
     cs = x if col_scales is None else col_scales.float().contiguous()  # x: an unread placeholder
-    (launch or (lambda kernel: kernel))(_scaled_rows_fp8_kernel)[(N,)](
-        x, cs, q, scale, K, SCALED=col_scales is not None, FP8_MAX=FP8_MAX, TINY=_TINY, GRID=_interpreted(), BLOCK=block,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+    _scaled_rows_fp8_kernel[(N,)](x, cs, q, scale, K, SCALED=col_scales is not None, FP8_MAX=FP8_MAX, TINY=_TINY,
+                                  GRID=_interpreted(), BLOCK=block,
+                                  num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
     return q, scale
 
 

@@ -128,13 +128,14 @@ def _(w8, grad):
 DENSE_QUANT = "kernel"
 
 
-# A triton_op, not an opaque custom op: torch.compile launches the kernel from its own wrapper code. Called from Python
-# (an opaque op's body launches through Triton's JIT), the ~200 launches of an AIR-8 step cost more host time than the
-# GPU time they save where the step is not replayed as CUDA graphs (one H200, same call: AIR-8 46,172 tokens/s against
-# 47,768 with Inductor's quantisations, GPU busy 74.5 against 77.7 ms; BENCHMARKS.md, twenty-fourth session).
-@torch.library.triton_op("moetune::scaled_rows_fp8", mutates_args=())
+@torch.library.custom_op("moetune::scaled_rows_fp8", mutates_args=())
 def _scaled_rows_fp8(x: torch.Tensor, col_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return scaled_rows_fp8(x, col_scales, launch=torch.library.wrap_triton)
+    return scaled_rows_fp8(x, col_scales)
+
+
+@_scaled_rows_fp8.register_fake
+def _(x, col_scales):
+    return x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], 1, dtype=torch.float32)
 
 
 def _dense_kernel_quant(x2: torch.Tensor) -> bool:
