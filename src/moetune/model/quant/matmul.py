@@ -121,11 +121,14 @@ def _(w8, grad):
 
 
 # How the dense fp8 GEMMs' operands are quantised on CUDA (the activation forward, the gradient with the weight's row
-# scales folded in backward): "kernel", model/kernels.py's one-pass row kernel as an opaque op (rows up to
-# SCALED_ROWS_MAX wide), or "inductor", quantize_rows traced into the graph, where Inductor fuses it into the kernel
-# producing the operand as a reduction that reads and recomputes each row twice (the ~19 ms of GLM-4.7-Flash's fp8
-# step that is quantisation: BENCHMARKS.md, eighteenth session).
-DENSE_QUANT = "kernel"
+# scales folded in backward): "inductor", quantize_rows traced into the graph, where Inductor fuses it into the kernel
+# producing the operand as a reduction that reads and recomputes each row twice; or "kernel", model/kernels.py's
+# one-pass row kernel as an opaque op (rows up to SCALED_ROWS_MAX wide). On one H200, same call, "kernel" takes GPU
+# time off every step (AIR-8 −3.2 ms, an EP-8 rank of Air −12.6 ms) but its Python launches cost more host time
+# where the step is not replayed as CUDA graphs (AIR-8 46,172 tokens/s against 47,768, the EP-8 rank 11,148 against
+# 11,268); with CUDA graphs GLM-4.7-Flash gains 2.0% (18,558 against 18,187). As a triton_op (torch.compile launching
+# it) AIR-8 lost more (BENCHMARKS.md, twenty-fourth session).
+DENSE_QUANT = "inductor"
 
 
 @torch.library.custom_op("moetune::scaled_rows_fp8", mutates_args=())
