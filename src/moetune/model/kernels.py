@@ -180,7 +180,7 @@ def weighted_swiglu_bwd_fp8(h, w, grad, scales, expert, use_kernel: bool | None 
 
 
 def scaled_rows_fp8_torch(x, col_scales=None):
-    """(fp8 [N, K], fp32 scales [N, 1]): x times `col_scales` [K] fp32 (when given), quantised per row."""
+    """(fp8 [N, K], fp32 scales [N, 1]): x times `col_scales` [K] (or [N, K]) fp32 when given, quantised per row."""
     xf = x.float()
     return quantize_rows(xf if col_scales is None else xf * col_scales)
 
@@ -209,7 +209,7 @@ def scaled_rows_fp8(x, col_scales=None, use_kernel: bool | None = None):
 
 def gathered_rows_fp8_torch(src, index, row_scales):
     """(fp8 [N, H], fp32 scales [N, 1]): src[index] times row_scales [N, H] fp32, quantised per row."""
-    return quantize_rows(src[index].float() * row_scales)
+    return scaled_rows_fp8_torch(src[index], row_scales)
 
 
 def gathered_rows_fp8(src, index, scales, expert, use_kernel: bool | None = None):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy, k_major_copy_reference,
                                         kernel_supported, kernel_supported_w8a8, tma_supported)
 from moetune.model.kernels import (SCALED_ROWS_MAX, compiled_for_eager, gather_sum, gathered_rows_fp8, scaled_rows_fp8,
-                                   weighted_swiglu_bwd_fp8, weighted_swiglu_fp8)
+                                   scaled_rows_fp8_torch, weighted_swiglu_bwd_fp8, weighted_swiglu_fp8)
 from moetune.model.quant.fp8 import FP8, Fp8Scheme, quantize_rows
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -160,7 +160,7 @@ def _mm_fwd(x2, w8, scale, bias):
 
 def _mm_dgrad_operand(g2, scale):
     """dy with the weight's row scales folded in (they lie inside the sum over `out`), quantised per row."""
-    return quantize_rows(g2.float() * _row_scales(scale).view(1, -1))
+    return scaled_rows_fp8_torch(g2, _row_scales(scale))
 
 
 def _mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
