@@ -266,6 +266,11 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096_cg", "ours_fp8_
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_rq"] = (_s, _b, _t, _tg, {**_x, "dense_quant": "kernel"})
     VARIANTS[f"{_base}_iq"] = (_s, _b, _t, _tg, {**_x, "dense_quant": "inductor"})
+# the compiled SwiGLU's backward as Inductor's traced ops (_sw0), before experts.SWIGLU_BACKWARD "kernel"
+for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
+              "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_sw0"] = (_s, _b, _t, _tg, {**_x, "swiglu_backward": "inductor"})
 # Inductor's reductions along rows (the fp8 quantisations, the norms): the looped and the one-pass form both generated
 # and the faster picked at run time (_mk, Inductor's multi_kernel)
 for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_flash_mla_1x4096",
@@ -380,6 +385,8 @@ def build_ours(cfg: dict, targets, extra, device):
     glm4_moe_module.ROUTER_TENSOR_CORES = extra.get("router_tensor_cores", glm4_moe_module.ROUTER_TENSOR_CORES)
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.ADD_IN_GEMM = extra.get("lora_add_in_gemm", lora_module.ADD_IN_GEMM)
+    # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
+    experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         import moetune.model.grouped_gemm as grouped_gemm_module
 

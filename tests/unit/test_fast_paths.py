@@ -494,3 +494,38 @@ def test_scaled_rows_fp8_kernel_equals_the_torch_reference(scaled):
     assert s[4].item() == torch.tensor(_TINY).item() and not q[4].float().any()
     if scaled:  # the scales are applied: without them the values differ
         assert not torch.equal(q.float(), scaled_rows_fp8_torch(x)[0].float())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_swiglu_backward_as_one_kernel_gives_autograds_gradients(monkeypatch, device):
+    """In compiled code the weighted SwiGLU's backward is model/kernels.py's row kernel as an opaque op
+    (SWIGLU_BACKWARD "kernel"; on the CPU under the interpreter): called once, the forward still traced, and the
+    gradients of h and of the routing weights those of autograd's traced ops ("inductor"), fp32."""
+    from moetune.model import experts, grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "KERNEL_ON_CPU", True)
+    calls = []
+    real = experts.weighted_swiglu_bwd
+    monkeypatch.setattr(experts, "weighted_swiglu_bwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    N, I = 21, 40
+    h0 = (torch.randn(N, 2 * I, generator=g) * 2).to(device)
+    w0 = torch.rand(N, generator=g).to(device)
+    out_grad = torch.randn(N, I, generator=g).to(device)
+
+    def run(mode):
+        monkeypatch.setattr(experts, "SWIGLU_BACKWARD", mode)
+        torch._dynamo.reset()
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = torch.compile(lambda a, b: experts.weighted_swiglu(a * 1.5, b * 2), backend="aot_eager",
+                          fullgraph=True)(h, w)
+        y.backward(out_grad)
+        return y.detach(), h.grad, w.grad
+
+    want = run("inductor")
+    assert not calls
+    got = run("kernel")
+    assert len(calls) == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.isnan(got[1]).any() and got[2].abs().sum() > 0

@@ -159,14 +159,52 @@ class _GatherSum(torch.autograd.Function):
         return g[token_idx], None, None, None
 
 
+# The weighted SwiGLU's backward in compiled code: "kernel", model/kernels.py's row kernel as an opaque op (CUDA),
+# one pass writing h's gradient and the routing weights' (the forward stays Inductor's, fused with the grouped GEMM's
+# epilogue work at the rate of memory); or "inductor", autograd's ops traced, which Inductor writes as a reduction for
+# the weights' gradient and an element-wise kernel for h's, reading h twice (on GLM-4.7-Flash's 16,384 rows 183 µs a
+# layer against the kernel's ~100, BENCHMARKS.md, twenty-fifth session).
+SWIGLU_BACKWARD = "kernel"
+
+
 def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
     """swiglu(h) scaled by each row's routing weight in fp32, back in h's dtype. Compiled, Inductor fuses it and
-    keeps only h; in eager mode (the expert-parallel exchange is a graph break) `_WeightedSwiGLU` does the same by
-    hand instead of autograd keeping silu(gate), the product and its fp32 copy (2.5× the memory of h), one Triton
-    kernel each way on CUDA (model/kernels.py)."""
+    keeps only h (its backward one kernel, SWIGLU_BACKWARD); in eager mode (the expert-parallel exchange is a graph
+    break) `_WeightedSwiGLU` does the same by hand instead of autograd keeping silu(gate), the product and its fp32
+    copy (2.5× the memory of h), one Triton kernel each way on CUDA (model/kernels.py)."""
     if torch.compiler.is_compiling():
+        if SWIGLU_BACKWARD == "kernel" and (h.is_cuda or grouped_gemm.KERNEL_ON_CPU):
+            return _TracedSwiGLU.apply(h, row_weights)
         return weighted_swiglu_fwd_torch(h, row_weights)
     return _WeightedSwiGLU.apply(h, row_weights)
+
+
+@torch.library.custom_op("moetune::weighted_swiglu_bwd", mutates_args=())
+def _weighted_swiglu_bwd_op(h: torch.Tensor, row_weights: torch.Tensor,
+                            grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_h, grad_w = weighted_swiglu_bwd(h, row_weights, grad, True,
+                                         use_kernel=h.is_cuda or grouped_gemm.KERNEL_ON_CPU)
+    return grad_h, grad_w.to(row_weights.dtype)
+
+
+@_weighted_swiglu_bwd_op.register_fake
+def _(h, row_weights, grad):
+    return torch.empty_like(h), row_weights.new_empty(h.shape[0])
+
+
+class _TracedSwiGLU(torch.autograd.Function):
+    """The forward traced (Inductor fuses it with its neighbours), the backward one opaque kernel."""
+
+    @staticmethod
+    def forward(ctx, h, row_weights):
+        ctx.save_for_backward(h, row_weights)
+        return weighted_swiglu_fwd_torch(h, row_weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, row_weights = ctx.saved_tensors
+        grad_h, grad_w = torch.ops.moetune.weighted_swiglu_bwd(h, row_weights, grad.contiguous())
+        return grad_h, grad_w if ctx.needs_input_grad[1] else None
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
