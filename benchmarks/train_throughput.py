@@ -260,7 +260,8 @@ for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_flash_mla_1x4096
     for _suffix, _key in (("_r32", "router_tensor_cores"), ("_s64", "narrow_sort_keys"), ("_lsum", "lora_add_in_gemm")):
         VARIANTS[f"{_base}{_suffix}"] = (_s, _b, _t, _tg, {**_x, _key: False})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
-# by Inductor in the kernels producing them (_iq: "inductor", the default)
+# by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
+# as CUDA graphs, the _cg rows)
 for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096",
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_fp8_qkvo_4x1024_ttkm"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]

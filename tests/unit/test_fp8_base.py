@@ -938,3 +938,23 @@ def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisation
     assert calls.count(False) >= 4 and calls.count(True) >= 4  # q, o and the shared expert's, forward and backward
     assert torch.equal(got_loss, loss)
     assert not [n for n in grads if not torch.equal(got[n], grads[n])]
+
+
+def test_dense_operands_take_the_row_kernel_where_the_layers_replay_as_cuda_graphs(monkeypatch):
+    """DENSE_QUANT "auto": the one-pass row kernel where apply_compile makes the layers CUDA graphs (its launches are
+    replayed), Inductor's fused quantisations where the host launches every kernel; an explicit choice wins."""
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.quant import matmul
+    from moetune.parallel.apply import apply_compile
+
+    monkeypatch.setattr(matmul, "REPLAYED_AS_CUDA_GRAPHS", False)
+    model = build_model(ModelConfig.from_hf_dict(BUILTIN["tiny"]), "meta")
+    assert matmul.dense_quant_mode() == "inductor"
+    apply_compile(model, mode="reduce-overhead")  # lazy: nothing compiles until a layer runs
+    assert matmul.dense_quant_mode() == "kernel"
+    monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")
+    assert matmul.dense_quant_mode() == "inductor"
+    monkeypatch.setattr(matmul, "DENSE_QUANT", "auto")
+    apply_compile(model)
+    assert matmul.dense_quant_mode() == "inductor"

@@ -82,7 +82,12 @@ def apply_compile(model, backend: str = "inductor", mode: str | None = None) -> 
     """torch.compile per decoder layer: one graph per layer type, no recompiles across layers. Under expert
     parallelism the exchange is a graph break (expert_parallel.AllToAllDispatcher); what surrounds it stays compiled.
     mode "reduce-overhead": each compiled layer replays as a CUDA graph (torch's CUDA graph trees): the host no
-    longer launches a layer's kernels one by one (an fp8 base's GLM-4.7-Flash step waits on them)."""
+    longer launches a layer's kernels one by one (an fp8 base's GLM-4.7-Flash step waits on them); an fp8 base's
+    dense operands are then quantised by the one-pass row kernel, whose launches the graphs replay (quant.matmul's
+    DENSE_QUANT "auto")."""
+    from moetune.model.quant import matmul
+
+    matmul.REPLAYED_AS_CUDA_GRAPHS = mode == "reduce-overhead"
     for layer in model.model.layers:
         layer.compile(dynamic=False, backend=backend, **({"mode": mode} if mode else {}))
 

@@ -122,13 +122,23 @@ def _(w8, grad):
 
 # How the dense fp8 GEMMs' operands are quantised on CUDA (the activation forward, the gradient with the weight's row
 # scales folded in backward): "inductor", quantize_rows traced into the graph, where Inductor fuses it into the kernel
-# producing the operand as a reduction that reads and recomputes each row twice; or "kernel", model/kernels.py's
-# one-pass row kernel as an opaque op (rows up to SCALED_ROWS_MAX wide). On one H200, same call, "kernel" takes GPU
-# time off every step (AIR-8 −3.2 ms, an EP-8 rank of Air −12.6 ms) but its Python launches cost more host time
-# where the step is not replayed as CUDA graphs (AIR-8 46,172 tokens/s against 47,768, the EP-8 rank 11,148 against
-# 11,268); with CUDA graphs GLM-4.7-Flash gains 2.0% (18,558 against 18,187). As a triton_op (torch.compile launching
-# it) AIR-8 lost more (BENCHMARKS.md, twenty-fourth session).
-DENSE_QUANT = "inductor"
+# producing the operand as a reduction that reads and recomputes each row twice; "kernel", model/kernels.py's
+# one-pass row kernel as an opaque op (rows up to SCALED_ROWS_MAX wide); "auto" (the default), the kernel where the
+# compiled layers replay as CUDA graphs (parallel/apply.py's apply_compile says so), else Inductor's. On one H200,
+# same call, "kernel" takes GPU time off every step (AIR-8 −3.2 ms, an EP-8 rank of Air −12.6 ms, GLM-4.7-Flash
+# −4.4 ms) but its Python launches cost more host time where the step is not replayed as CUDA graphs (AIR-8 46,172
+# tokens/s against 47,768, the EP-8 rank 11,148 against 11,268); replayed, Flash gains 2.0% (18,558 against 18,187).
+# As a triton_op (torch.compile launching it) AIR-8 lost more (BENCHMARKS.md, twenty-fourth and -fifth sessions).
+DENSE_QUANT = "auto"
+# Whether the compiled layers replay as CUDA graphs: set by parallel/apply.py's apply_compile.
+REPLAYED_AS_CUDA_GRAPHS = False
+
+
+def dense_quant_mode() -> str:
+    """DENSE_QUANT with "auto" resolved: "kernel" or "inductor"."""
+    if DENSE_QUANT != "auto":
+        return DENSE_QUANT
+    return "kernel" if REPLAYED_AS_CUDA_GRAPHS else "inductor"
 
 
 @torch.library.custom_op("moetune::scaled_rows_fp8", mutates_args=())
@@ -142,7 +152,7 @@ def _(x, col_scales):
 
 
 def _dense_kernel_quant(x2: torch.Tensor) -> bool:
-    return DENSE_QUANT == "kernel" and x2.is_cuda and x2.shape[-1] <= SCALED_ROWS_MAX
+    return dense_quant_mode() == "kernel" and x2.is_cuda and x2.shape[-1] <= SCALED_ROWS_MAX
 
 
 def _mm_fwd(x2, w8, scale, bias):
