@@ -168,13 +168,12 @@ SWIGLU_BACKWARD = "kernel"
 
 
 def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """swiglu(h) scaled by each row's routing weight in fp32, back in h's dtype. Compiled, Inductor fuses it and
-    keeps only h (its backward one kernel, SWIGLU_BACKWARD); in eager mode (the expert-parallel exchange is a graph
-    break) `_WeightedSwiGLU` does the same by hand instead of autograd keeping silu(gate), the product and its fp32
-    copy (2.5× the memory of h), one Triton kernel each way on CUDA (model/kernels.py)."""
-    if torch.compiler.is_compiling():
-        if SWIGLU_BACKWARD == "kernel" and (h.is_cuda or grouped_gemm.KERNEL_ON_CPU):
-            return _TracedSwiGLU.apply(h, row_weights)
+    """swiglu(h) scaled by each row's routing weight in fp32, back in h's dtype, keeping only h for the backward
+    (autograd would keep silu(gate), the product and its fp32 copy: 2.5× the memory of h). Compiled, the forward is
+    traced (Inductor fuses it with its neighbours) and the backward one opaque kernel (SWIGLU_BACKWARD); in eager mode
+    (the expert-parallel exchange is a graph break) one Triton kernel each way on CUDA (model/kernels.py)."""
+    if torch.compiler.is_compiling() and not (SWIGLU_BACKWARD == "kernel"
+                                              and (h.is_cuda or grouped_gemm.KERNEL_ON_CPU)):
         return weighted_swiglu_fwd_torch(h, row_weights)
     return _WeightedSwiGLU.apply(h, row_weights)
 
@@ -192,31 +191,21 @@ def _(h, row_weights, grad):
     return torch.empty_like(h), row_weights.new_empty(h.shape[0])
 
 
-class _TracedSwiGLU(torch.autograd.Function):
-    """The forward traced (Inductor fuses it with its neighbours), the backward one opaque kernel."""
-
-    @staticmethod
-    def forward(ctx, h, row_weights):
-        ctx.save_for_backward(h, row_weights)
-        return weighted_swiglu_fwd_torch(h, row_weights)
-
-    @staticmethod
-    def backward(ctx, grad):
-        h, row_weights = ctx.saved_tensors
-        grad_h, grad_w = torch.ops.moetune.weighted_swiglu_bwd(h, row_weights, grad.contiguous())
-        return grad_h, grad_w if ctx.needs_input_grad[1] else None
-
-
 class _WeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, row_weights):
         ctx.save_for_backward(h, row_weights)
+        if torch.compiler.is_compiling():
+            return weighted_swiglu_fwd_torch(h, row_weights)
         return weighted_swiglu_fwd(h, row_weights)
 
     @staticmethod
     def backward(ctx, grad):
         h, row_weights = ctx.saved_tensors
-        return weighted_swiglu_bwd(h, row_weights, grad, ctx.needs_input_grad[1])
+        if not torch.compiler.is_compiling():
+            return weighted_swiglu_bwd(h, row_weights, grad, ctx.needs_input_grad[1])
+        grad_h, grad_w = torch.ops.moetune.weighted_swiglu_bwd(h, row_weights, grad.contiguous())
+        return grad_h, grad_w if ctx.needs_input_grad[1] else None
 
 
 def fuses_fp8_mlp(x, gate_up_proj, down_proj, lora) -> bool:
