@@ -160,10 +160,11 @@ class _GatherSum(torch.autograd.Function):
 
 
 # The weighted SwiGLU's backward in compiled code: "kernel", model/kernels.py's row kernel as an opaque op (CUDA),
-# one pass writing h's gradient and the routing weights' (the forward stays Inductor's, fused with the grouped GEMM's
-# epilogue work at the rate of memory); or "inductor", autograd's ops traced, which Inductor writes as a reduction for
-# the weights' gradient and an element-wise kernel for h's, reading h twice (on GLM-4.7-Flash's 16,384 rows 183 µs a
-# layer against the kernel's ~100, BENCHMARKS.md, twenty-fifth session).
+# one pass writing h's gradient and the routing weights' (the forward stays traced: Inductor fuses it with the
+# grouped GEMM's neighbours at the rate of memory); or "inductor", autograd's ops traced, which Inductor writes as a
+# reduction for the weights' gradient and an element-wise kernel for h's, reading h twice (GLM-4.7-Flash's 16,384
+# rows: 183 µs a layer against the kernel's 58; +1.8–2.7% end to end on Flash, AIR-8 and an EP-8 rank of Air,
+# BENCHMARKS.md, twenty-fifth session).
 SWIGLU_BACKWARD = "kernel"
 
 

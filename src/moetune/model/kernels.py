@@ -101,7 +101,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def weighted_swiglu_fwd_torch(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = swiglu(h).float().mul(w.unsqueeze(-1))
     # not `.to(h.dtype)` where it is a no-op: as the output of an autograd.Function compiled by torch 2.11 on CUDA
-    # (experts._TracedSwiGLU) that alias of the product got a zero gradient (fp32; tests/unit/test_fast_paths.py)
+    # (experts._WeightedSwiGLU) that alias of the product got a zero gradient (fp32; tests/unit/test_fast_paths.py)
     return y if y.dtype == h.dtype else y.to(h.dtype)
 
 
