@@ -510,7 +510,8 @@ def test_compiled_swiglu_backward_as_one_kernel_gives_autograds_gradients(monkey
     monkeypatch.setattr(grouped_gemm, "KERNEL_ON_CPU", device == "cpu")
     calls = []
     real = experts.weighted_swiglu_bwd
-    monkeypatch.setattr(experts, "weighted_swiglu_bwd", lambda *a, **kw: calls.append(kw.get("use_kernel")) or real(*a, **kw))
+    monkeypatch.setattr(experts, "weighted_swiglu_bwd",
+                        lambda *a, **kw: calls.append(kw.get("use_kernel")) or real(*a, **kw))
     g = torch.Generator().manual_seed(0)
     N, I = 21, 40
     # values bf16 holds exactly, and scalings by 2: the fp32 reference sees the bf16 run's very inputs

@@ -882,10 +882,9 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
     False): the same loss and LoRA gradients — the fused node's CPU path is the same arithmetic, only the routing
     weights' gradient is summed in another order — eager, and compiled as one graph per layer (where the node takes
     the tokens quantised, then gathered, and sums each token's rows itself: experts.fp8_routed_experts)."""
+    from moetune.model import experts
     from moetune.model import grouped_gemm as gg
     from moetune.model.quant import matmul
-
-    from moetune.model import experts
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
@@ -980,7 +979,8 @@ def test_compiled_layers_with_the_swiglu_backward_kernel_give_the_traced_backwar
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
     calls = []
     real = experts.weighted_swiglu_bwd
-    monkeypatch.setattr(experts, "weighted_swiglu_bwd", lambda *a, **kw: calls.append(kw.get("use_kernel")) or real(*a, **kw))
+    monkeypatch.setattr(experts, "weighted_swiglu_bwd",
+                        lambda *a, **kw: calls.append(kw.get("use_kernel")) or real(*a, **kw))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 
     def run(mode):
