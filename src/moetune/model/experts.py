@@ -182,8 +182,8 @@ def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("moetune::weighted_swiglu_bwd", mutates_args=())
 def _weighted_swiglu_bwd_op(h: torch.Tensor, row_weights: torch.Tensor,
                             grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_h, grad_w = weighted_swiglu_bwd(h, row_weights, grad, True,
-                                         use_kernel=h.is_cuda or grouped_gemm.KERNEL_ON_CPU)
+    # weighted_swiglu sends the backward here only where the kernel runs
+    grad_h, grad_w = weighted_swiglu_bwd(h, row_weights, grad, True, use_kernel=True)
     return grad_h, grad_w.to(row_weights.dtype)
 
 
@@ -205,7 +205,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
         h, row_weights = ctx.saved_tensors
         if not torch.compiler.is_compiling():
             return weighted_swiglu_bwd(h, row_weights, grad, ctx.needs_input_grad[1])
-        grad_h, grad_w = torch.ops.moetune.weighted_swiglu_bwd(h, row_weights, grad.contiguous())
+        grad_h, grad_w = torch.ops.moetune.weighted_swiglu_bwd(h, row_weights, grad)
         return grad_h, grad_w if ctx.needs_input_grad[1] else None
 
 

@@ -25,8 +25,9 @@ _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the oth
 
 
 # The LoRA branch's s·(h·Bᵀ) added to the base output by the GEMM that makes it (`addmm`, the sum in its epilogue, as
-# Unsloth's fast LoRA), not written out and added by a pass of its own: on GLM-4.7-Flash's MLA projections one
-# [tokens, out] write and read fewer per projection. False: the product, then the sum.
+# Unsloth's fast LoRA), not written out and added by a pass of its own. Compiled, aten's out-of-place addmm first
+# copies the base output into its own (3.4 ms of device-to-device copies in GLM-4.7-Flash's step): on AIR-8 GPU busy
+# 91.1 against 94.1 ms, the rate equal (BENCHMARKS.md, twenty-fifth session). False: the product, then the sum.
 ADD_IN_GEMM = True
 
 

@@ -176,7 +176,7 @@ def _mm_dgrad_operand(g2, scale):
 def _mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
     """dx through w8 [out, in]: the GEMM reads it K-major, `transposed` [in, out] (a kept copy) or a copy made here."""
     if _dense_kernel_quant(g2):
-        gq, sg = _scaled_rows_fp8(g2, _row_scales(scale).float())
+        gq, sg = _scaled_rows_fp8(g2, _row_scales(scale))
     else:
         gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
