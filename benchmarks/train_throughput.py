@@ -251,14 +251,20 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packe
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
 # the twenty-fourth session's three changes undone (_pre24) or one at a time (_r32: the router's fp32 GEMM; _s64: the
 # sort on int64 keys; _lsum: LoRA's product written, then added), each against its row, same call
-_PRE24 = {"router_tensor_cores": False, "narrow_sort_keys": False, "lora_add_in_gemm": False}
+_PRE24 = {"router_tensor_cores": False, "narrow_sort_keys": False, "lora_linear": "sum"}
 for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096_cg",
               "ours_flash_mlaexperts_1x4096", "ours_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed",
               "ours_fp8_ep8rank_qkvo_1x4096_packed"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_pre24"] = (_s, _b, _t, _tg, {**_x, **_PRE24})
-    for _suffix, _key in (("_r32", "router_tensor_cores"), ("_s64", "narrow_sort_keys"), ("_lsum", "lora_add_in_gemm")):
-        VARIANTS[f"{_base}{_suffix}"] = (_s, _b, _t, _tg, {**_x, _key: False})
+    for _suffix, _key in (("_r32", "router_tensor_cores"), ("_s64", "narrow_sort_keys"), ("_lsum", "lora_linear")):
+        VARIANTS[f"{_base}{_suffix}"] = (_s, _b, _t, _tg, {**_x, _key: _PRE24[_key]})
+# a LoRA linear on a bf16 base traced, its product added by an addmm (_ladd: lora.LORA_LINEAR "addmm", before the one
+# op each way, "op")
+for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo_cg",
+              "ours_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_ladd"] = (_s, _b, _t, _tg, {**_x, "lora_linear": "addmm"})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
 # by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
 # as CUDA graphs, the _cg rows)
@@ -377,15 +383,15 @@ def build_ours(cfg: dict, targets, extra, device):
         import moetune.model.grouped_gemm as grouped_gemm_module
 
         grouped_gemm_module.TMA_SWAP_PAIRS = extra["swap_pairs"]
-    # the twenty-fourth session's three (each True by default; False: the form before it): the router's logits on
-    # tensor cores, the permutation's sort on narrow keys, LoRA's product added by its GEMM
+    # the twenty-fourth session's (each True by default; False: the form before it): the router's logits on tensor
+    # cores, the permutation's sort on narrow keys; and how a LoRA linear adds its product (lora.LORA_LINEAR)
     import moetune.model.experts as experts_module
     import moetune.model.glm4_moe as glm4_moe_module
     import moetune.model.lora as lora_module
 
     glm4_moe_module.ROUTER_TENSOR_CORES = extra.get("router_tensor_cores", glm4_moe_module.ROUTER_TENSOR_CORES)
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
-    lora_module.ADD_IN_GEMM = extra.get("lora_add_in_gemm", lora_module.ADD_IN_GEMM)
+    lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)

@@ -448,28 +448,77 @@ def test_sort_by_key_sorts_narrow_keys_to_the_int64_order(num_keys, dtype, monke
     assert torch.equal(got, argsort(key, stable=True))
 
 
-def test_lora_branch_added_in_the_gemm_equals_the_sum(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
+    """The three forms of a LoRA linear on a bf16-like base (lora.LORA_LINEAR; float64 here): the one op each way,
+    the addmm and the plain sum give the same output and the same gradients for x, A and B, eager and compiled
+    (Inductor); the op form runs the op, forward and backward, and the others do not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from moetune.model import lora
 
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
     torch.manual_seed(0)
-    layer = lora.LoRALinear(torch.nn.Linear(12, 20, bias=True).double(), rank=4, alpha=8, dropout=0.0, rslora=False)
+    layer = lora.LoRALinear(torch.nn.Linear(12, 20, bias=bias).double(), rank=4, alpha=12, dropout=0.0, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
     x = torch.randn(3, 5, 12, dtype=torch.float64)
+    weights = torch.randn(20, dtype=torch.float64)
     results = []
-    for fused in (True, False):
-        monkeypatch.setattr(lora, "ADD_IN_GEMM", fused)
-        calls = []
-        addmm = torch.addmm
-        monkeypatch.setattr(torch, "addmm", lambda *a, **kw: calls.append(1) or addmm(*a, **kw))
+    for form in ("op", "addmm", "sum"):
+        monkeypatch.setattr(lora, "LORA_LINEAR", form)
+        torch._dynamo.reset()
+        f = torch.compile(layer, backend="inductor") if compiled else layer
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        with Ops() as ops:
+            y = f(xi)
+            (y * weights).sum().backward()
+        if not compiled:
+            assert ("moetune.lora_linear" in ops.seen and "moetune.lora_linear_bwd" in ops.seen) == (form == "op")
+        results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+    for got in results[1:]:
+        for a, b in zip(results[0], got):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert results[0][3].abs().sum() > 0 and results[0][2].abs().sum() > 0
+
+
+def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
+    """In bf16 the op's output and gradients are those of the traced form within bf16's rounding (the same GEMMs, the
+    sums in fp32 accumulators); an input that needs no gradient gets none (B's and A's still come); LoRA dropout and
+    an fp32 input fall back to the traced form."""
+    from moetune.model import lora
+
+    torch.manual_seed(1)
+    layer = lora.LoRALinear(torch.nn.Linear(64, 96, bias=True).bfloat16(), rank=8, alpha=16, dropout=0.0, rslora=False)
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    out = []
+    for form in ("op", "addmm"):
+        monkeypatch.setattr(lora, "LORA_LINEAR", form)
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         y = layer(xi)
-        (y * torch.linspace(-1, 1, 20, dtype=torch.float64)).sum().backward()
-        assert bool(calls) == fused
-        results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        y.float().square().sum().backward()
+        out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    monkeypatch.setattr(lora, "LORA_LINEAR", "op")
+    layer.zero_grad()
+    layer(x).float().sum().backward()  # x needs no gradient
+    assert layer.lora_A.grad is not None and layer.lora_B.grad.abs().sum() > 0
+    assert layer._one_op(x) and not layer._one_op(x.float())
+    dropped = lora.LoRALinear(torch.nn.Linear(64, 96).bfloat16(), rank=8, alpha=16, dropout=0.1, rslora=False)
+    assert not dropped._one_op(x)
 
 
 @pytest.mark.parametrize("scaled", [False, True])

@@ -72,12 +72,14 @@ def test_dropout_gradients_need_the_restored_rng_state(case, monkeypatch):
     assert any(not torch.equal(got[n], g) for n, g in want.items())
 
 
+@pytest.mark.parametrize("form", ["addmm", "op"])
 @pytest.mark.parametrize("rank, b_kept", [(64, False), (65, True)])
-def test_the_bound_is_the_reduction_dimension_of_each_product(rank, b_kept, monkeypatch):
+def test_the_bound_is_the_reduction_dimension_of_each_product(rank, b_kept, form, monkeypatch):
     """A LoRA linear (bias: addmm) at the production bound: x·Wᵀ + b and x·Aᵀ reduce over the input's width and are
     kept, the base output + (x·Aᵀ)·Bᵀ (an addmm: lora.ADD_IN_GEMM) reduces over the rank and is kept only above 64."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    from moetune.model import lora
     from moetune.model.lora import LoRALinear
 
     kept = []
@@ -87,14 +89,18 @@ def test_the_bound_is_the_reduction_dimension_of_each_product(rank, b_kept, monk
         def policy(ctx, op, *args, **kwargs):
             decision = policy_fn(ctx, op, *args, **kwargs)
             if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
-                kept.append((op.__name__, tuple(ctx.op_output.shape)))
+                out = ctx.op_output
+                kept.append((op.__name__, tuple(t.shape for t in out) if isinstance(out, tuple) else tuple(out.shape)))
             return decision
         return contexts(policy)
 
     monkeypatch.setattr(recompute, "create_selective_checkpoint_contexts", recording)
+    monkeypatch.setattr(lora, "LORA_LINEAR", form)
     linear = LoRALinear(torch.nn.Linear(128, 256), rank, 2 * rank, 0.0, False)
     torch.nn.init.normal_(linear.lora_B)
     x = torch.randn(32, 128, requires_grad=True)
     recompute.recompute(linear, "selective", x).square().sum().backward()
     want = [("addmm.default", (32, 256)), ("mm.default", (32, rank))] + ([("addmm.default", (32, 256))] if b_kept else [])
+    if form == "op":
+        want = [("lora_linear.default", ((32, 256), (32, rank)))]
     assert kept == want

@@ -19,16 +19,78 @@ from moetune.model.experts import grouped_linear
 from moetune.model.quant.modules import Fp8Linear, frozen_linear
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
-from moetune.tensors import local_tensor
+from moetune.tensors import is_dtensor, local_tensor
 
 _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the other, by q_lora_rank
 
 
-# The LoRA branch's s·(h·Bᵀ) added to the base output by the GEMM that makes it (`addmm`, the sum in its epilogue, as
-# Unsloth's fast LoRA), not written out and added by a pass of its own. Compiled, aten's out-of-place addmm first
-# copies the base output into its own (3.4 ms of device-to-device copies in GLM-4.7-Flash's step): on AIR-8 GPU busy
-# 91.1 against 94.1 ms, the rate equal (BENCHMARKS.md, twenty-fifth session). False: the product, then the sum.
-ADD_IN_GEMM = True
+# How a LoRA linear on a frozen bf16 base adds its branch s·(x·Aᵀ)·Bᵀ to the base product x·Wᵀ + b:
+# - "op": one opaque op each way (`lora_linear` below). Its forward's GEMM writes y and LoRA's B product is added onto
+#   y in place (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees one node.
+# - "addmm": traced, LoRA's product added by an addmm (the sum in the GEMM's epilogue, as Unsloth's fast LoRA). Compiled,
+#   Inductor calls aten's out-of-place addmm, which first copies the base output into its own: 284 device-to-device
+#   copies (3.4 ms) a GLM-4.7-Flash step (BENCHMARKS.md, twenty-fifth session); its backward adds the input gradients
+#   of W and A in a pass of their own.
+# - "sum": the product written, then added.
+# An fp8 base, LoRA dropout or a sharded weight take the traced forms ("op" then means "addmm").
+LORA_LINEAR = "op"
+
+
+@torch.library.custom_op("moetune::lora_linear", mutates_args=())
+def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
+                    lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.reshape(-1, x.shape[-1])
+    h = torch.mm(x2, lora_A.t())
+    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    y.addmm_(h, lora_B.t(), alpha=scaling)
+    return y.view(*x.shape[:-1], weight.shape[0]), h
+
+
+@_lora_linear_op.register_fake
+def _(x, weight, bias, lora_A, lora_B, scaling):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+
+
+@torch.library.custom_op("moetune::lora_linear_bwd", mutates_args=())
+def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                        lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                        input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = grad.reshape(-1, grad.shape[-1])
+    grad_h = torch.mm(g, lora_B * scaling)
+    grad_A = torch.mm(grad_h.t(), x.reshape(-1, x.shape[-1]))
+    grad_B = torch.mm(g.t(), h * scaling)
+    if not input_grad:
+        return x.new_empty(0), grad_A, grad_B
+    dx = torch.mm(g, weight)
+    dx.addmm_(grad_h, lora_A)
+    return dx.view(x.shape), grad_A, grad_B
+
+
+@_lora_linear_bwd_op.register_fake
+def _(grad, x, h, weight, lora_A, lora_B, scaling, input_grad):
+    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+
+
+def _lora_linear_setup(ctx, inputs, output):
+    x, weight, _, lora_A, lora_B, scaling = inputs
+    ctx.save_for_backward(x, output[1], weight, lora_A, lora_B)
+    ctx.scaling = scaling
+
+
+def _lora_linear_backward(ctx, grad, _grad_h):
+    # h is an output only to be saved: nothing outside reads it, so its gradient is zero
+    x, h, weight, lora_A, lora_B = ctx.saved_tensors
+    dx, grad_A, grad_B = torch.ops.moetune.lora_linear_bwd(grad, x, h, weight, lora_A, lora_B, ctx.scaling,
+                                                            ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None), None, None, grad_A, grad_B, None
+
+
+_lora_linear_op.register_autograd(_lora_linear_backward, setup_context=_lora_linear_setup)
+
+
+def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float) -> torch.Tensor:
+    """x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ for a frozen W and b (no gradient), all in x's dtype, as one op each way."""
+    return torch.ops.moetune.lora_linear(x, weight, bias, lora_A, lora_B, scaling)[0]
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -62,13 +124,19 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.lora_B)
 
     def forward(self, x):
+        A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        if LORA_LINEAR == "op" and self._one_op(x):
+            return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
         y = frozen_linear(self, x)
-        h = F.linear(self.dropout(x), self.lora_A.to(x.dtype))
-        if not ADD_IN_GEMM:
-            return y + F.linear(h, self.lora_B.to(x.dtype)) * self.scaling
-        y2 = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), self.lora_B.to(x.dtype).t(),
-                         alpha=self.scaling)
+        h = F.linear(self.dropout(x), A)
+        if LORA_LINEAR == "sum":
+            return y + F.linear(h, B) * self.scaling
+        y2 = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=self.scaling)
         return y2.view(y.shape)
+
+    def _one_op(self, x) -> bool:
+        return (self.quant is None and isinstance(self.dropout, nn.Identity) and x.dtype == self.weight.dtype
+                and not self.weight.requires_grad and not any(map(is_dtensor, (self.weight, self.lora_A, self.lora_B))))
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling:g}"

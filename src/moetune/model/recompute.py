@@ -24,15 +24,21 @@ def _saved_ops() -> frozenset:
     return frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default, aten._scaled_mm.default,
                       aten._scaled_grouped_mm.default, aten._scaled_dot_product_flash_attention.default,
                       aten._scaled_dot_product_efficient_attention.default,
-                      aten._scaled_dot_product_cudnn_attention.default})
+                      aten._scaled_dot_product_cudnn_attention.default, _lora_linear_op()})
+
+
+def _lora_linear_op():
+    import moetune.model.lora  # noqa: F401  (registers the op; lora imports this module)
+
+    return torch.ops.moetune.lora_linear.default
 
 
 @functools.cache
 def _products() -> dict:
     """The saved ops that are products, and which argument's last dimension is the one they reduce over: mm(a [M, K],
-    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs)."""
+    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs), lora_linear(x [.., K], W, ..)."""
     aten = torch.ops.aten
-    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0}
+    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0, _lora_linear_op(): 0}
 
 
 def selective_checkpoint_context():
@@ -49,7 +55,8 @@ def selective_checkpoint_context():
     costs b·r bytes a token, while recomputing it would cost the product with A and need LoRA's input. With LoRA
     dropout the recompute draws the forward's mask again: the checkpoint restores the RNG state (torch's
     preserve_rng_state, on by default). A rank above 64 keeps B's output: from 128 FLOPs per byte on the product nears
-    the ridge point."""
+    the ridge point. A LoRA linear on a bf16 base as one op (lora.LORA_LINEAR "op") keeps its one output, the base
+    output with B's product added, and x·Aᵀ, which it returns to save for its backward: what the traced form keeps."""
     saved, products, bound = _saved_ops(), _products(), SELECTIVE_RECOMPUTE_MAX_K
 
     def policy(ctx, op, *args, **kwargs):
