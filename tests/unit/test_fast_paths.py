@@ -494,14 +494,16 @@ def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
 
 def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
     """In bf16 the op's output and gradients are those of the traced form within bf16's rounding (the same GEMMs, the
-    sums in fp32 accumulators); an input that needs no gradient gets none (B's and A's still come); LoRA dropout and
-    an fp32 input fall back to the traced form."""
+    sums in fp32 accumulators; cuBLAS's on CUDA); an input that needs no gradient gets none (B's and A's still come);
+    LoRA dropout and an fp32 input fall back to the traced form."""
     from moetune.model import lora
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(1)
-    layer = lora.LoRALinear(torch.nn.Linear(64, 96, bias=True).bfloat16(), rank=8, alpha=16, dropout=0.0, rslora=False)
+    layer = lora.LoRALinear(torch.nn.Linear(64, 96, bias=True).bfloat16().to(device), rank=8, alpha=16, dropout=0.0,
+                            rslora=False)
     torch.nn.init.normal_(layer.lora_B)
-    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, device=device)
     out = []
     for form in ("op", "addmm"):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
@@ -517,7 +519,8 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
     layer(x).float().sum().backward()  # x needs no gradient
     assert layer.lora_A.grad is not None and layer.lora_B.grad.abs().sum() > 0
     assert layer._one_op(x) and not layer._one_op(x.float())
-    dropped = lora.LoRALinear(torch.nn.Linear(64, 96).bfloat16(), rank=8, alpha=16, dropout=0.1, rslora=False)
+    dropped = lora.LoRALinear(torch.nn.Linear(64, 96).bfloat16().to(device), rank=8, alpha=16, dropout=0.1,
+                              rslora=False)
     assert not dropped._one_op(x)
 
 
