@@ -259,8 +259,8 @@ for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_flash_mla_1x4096
     VARIANTS[f"{_base}_pre24"] = (_s, _b, _t, _tg, {**_x, **_PRE24})
     for _suffix, _key in (("_r32", "router_tensor_cores"), ("_s64", "narrow_sort_keys"), ("_lsum", "lora_linear")):
         VARIANTS[f"{_base}{_suffix}"] = (_s, _b, _t, _tg, {**_x, _key: _PRE24[_key]})
-# a LoRA linear on a bf16 base traced, its product added by an addmm (_ladd: lora.LORA_LINEAR "addmm", before the one
-# op each way, "op")
+# a LoRA linear on a bf16 base traced, its product added by an addmm (_ladd: lora.LORA_LINEAR "addmm", before the
+# one op each way, "op")
 for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo_cg",
               "ours_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
