@@ -273,6 +273,11 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096_cg", "ours_fp8_
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_rq"] = (_s, _b, _t, _tg, {**_x, "dense_quant": "kernel"})
     VARIANTS[f"{_base}_iq"] = (_s, _b, _t, _tg, {**_x, "dense_quant": "inductor"})
+# expert LoRA written out and added (_xl0: experts.LORA_IN_EPILOGUE False), before its product in the TMA kernel's
+# epilogue
+for _base in ("ours_flash_mlaexperts_1x4096", "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_xl0"] = (_s, _b, _t, _tg, {**_x, "expert_lora_epilogue": False})
 # the compiled SwiGLU's backward as Inductor's traced ops (_sw0), before experts.SWIGLU_BACKWARD "kernel"
 for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
               "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed"):
@@ -394,6 +399,7 @@ def build_ours(cfg: dict, targets, extra, device):
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
+    experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         import moetune.model.grouped_gemm as grouped_gemm_module
 

@@ -370,9 +370,9 @@ def test_an_fp8_scale_stored_as_integers_is_named(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- random base, LoRA
-def _tiny(quantize=None, targets=None, dtype=torch.float32, layers=3, nonzero_lora=False):
-    """The builtin tiny model (`layers` decoder layers) in `dtype`, its base stored as `quantize` says, LoRA on
-    `targets` (nonzero_lora: B ≠ 0 too, so every LoRA path gets gradients)."""
+def _tiny(quantize=None, targets=None, dtype=torch.float32, layers=3, nonzero_lora=False, rank=4):
+    """The builtin tiny model (`layers` decoder layers) in `dtype`, its base stored as `quantize` says, LoRA of `rank`
+    on `targets` (nonzero_lora: B ≠ 0 too, so every LoRA path gets gradients)."""
     from moetune.model.build import build_model
     from moetune.model.config import BUILTIN, ModelConfig
     from moetune.model.hf_io import cast_model, init_weights
@@ -386,7 +386,7 @@ def _tiny(quantize=None, targets=None, dtype=torch.float32, layers=3, nonzero_lo
     if quantize:
         quantize_model(model, scheme_named(quantize, (32, 32)))
     if targets:
-        apply_lora(model, targets, 4, 8)
+        apply_lora(model, targets, rank, 2 * rank)
     model.to_empty(device="cpu")
     init_weights(model, 0.05, seed=0)
     init_lora(model, seed=0)
@@ -1007,3 +1007,43 @@ def test_compiled_layers_with_the_swiglu_backward_kernel_give_the_traced_backwar
         scale = grads[n].abs().max()
         assert scale > 0, n
         torch.testing.assert_close(got[n], grads[n], rtol=0, atol=0.015 * scale.item(), msg=n)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_expert_lora_in_the_grouped_gemms_epilogue_gives_the_lora_branchs_gradients(monkeypatch, compiled):
+    """LoRA on a bf16 base's routed experts added in the TMA kernel's epilogue (experts.LORA_IN_EPILOGUE; forced on the
+    CPU, Triton's interpreter) against the branch written out and added (ExpertLoRA.delta): the op runs for gate_up and
+    down in every MoE layer, forward and input gradient, and the loss and every LoRA gradient agree to bf16's rounding
+    (the epilogue sums base and branch in fp32 and rounds once). Eager, and each layer compiled as one graph."""
+    from moetune.model import experts
+    from moetune.model import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    launches = []
+    real = gg.grouped_gemm_tma
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **kw: launches.append(kw.get("lora") is not None)
+                        or real(*a, **kw))
+    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(epilogue):
+        monkeypatch.setattr(experts, "LORA_IN_EPILOGUE", epilogue)
+        launches.clear()
+        model = _tiny(None, ["q_proj", "experts"], torch.bfloat16, layers=2, nonzero_lora=True, rank=16)
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+        loss = model(ids, labels=torch.roll(ids, -1, 1))
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+
+    loss, grads = run(False)
+    assert True not in launches
+    got_loss, got = run(True)
+    assert launches.count(True) == 4  # one MoE layer (the tiny model's layer 0 is dense): gate_up, down, both ways
+    torch.testing.assert_close(got_loss, loss, rtol=5e-3, atol=0)
+    assert got.keys() == grads.keys() and any("experts" in n for n in got)
+    for n in grads:
+        scale = grads[n].abs().max()
+        assert scale > 0, n
+        torch.testing.assert_close(got[n], grads[n], rtol=0, atol=0.02 * scale.item(), msg=n)

@@ -380,3 +380,49 @@ def test_k_major_copy_kernel_equals_torchs_transpose(shape, dtype, monkeypatch):
     assert torch.equal(got.view(bits), want.view(bits))
     assert gg.k_major_copy(w[..., :0]).shape == (*shape[:-2], 0, shape[-2])  # nothing to copy: no launch
     assert len(spy.grids) == 1
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
+@pytest.mark.parametrize("rank", [16, 32])
+def test_lora_in_the_tma_epilogue_gives_the_lora_branch_and_its_gradients(rank, persistent, monkeypatch):
+    """A frozen bf16 stack with LoRA on it as one op (grouped_mm_frozen_lora: the branch's s·(x·Aᵀ)·Bᵀ added in the
+    TMA kernel's epilogue, and (dy·s·B)·A in the input gradient's) against the fp32 sum of the base product and the
+    branch: the output and x's, A's and B's gradients, groups empty and ending mid-tile, padding rows zero. The op's
+    two directions run the kernel with the epilogue (an epilogue that drops the branch, or adds it to the wrong
+    expert, fails the comparison). On a GPU with its launch config (its twin), else under the interpreter."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+        monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
+    n_out, n_in = (192, 128) if cuda else (TMA_OUT, TMA_IN)  # the GPU's K tiles are 64 deep
+    counts = [0, 300, 7, 129, 0, 64] if cuda else COUNTS
+    device = "cuda" if cuda else "cpu"
+    monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
+    torch.manual_seed(5)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
+    rows = sum(counts) + 3
+    wb = (torch.randn(E, n_out, n_in) / n_in ** 0.5).bfloat16().to(device)
+    x = torch.randn(rows, n_in).bfloat16().to(device)
+    A = (torch.randn(E, rank, n_in) / n_in ** 0.5).bfloat16().to(device)
+    B = (torch.randn(E, n_out, rank) / rank ** 0.5).bfloat16().to(device)
+    weights = torch.randn(rows, n_out, device=device)
+    assert gg.lora_epilogue_fits(x, wb, rank)
+    launches = []
+    real = gg.grouped_gemm_tma
+    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **kw: launches.append(kw.get("lora") is not None)
+                        or real(*a, **kw))
+    xi, Ai, Bi = (t.clone().requires_grad_() for t in (x, A, B))
+    y = gg.grouped_mm_frozen_lora(xi, wb, offs, Ai, Bi, 2.0)
+    (y.float() * weights).sum().backward()
+    assert launches == [True, True]  # forward, input gradient
+
+    xf, Af, Bf = (t.float().requires_grad_() for t in (x, A, B))
+    start, want = 0, torch.zeros(rows, n_out, device=device)
+    for e, end in enumerate(offs.tolist()):
+        want[start:end] = xf[start:end] @ wb[e].float().t() + 2.0 * (xf[start:end] @ Af[e].t()) @ Bf[e].t()
+        start = max(start, end)
+    (want * weights).sum().backward()
+    _close(y, want.detach())
+    assert (y[sum(counts):] == 0).all()
+    for got, ref in ((xi.grad, xf.grad), (Ai.grad, Af.grad), (Bi.grad, Bf.grad)):
+        _close(got, ref)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model import grouped_gemm
-from moetune.model.grouped_gemm import grouped_mm_frozen, kernel_supported
+from moetune.model.grouped_gemm import grouped_mm_frozen, grouped_mm_frozen_lora, kernel_supported, lora_epilogue_fits
 from moetune.model.kernels import gather_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
 from moetune.model.quant.fp8 import quantize_rows
@@ -209,6 +209,28 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return grad_h, grad_w if ctx.needs_input_grad[1] else None
 
 
+# Expert LoRA on frozen bf16 stacks through the TMA kernel (GROUPED_GEMM "triton"): its product added in the kernel's
+# epilogue, forward and input gradient (grouped_gemm.grouped_mm_frozen_lora), instead of written out as [rows, out]
+# and added (ExpertLoRA.delta). False: the latter.
+LORA_IN_EPILOGUE = True
+
+
+def _lora_in_epilogue(x, weight, lora, lora_A) -> bool:
+    if not (LORA_IN_EPILOGUE and GROUPED_GEMM == "triton" and isinstance(lora.dropout, torch.nn.Identity)):
+        return False
+    weight = local_tensor(weight)
+    return (not isinstance(weight, FrozenFp8) and not weight.requires_grad and weight.dtype == x.dtype
+            and lora_epilogue_fits(x, weight, lora_A.shape[1]))
+
+
+def _lora_linear(x, weight, offs, lora, lora_A, lora_B):
+    """x through a frozen stack with the LoRA pair (A, B) on it: in the kernel's epilogue where it fits."""
+    if _lora_in_epilogue(x, weight, lora, lora_A):
+        A, B = local_tensor(lora_A).to(x.dtype), local_tensor(lora_B).to(x.dtype)
+        return grouped_mm_frozen_lora(x, local_tensor(weight), offs, A, B, lora.scaling)
+    return grouped_linear(x, weight, offs, base=True) + lora.delta(x, lora_A, lora_B, offs)
+
+
 def fuses_fp8_mlp(x, gate_up_proj, down_proj, lora) -> bool:
     """Whether experts_forward runs these stacks as one fp8 node (quant.matmul.fp8_expert_mlp)."""
     return (lora is None and isinstance(gate_up_proj, FrozenFp8)
@@ -244,13 +266,13 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
         return fp8_expert_mlp(x, row_weights, _local_fp8(gate_up_proj), _local_fp8(down_proj), offs)
     if lora is not None and lora_weights is None:
         lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-    h = grouped_linear(x, gate_up_proj, offs, base=True)
-    if lora is not None:
-        h = h + lora.delta(x, lora_weights[0], lora_weights[1], offs)
+    if lora is None:
+        h = grouped_linear(x, gate_up_proj, offs, base=True)
+    else:
+        h = _lora_linear(x, gate_up_proj, offs, lora, lora_weights[0], lora_weights[1])
     a = weighted_swiglu(h, row_weights)
     if rebuilt is not None:
         rebuilt.add(a, functools.partial(weighted_swiglu_fwd, h.detach(), row_weights.detach()))
-    y = grouped_linear(a, down_proj, offs, base=True)
-    if lora is not None:
-        y = y + lora.delta(a, lora_weights[2], lora_weights[3], offs)
-    return y
+    if lora is None:
+        return grouped_linear(a, down_proj, offs, base=True)
+    return _lora_linear(a, down_proj, offs, lora, lora_weights[2], lora_weights[3])

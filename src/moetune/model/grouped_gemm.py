@@ -192,14 +192,18 @@ if triton is not None:
     def _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
                   stride_se, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
                   DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  SWAP: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                  SWAP: tl.constexpr = False, PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
+                  stride_pr=0, stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16):
         """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
         k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed.
         SWAP (an N-major fp8 stack): Cᵀ = B[g]ᵀ · Aᵀ, the stack's tile transposed in registers as the MMA's first
         operand. Hopper's fp8 MMA reads its second operand K-major from shared memory only: an N-major fp8 tile
         there, Triton transposes it through shared memory again and waits on every MMA (145–157 TFLOP/s,
         BENCHMARKS.md, fifteenth session); as the first operand it may come from registers, and the MMAs stay
-        asynchronous (the sm_90 compile: wgmma with its A in registers, MMAs left in flight at each wait)."""
+        asynchronous (the sm_90 compile: wgmma with its A in registers, MMAs left in flight at each wait).
+        LORA (16-bit operands, no SWAP): C[rows of g] += L[rows] · P[g], L [M, RANK] contiguous, P[g] [RANK, N] at
+        strides (stride_pr, stride_pn): one more MMA over RANK before the store (a LoRA branch's product added in
+        the epilogue)."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, k_end, BK):
@@ -229,6 +233,15 @@ if triton is not None:
         rn = tn * BN + tl.arange(0, BN)
         m_mask = rm < row_b
         n_mask = rn < N
+        if LORA:
+            rr = tl.arange(0, RANK)
+            lo = tl.load(l_ptr + rm.to(tl.int64)[:, None] * RANK + rr[None, :], mask=m_mask[:, None], other=0.0)
+            pg = tl.load(p_ptr + ge.to(tl.int64) * stride_pe + rr[:, None] * stride_pr + rn[None, :] * stride_pn,
+                         mask=n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                lo = lo.to(tl.float32)
+                pg = pg.to(tl.float32)
+            acc = tl.dot(lo, pg, acc)
         if SCALE_B:
             acc = acc * tl.load(scale_ptr + ge.to(tl.int64) * stride_se + rn, mask=n_mask, other=0.0)[None, :]
         if SCALE_A:
@@ -269,7 +282,8 @@ if triton is not None:
                                  E_POW2: tl.constexpr, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr,
                                  SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                  BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False,
-                                 PAIRS: tl.constexpr = False):
+                                 PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0, stride_pr=0,
+                                 stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16):
         """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
         asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
         B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
@@ -286,7 +300,8 @@ if triton is not None:
         a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS)
         k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
-                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS)
+                  stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr, stride_pe,
+                  stride_pr, stride_pn, LORA, RANK)
 
     @triton.jit
     def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -295,7 +310,9 @@ if triton is not None:
                                             SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr,
                                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                                             num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False,
-                                            PAIRS: tl.constexpr = False):
+                                            PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
+                                            stride_pr=0, stride_pn=0, LORA: tl.constexpr = False,
+                                            RANK: tl.constexpr = 16):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
@@ -308,7 +325,8 @@ if triton is not None:
         for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
-                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS)
+                      stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr,
+                      stride_pe, stride_pr, stride_pn, LORA, RANK)
 
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
@@ -467,7 +485,7 @@ def _tma_scratch(size: int, alignment: int, stream):
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
                      config: dict | None = None, launch=None, persistent: bool | None = None,
-                     pairs: bool | None = None) -> torch.Tensor:
+                     pairs: bool | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
     on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
@@ -475,7 +493,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     num_warps, num_stages).
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
     `persistent`: the persistent kernel (default TMA_PERSISTENT); `pairs`: an fp8 stack as stored moved as int16
-    pairs (default TMA_SWAP_PAIRS)."""
+    pairs (default TMA_SWAP_PAIRS). `lora` (L [M, r], P [E, r, N], any strides; 16-bit, r as `lora_epilogue_fits`
+    says): y[rows of e] += L[rows] · P[e], summed with the product in fp32 and rounded once."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
@@ -496,6 +515,12 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
             x.stride(0), y.stride(0), scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
                 DOT_FP32=_interpreting(), SWAP=swap, PAIRS=pairs)
+    if lora is not None:
+        L, P = lora
+        assert not fp8 and L.shape == (M, P.shape[1]) and P.shape == (E, L.shape[1], N) and L.dtype == x.dtype
+        L = L.contiguous()
+        meta.update(l_ptr=L, p_ptr=P, stride_pe=P.stride(0), stride_pr=P.stride(1), stride_pn=P.stride(2), LORA=True,
+                    RANK=L.shape[1])
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else _tma_config(fp8, transpose))
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
@@ -534,6 +559,30 @@ def kernel_supported_w8a8(x8: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes an fp8 × fp8 forward: activations and weight stack both e4m3."""
     return (triton is not None and x8.dtype == torch.float8_e4m3fn and weight.dtype == torch.float8_e4m3fn
             and weight.dim() == 3)
+
+
+def lora_epilogue_fits(x: torch.Tensor, weight: torch.Tensor, rank: int) -> bool:
+    """Whether the TMA kernel adds a rank-`rank` LoRA product in its epilogue for these operands (both directions):
+    16-bit, the rank a power of two from 16 (the MMA's K) to 64 (its tiles beside the operands' in shared memory)."""
+    return (rank in (16, 32, 64) and (x.is_cuda or KERNEL_ON_CPU) and tma_supported(x, weight, True)
+            and tma_supported(x.new_empty(0, weight.shape[1]), weight, False))
+
+
+def _grouped_lora_reference(L, P, offs, y_fp32):
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            y_fp32[start:end] += L[start:end].float() @ P[e].float()
+        start = max(start, end)
+    return y_fp32
+
+
+def _run_lora(x, weight, offs, transpose, L, P):
+    """x · op(W[e]) + L · P[e] per group (op as `_run`), one rounding; the TMA kernel's epilogue where it fits."""
+    if lora_epilogue_fits(x, weight, L.shape[1]):
+        return grouped_gemm_tma(x, weight, offs, None, transpose, lora=(L, P))
+    y = grouped_mm_reference(x.float(), weight, offs, None, transpose)  # fp32
+    return _grouped_lora_reference(L, P, offs, y).to(x.dtype)
 
 
 def _run(x, weight, offs, scale, transpose):
@@ -663,6 +712,63 @@ def _backward(ctx, grad):
 
 
 _grouped_mm_frozen_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# A frozen bf16 stack with LoRA on it, one op each way: the LoRA branch's s·(x·Aᵀ)·Bᵀ added in the kernel's epilogue
+# (forward), and in the input gradient's its (dy·s·B)·A, instead of each written out as [rows, out] and added by a pass
+# of its own. A's and B's gradients are torch's grouped GEMMs.
+@torch.library.custom_op("moetune::grouped_mm_frozen_lora", mutates_args=())
+def _grouped_mm_frozen_lora_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, lora_A: torch.Tensor,
+                               lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xa = torch._grouped_mm(x, lora_A.transpose(-2, -1), offs=offs)
+    return _run_lora(x, weight, offs, True, xa, (lora_B * scaling).transpose(-2, -1)), xa
+
+
+@_grouped_mm_frozen_lora_op.register_fake
+def _(x, weight, offs, lora_A, lora_B, scaling):
+    return x.new_empty(x.shape[0], weight.shape[1]), x.new_empty(x.shape[0], lora_A.shape[1])
+
+
+@torch.library.custom_op("moetune::grouped_mm_frozen_lora_dgrad", mutates_args=())
+def _grouped_mm_frozen_lora_dgrad_op(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                                     grad_xa: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor:
+    return _run_lora(grad, weight, offs, False, grad_xa, lora_A)
+
+
+@_grouped_mm_frozen_lora_dgrad_op.register_fake
+def _(grad, weight, offs, grad_xa, lora_A):
+    return grad.new_empty(grad.shape[0], weight.shape[2])
+
+
+def _lora_setup_context(ctx, inputs, output):
+    x, weight, offs, lora_A, lora_B, scaling = inputs
+    ctx.save_for_backward(x, weight, offs, lora_A, lora_B, output[1])
+    ctx.scaling = scaling
+
+
+def _lora_backward(ctx, grad, _grad_xa):
+    # x·Aᵀ is an output only to be saved: nothing outside reads it, so its gradient is zero
+    x, weight, offs, lora_A, lora_B, xa = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_xa = torch._grouped_mm(grad, lora_B * ctx.scaling, offs=offs)
+    grad_B = torch._grouped_mm(grad.t(), xa * ctx.scaling, offs=offs)
+    grad_A = torch._grouped_mm(grad_xa.t(), x, offs=offs)
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.moetune.grouped_mm_frozen_lora_dgrad(grad, weight, offs, grad_xa, lora_A)
+    return dx, None, None, grad_A, grad_B, None
+
+
+_grouped_mm_frozen_lora_op.register_autograd(_lora_backward, setup_context=_lora_setup_context)
+
+
+def grouped_mm_frozen_lora(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, lora_A: torch.Tensor,
+                           lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+    """grouped_mm_frozen(x, weight, offs) + scaling·(x·A[e]ᵀ)·B[e]ᵀ per group, for LoRA's A [E, r, in] and B [E, out, r]
+    in x's dtype (bf16 on the kernel's path: `lora_epilogue_fits`; elsewhere the fp32 reference). Autograd gives x's,
+    A's and B's gradients."""
+    assert not weight.requires_grad, "grouped_mm_frozen_lora: the stack is frozen (it gets no gradient)"
+    return torch.ops.moetune.grouped_mm_frozen_lora(x, weight, offs, lora_A, lora_B, scaling)[0]
 
 
 def grouped_mm_frozen(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,

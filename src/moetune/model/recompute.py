@@ -24,21 +24,24 @@ def _saved_ops() -> frozenset:
     return frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default, aten._scaled_mm.default,
                       aten._scaled_grouped_mm.default, aten._scaled_dot_product_flash_attention.default,
                       aten._scaled_dot_product_efficient_attention.default,
-                      aten._scaled_dot_product_cudnn_attention.default, _lora_linear_op()})
+                      aten._scaled_dot_product_cudnn_attention.default, *_our_products()})
 
 
-def _lora_linear_op():
-    import moetune.model.lora  # noqa: F401  (registers the op; lora imports this module)
+def _our_products() -> dict:
+    """Our own product ops (LoRA linears, frozen expert stacks) and the argument each reduces over, as _products."""
+    import moetune.model.grouped_gemm  # noqa: F401  (they register the ops; lora imports this module)
+    import moetune.model.lora  # noqa: F401
 
-    return torch.ops.moetune.lora_linear.default
+    ops = torch.ops.moetune
+    return {ops.lora_linear.default: 0, ops.grouped_mm_frozen.default: 0, ops.grouped_mm_frozen_lora.default: 0}
 
 
 @functools.cache
 def _products() -> dict:
     """The saved ops that are products, and which argument's last dimension is the one they reduce over: mm(a [M, K],
-    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs), lora_linear(x [.., K], W, ..)."""
+    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs), and ours on x [.., K] first."""
     aten = torch.ops.aten
-    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0, _lora_linear_op(): 0}
+    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0, **_our_products()}
 
 
 def selective_checkpoint_context():
