@@ -173,42 +173,16 @@ def _mm_dgrad_operand(g2, scale):
     return scaled_rows_fp8_torch(g2, _row_scales(scale))
 
 
-# The input gradient's GEMM takes unit column scales (the weight's are folded into dy): one [1, in] tensor of ones per
-# width and device, kept for the run.
-_UNIT_SCALES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _unit_scales(n: int, device: torch.device) -> torch.Tensor:
-    ones = _UNIT_SCALES.get((n, device))
-    if ones is None:
-        ones = _UNIT_SCALES[(n, device)] = torch.ones(1, n, device=device, dtype=torch.float32)
-    return ones
-
-
-@torch.library.custom_op("moetune::fp8_dgrad_mm", mutates_args=())
-def _fp8_dgrad_mm(gq: torch.Tensor, sg: torch.Tensor, k_major: torch.Tensor, out_dtype: torch.dtype,
-                  fast_accum: bool) -> torch.Tensor:
-    """The input gradient's fp8 GEMM where its operand comes from the row kernel's opaque op: opaque too, so that its
-    unit column scales are the kept ones rather than a fill kernel each call (748 a GLM-4.7-Flash step, 2.0 ms)."""
-    return torch._scaled_mm(gq, k_major, scale_a=sg, scale_b=_unit_scales(k_major.shape[1], k_major.device),
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)
-
-
-@_fp8_dgrad_mm.register_fake
-def _(gq, sg, k_major, out_dtype, fast_accum):
-    return gq.new_empty(gq.shape[0], k_major.shape[1], dtype=out_dtype)
-
-
 def _mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
     """dx through w8 [out, in]: the GEMM reads it K-major, `transposed` [in, out] (a kept copy) or a copy made here."""
-    fast_accum = FAST_ACCUM_DGRAD if fast_accum is None else fast_accum
-    k_major = (w8.t().contiguous() if transposed is None else transposed).t()
     if _dense_kernel_quant(g2):
         gq, sg = _scaled_rows_fp8(g2, _row_scales(scale))
-        return _fp8_dgrad_mm(gq, sg, k_major, g2.dtype, fast_accum)
-    gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
+    else:
+        gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
-    return torch._scaled_mm(gq, k_major, scale_a=sg, scale_b=ones, out_dtype=g2.dtype, use_fast_accum=fast_accum)
+    k_major = (w8.t().contiguous() if transposed is None else transposed).t()
+    return torch._scaled_mm(gq, k_major, scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
+                            use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
 
 class _Fp8Linear(torch.autograd.Function):
