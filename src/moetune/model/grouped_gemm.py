@@ -193,8 +193,7 @@ if triton is not None:
                   stride_se, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
                   DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   SWAP: tl.constexpr = False, PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
-                  stride_pr=0, stride_pn=0, lora_scale=1.0, LORA: tl.constexpr = False,
-                  RANK: tl.constexpr = 16, P_RANK_INNER: tl.constexpr = False):
+                  stride_pr=0, stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16):
         """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
         k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed.
         SWAP (an N-major fp8 stack): Cᵀ = B[g]ᵀ · Aᵀ, the stack's tile transposed in registers as the MMA's first
@@ -202,27 +201,10 @@ if triton is not None:
         there, Triton transposes it through shared memory again and waits on every MMA (145–157 TFLOP/s,
         BENCHMARKS.md, fifteenth session); as the first operand it may come from registers, and the MMAs stay
         asynchronous (the sm_90 compile: wgmma with its A in registers, MMAs left in flight at each wait).
-        LORA (16-bit operands, no SWAP): C[rows of g] += lora_scale · L[rows] · P[g], L [M, RANK] contiguous, P[g]
-        [RANK, N] at strides (stride_pr, stride_pn): one more MMA over RANK before the store (a LoRA branch's product
-        added in the epilogue), its operands loaded before the K loop."""
+        LORA (16-bit operands, no SWAP): C[rows of g] += L[rows] · P[g], L [M, RANK] contiguous, P[g] [RANK, N] at
+        strides (stride_pr, stride_pn): one more MMA over RANK before the store (a LoRA branch's product added in
+        the epilogue)."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
-        if LORA:  # loaded before the K loop, whose MMAs hide their latency
-            lm = row0 + tl.arange(0, BM)
-            ln = tn * BN + tl.arange(0, BN)
-            rr = tl.arange(0, RANK)
-            lora_l = tl.load(l_ptr + lm.to(tl.int64)[:, None] * RANK + rr[None, :], mask=(lm < row_b)[:, None],
-                             other=0.0)
-            if P_RANK_INNER:  # loaded along its contiguous rank, then transposed (a strided load gathers 2 bytes)
-                lora_p = tl.trans(tl.load(p_ptr + ge.to(tl.int64) * stride_pe + ln[:, None] * stride_pn + rr[None, :],
-                                          mask=(ln < N)[:, None], other=0.0))
-            else:
-                lora_p = tl.load(p_ptr + ge.to(tl.int64) * stride_pe + rr[:, None] * stride_pr
-                                 + ln[None, :] * stride_pn, mask=(ln < N)[None, :], other=0.0)
-            lora_l = lora_l.to(tl.float32) * lora_scale
-            if DOT_FP32:
-                lora_p = lora_p.to(tl.float32)
-            else:
-                lora_l = lora_l.to(lora_p.dtype)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, k_end, BK):
             a = a_desc.load([row0, k0])
@@ -252,7 +234,14 @@ if triton is not None:
         m_mask = rm < row_b
         n_mask = rn < N
         if LORA:
-            acc = tl.dot(lora_l, lora_p, acc)
+            rr = tl.arange(0, RANK)
+            lo = tl.load(l_ptr + rm.to(tl.int64)[:, None] * RANK + rr[None, :], mask=m_mask[:, None], other=0.0)
+            pg = tl.load(p_ptr + ge.to(tl.int64) * stride_pe + rr[:, None] * stride_pr + rn[None, :] * stride_pn,
+                         mask=n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                lo = lo.to(tl.float32)
+                pg = pg.to(tl.float32)
+            acc = tl.dot(lo, pg, acc)
         if SCALE_B:
             acc = acc * tl.load(scale_ptr + ge.to(tl.int64) * stride_se + rn, mask=n_mask, other=0.0)[None, :]
         if SCALE_A:
@@ -294,8 +283,7 @@ if triton is not None:
                                  SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                  BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False,
                                  PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0, stride_pr=0,
-                                 stride_pn=0, lora_scale=1.0, LORA: tl.constexpr = False,
-                                 RANK: tl.constexpr = 16, P_RANK_INNER: tl.constexpr = False):
+                                 stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16):
         """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
         asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
         B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
@@ -313,7 +301,7 @@ if triton is not None:
         k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
                   stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr, stride_pe,
-                  stride_pr, stride_pn, lora_scale, LORA, RANK, P_RANK_INNER)
+                  stride_pr, stride_pn, LORA, RANK)
 
     @triton.jit
     def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -323,8 +311,8 @@ if triton is not None:
                                             BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                                             num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False,
                                             PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
-                                            stride_pr=0, stride_pn=0, lora_scale=1.0, LORA: tl.constexpr = False,
-                                            RANK: tl.constexpr = 16, P_RANK_INNER: tl.constexpr = False):
+                                            stride_pr=0, stride_pn=0, LORA: tl.constexpr = False,
+                                            RANK: tl.constexpr = 16):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
@@ -338,7 +326,7 @@ if triton is not None:
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
                       stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr,
-                      stride_pe, stride_pr, stride_pn, lora_scale, LORA, RANK, P_RANK_INNER)
+                      stride_pe, stride_pr, stride_pn, LORA, RANK)
 
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
@@ -497,8 +485,7 @@ def _tma_scratch(size: int, alignment: int, stream):
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
                      config: dict | None = None, launch=None, persistent: bool | None = None,
-                     pairs: bool | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     lora_scale: float = 1.0) -> torch.Tensor:
+                     pairs: bool | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
     on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
@@ -507,8 +494,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
     `persistent`: the persistent kernel (default TMA_PERSISTENT); `pairs`: an fp8 stack as stored moved as int16
     pairs (default TMA_SWAP_PAIRS). `lora` (L [M, r], P [E, r, N], any strides; 16-bit, r as `lora_epilogue_fits`
-    says): y[rows of e] += lora_scale · L[rows] · P[e] (L scaled in fp32, rounded to its dtype), summed with the
-    product in fp32 and rounded once."""
+    says): y[rows of e] += L[rows] · P[e], summed with the product in fp32 and rounded once."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
@@ -533,8 +519,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
         L, P = lora
         assert not fp8 and L.shape == (M, P.shape[1]) and P.shape == (E, L.shape[1], N) and L.dtype == x.dtype
         L = L.contiguous()
-        meta.update(l_ptr=L, p_ptr=P, stride_pe=P.stride(0), stride_pr=P.stride(1), stride_pn=P.stride(2),
-                    lora_scale=float(lora_scale), LORA=True, RANK=L.shape[1], P_RANK_INNER=P.stride(1) == 1)
+        meta.update(l_ptr=L, p_ptr=P, stride_pe=P.stride(0), stride_pr=P.stride(1), stride_pn=P.stride(2), LORA=True,
+                    RANK=L.shape[1])
     config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else _tma_config(fp8, transpose))
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
@@ -591,13 +577,12 @@ def _grouped_lora_reference(L, P, offs, y_fp32):
     return y_fp32
 
 
-def _run_lora(x, weight, offs, transpose, L, P, scale: float = 1.0):
-    """x · op(W[e]) + scale · L · P[e] per group (op as `_run`), one rounding; the TMA kernel's epilogue where it
-    fits, else the fp32 reference (L scaled and rounded to its dtype as the kernel does)."""
+def _run_lora(x, weight, offs, transpose, L, P):
+    """x · op(W[e]) + L · P[e] per group (op as `_run`), one rounding; the TMA kernel's epilogue where it fits."""
     if lora_epilogue_fits(x, weight, L.shape[1]):
-        return grouped_gemm_tma(x, weight, offs, None, transpose, lora=(L, P), lora_scale=scale)
+        return grouped_gemm_tma(x, weight, offs, None, transpose, lora=(L, P))
     y = grouped_mm_reference(x.float(), weight, offs, None, transpose)  # fp32
-    return _grouped_lora_reference((L.float() * scale).to(L.dtype), P, offs, y).to(x.dtype)
+    return _grouped_lora_reference(L, P, offs, y).to(x.dtype)
 
 
 def _run(x, weight, offs, scale, transpose):
@@ -736,7 +721,7 @@ _grouped_mm_frozen_op.register_autograd(_backward, setup_context=_setup_context)
 def _grouped_mm_frozen_lora_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, lora_A: torch.Tensor,
                                lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     xa = torch._grouped_mm(x, lora_A.transpose(-2, -1), offs=offs)
-    return _run_lora(x, weight, offs, True, xa, lora_B.transpose(-2, -1), scaling), xa
+    return _run_lora(x, weight, offs, True, xa, (lora_B * scaling).transpose(-2, -1)), xa
 
 
 @_grouped_mm_frozen_lora_op.register_fake
