@@ -589,3 +589,22 @@ def test_compiled_swiglu_backward_as_one_kernel_gives_autograds_gradients(monkey
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
     assert got[1].abs().sum() > 0 and got[2].abs().sum() > 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_linear_ops_pass_opcheck(bias):
+    """The LoRA linear's two custom ops as torch.library.opcheck sees them: schema (no input mutated or aliased),
+    autograd registration, fake kernels against the real ones, and AOTAutograd with dynamic shapes."""
+    from moetune.model import lora  # noqa: F401  (registers the ops)
+
+    g = torch.Generator().manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    x = torch.randn(2, 5, 12, generator=g, **f64).requires_grad_()
+    W, b = torch.randn(20, 12, generator=g, **f64), torch.randn(20, generator=g, **f64)
+    A = torch.randn(4, 12, generator=g, **f64).requires_grad_()
+    B = torch.randn(20, 4, generator=g, **f64).requires_grad_()
+    torch.library.opcheck(torch.ops.moetune.lora_linear.default, (x, W, b if bias else None, A, B, 2.0))
+    grad, h = torch.randn(2, 5, 20, generator=g, **f64), torch.randn(10, 4, generator=g, **f64)
+    for input_grad in (True, False):
+        torch.library.opcheck(torch.ops.moetune.lora_linear_bwd.default,
+                              (grad, x.detach(), h, W, A.detach(), B.detach(), 2.0, input_grad))

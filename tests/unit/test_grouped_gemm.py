@@ -426,3 +426,17 @@ def test_lora_in_the_tma_epilogue_gives_the_lora_branch_and_its_gradients(rank, 
     assert (y[sum(counts):] == 0).all()
     for got, ref in ((xi.grad, xf.grad), (Ai.grad, Af.grad), (Bi.grad, Bf.grad)):
         _close(got, ref)
+
+
+def test_grouped_lora_ops_pass_opcheck():
+    """The frozen stack's LoRA op and its input-gradient op as torch.library.opcheck sees them (schema, autograd
+    registration, fake kernels, AOTAutograd with dynamic shapes), an empty group among them."""
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    x = torch.randn(10, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(3, 48, 32, generator=g).bfloat16()
+    A = torch.randn(3, 16, 32, generator=g).bfloat16().requires_grad_()
+    B = torch.randn(3, 48, 16, generator=g).bfloat16().requires_grad_()
+    torch.library.opcheck(torch.ops.moetune.grouped_mm_frozen_lora.default, (x, w, offs, A, B, 2.0))
+    grad, grad_xa = torch.randn(10, 48, generator=g).bfloat16(), torch.randn(10, 16, generator=g).bfloat16()
+    torch.library.opcheck(torch.ops.moetune.grouped_mm_frozen_lora_dgrad.default, (grad, w, offs, grad_xa, A.detach()))
