@@ -278,6 +278,8 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096_cg", "ours_fp8_
 for _base in ("ours_flash_mlaexperts_1x4096", "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_xl0"] = (_s, _b, _t, _tg, {**_x, "expert_lora_epilogue": False})
+    # LoRA's thin products by torch's grouped GEMMs (_lk0: grouped_gemm.LORA_KERNELS False)
+    VARIANTS[f"{_base}_lk0"] = (_s, _b, _t, _tg, {**_x, "lora_kernels": False})
 # the compiled SwiGLU's backward as Inductor's traced ops (_sw0), before experts.SWIGLU_BACKWARD "kernel"
 for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
               "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed"):
@@ -400,6 +402,9 @@ def build_ours(cfg: dict, targets, extra, device):
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
+    import moetune.model.grouped_gemm as grouped_gemm_module
+
+    grouped_gemm_module.LORA_KERNELS = extra.get("lora_kernels", grouped_gemm_module.LORA_KERNELS)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         import moetune.model.grouped_gemm as grouped_gemm_module
 

@@ -440,3 +440,57 @@ def test_grouped_lora_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.moetune.grouped_mm_frozen_lora.default, (x, w, offs, A, B, 2.0))
     grad, grad_xa = torch.randn(10, 48, generator=g).bfloat16(), torch.randn(10, 16, generator=g).bfloat16()
     torch.library.opcheck(torch.ops.moetune.grouped_mm_frozen_lora_dgrad.default, (grad, w, offs, grad_xa, A.detach()))
+
+
+@pytest.mark.parametrize("rank", [16, 32])
+@pytest.mark.parametrize("operand", ["A_transposed", "B_as_stored"])
+def test_lora_thin_kernels_equal_torchs_grouped_products(rank, operand, monkeypatch):
+    """Expert LoRA's thin products by their kernels (lora_rows: rows · W[e] down to the rank; ragged_outer: Σ over a
+    group's rows of pᵀ·q, the weight gradients) against the fp32 products per group: groups empty and ending
+    mid-tile, padding rows zero, W as LoRA's Aᵀ (a transposed view) or B as stored, a scale applied; the kernels run
+    (on a GPU its twin, else under the interpreter)."""
+    cuda = torch.cuda.is_available()
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", not cuda)
+    device = "cuda" if cuda else "cpu"
+    counts = [0, 300, 7, 129, 0, 64] if cuda else COUNTS
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
+    rows, K = sum(counts) + 3, (192 if cuda else 40)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows, K, generator=g).bfloat16().to(device)
+    if operand == "A_transposed":
+        w = torch.randn(E, rank, K, generator=g).bfloat16().to(device).transpose(-2, -1)
+    else:
+        w = torch.randn(E, K, rank, generator=g).bfloat16().to(device)
+    q = torch.randn(rows, rank, generator=g).bfloat16().to(device)
+    launches = []
+    for name in ("_lora_rows_kernel", "_ragged_outer_kernel"):
+        real = getattr(gg, name)
+        monkeypatch.setattr(gg, name, type("K", (), {"__getitem__": lambda self, grid, real=real, name=name:
+                                                      launches.append(name) or real[grid]})())
+    y = gg.lora_rows(x, w, offs, 0.5)
+    outer_wide = gg.ragged_outer(x, q, offs, 2.0)  # [E, K, r]: B's gradient's shape
+    outer_rank = gg.ragged_outer(q, x, offs)  # [E, r, K]: A's
+    assert launches == ["_lora_rows_kernel", "_ragged_outer_kernel", "_ragged_outer_kernel"]
+    want_y = torch.zeros(rows, rank, device=device)
+    want_outer = torch.zeros(E, K, rank, device=device)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        want_y[start:end] = 0.5 * x[start:end].float() @ w[e].float()
+        want_outer[e] = x[start:end].float().t() @ q[start:end].float()
+        start = max(start, end)
+    _close(y, want_y)
+    assert (y[sum(counts):] == 0).all()
+    _close(outer_wide, 2.0 * want_outer)
+    _close(outer_rank, want_outer.transpose(-2, -1))
+    assert all((outer_rank[e] == 0).all() for e, n in enumerate(counts) if n == 0)  # the empty groups
+
+
+def test_lora_thin_ops_pass_opcheck():
+    """lora_rows and ragged_outer as the opaque ops the LoRA op's traced backward calls (torch.library.opcheck)."""
+    g = torch.Generator().manual_seed(0)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32)
+    x = torch.randn(10, 32, generator=g).bfloat16()
+    w = torch.randn(3, 32, 16, generator=g).bfloat16()
+    q = torch.randn(10, 16, generator=g).bfloat16()
+    torch.library.opcheck(torch.ops.moetune.lora_rows.default, (x, w, offs, 0.5))
+    torch.library.opcheck(torch.ops.moetune.ragged_outer.default, (x, q, offs, 2.0))
