@@ -826,7 +826,13 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
 def _tiny_fp8_step(ids, compiled):
     """One forward and backward of the 2-layer tiny model on an fp8 base (LoRA on q, o and the shared expert,
     nonzero), each layer compiled as one graph or eager: the loss and the LoRA gradients."""
-    model = _tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2, nonzero_lora=True)
+    return _tiny_step(_tiny("fp8", ["q_proj", "o_proj", "shared_experts"], torch.bfloat16, layers=2,
+                            nonzero_lora=True), ids, compiled)
+
+
+def _tiny_step(model, ids, compiled):
+    """One forward and backward of `model`, each layer compiled as one graph or eager: the loss and the LoRA
+    gradients."""
     if compiled:
         torch._dynamo.reset()
         for layer in model.model.layers:
@@ -1025,14 +1031,9 @@ def test_expert_lora_in_the_grouped_gemms_epilogue_gives_the_lora_branchs_gradie
     def run(epilogue):
         monkeypatch.setattr(experts, "LORA_IN_EPILOGUE", epilogue)
         launches.clear()
-        model = _tiny(None, ["q_proj", "experts"], torch.bfloat16, layers=2, nonzero_lora=True, rank=16)
-        if compiled:
-            torch._dynamo.reset()
-            for layer in model.model.layers:
-                layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
-        loss = model(ids, labels=torch.roll(ids, -1, 1))
-        loss.backward()
-        return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+        loss, grads = _tiny_step(_tiny(None, ["q_proj", "experts"], torch.bfloat16, layers=2, nonzero_lora=True,
+                                       rank=16), ids, compiled)
+        return loss.float(), {n: g.float() for n, g in grads.items()}
 
     loss, grads = run(False)
     assert True not in launches

@@ -504,14 +504,19 @@ SELECTIVE_LORA_CASES = {
 }
 
 
+@pytest.mark.parametrize("form", ["addmm", "op"])
 @pytest.mark.parametrize("case", list(SELECTIVE_LORA_CASES))
-def test_selective_recomputes_lora_b_outputs_up_to_the_bound(case, monkeypatch):
+def test_selective_recomputes_lora_b_outputs_up_to_the_bound(case, form, monkeypatch):
     """LoRA on every linear, selective: with the bound over the rank (8 over the tiny models' 4, the experts' padded to
     8, as 64 over a real model's 16) the census no longer finds LoRA's B outputs, b·out bytes per token and adapted
     linear (per routed pair for the experts) fewer than with a bound under the rank, which keeps them as selective did
-    before; at either bound, read by the policy and the estimate alike, the census matches the estimate."""
+    before; at either bound, read by the policy and the estimate alike, the census matches the estimate. With the
+    LoRA linears as one op (lora.LORA_LINEAR "op") their output is the only full-width one whatever the bound: the
+    estimate's B outputs of those linears are then an upper bound, by exactly their b·out."""
+    from moetune.model import lora
     from moetune.parallel import activations
 
+    monkeypatch.setattr(lora, "LORA_LINEAR", form)
     config, targets = SELECTIVE_LORA_CASES[case]
     m = ModelConfig.from_hf_dict(config)
     kept = {}
@@ -524,9 +529,13 @@ def test_selective_recomputes_lora_b_outputs_up_to_the_bound(case, monkeypatch):
         kept[bound] = [(big[i] - small[i]) / 64 for i in range(m.num_hidden_layers)]
         for i, measured in enumerate(kept[bound]):
             formula = census_formula(m, i, targets, False, "selective")
+            if form == "op":  # the linears' B outputs the estimate counts are not kept
+                b_out = activations.selective_lora_outputs(m, m.is_moe_layer(i), 2, set(targets), 4)
+                formula -= sum(v for name, v in b_out.items() if name != "mlp.experts")
             assert formula == pytest.approx(measured, rel=CENSUS_MARGIN), (bound, i, formula, measured)
     for i in range(m.num_hidden_layers):
-        b_outputs = 2 * sum(lora_output_widths(m, m.is_moe_layer(i), set(targets)).values())
+        widths = lora_output_widths(m, m.is_moe_layer(i), set(targets))
+        b_outputs = 2 * sum(w for name, w in widths.items() if form == "addmm" or name == "mlp.experts")
         assert kept[2][i] - kept[8][i] == b_outputs, (i, kept[2][i] - kept[8][i], b_outputs)
 
 

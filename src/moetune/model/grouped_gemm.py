@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from moetune.model.recompute import register_product
+
 try:  # optional: the CPU build of torch comes without Triton
     import triton
     import triton.language as tl
@@ -712,6 +714,7 @@ def _backward(ctx, grad):
 
 
 _grouped_mm_frozen_op.register_autograd(_backward, setup_context=_setup_context)
+register_product(torch.ops.moetune.grouped_mm_frozen.default)
 
 
 # ------------------------------------------------------------------------------------------------ LoRA's thin products
@@ -898,6 +901,7 @@ def _lora_backward(ctx, grad, _grad_xa):
 
 
 _grouped_mm_frozen_lora_op.register_autograd(_lora_backward, setup_context=_lora_setup_context)
+register_product(torch.ops.moetune.grouped_mm_frozen_lora.default)
 
 
 def grouped_mm_frozen_lora(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, lora_A: torch.Tensor,

@@ -17,6 +17,7 @@ from torch import nn
 
 from moetune.model.experts import grouped_linear
 from moetune.model.quant.modules import Fp8Linear, frozen_linear
+from moetune.model.recompute import register_product
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
 from moetune.tensors import is_dtensor, local_tensor
@@ -86,6 +87,7 @@ def _lora_linear_backward(ctx, grad, _grad_h):
 
 
 _lora_linear_op.register_autograd(_lora_linear_backward, setup_context=_lora_linear_setup)
+register_product(torch.ops.moetune.lora_linear.default)
 
 
 def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float) -> torch.Tensor:

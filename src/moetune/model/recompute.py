@@ -19,29 +19,34 @@ from moetune.names import SELECTIVE_RECOMPUTE_MAX_K
 
 
 @functools.cache
-def _saved_ops() -> frozenset:
+def _aten_saved_ops() -> frozenset:
     aten = torch.ops.aten
     return frozenset({aten.mm.default, aten.addmm.default, aten._grouped_mm.default, aten._scaled_mm.default,
                       aten._scaled_grouped_mm.default, aten._scaled_dot_product_flash_attention.default,
                       aten._scaled_dot_product_efficient_attention.default,
-                      aten._scaled_dot_product_cudnn_attention.default, *_our_products()})
+                      aten._scaled_dot_product_cudnn_attention.default})
 
 
-def _our_products() -> dict:
-    """Our own product ops (LoRA linears, frozen expert stacks) and the argument each reduces over, as _products."""
-    import moetune.model.grouped_gemm  # noqa: F401  (they register the ops; lora imports this module)
-    import moetune.model.lora  # noqa: F401
-
-    ops = torch.ops.moetune
-    return {ops.lora_linear.default: 0, ops.grouped_mm_frozen.default: 0, ops.grouped_mm_frozen_lora.default: 0}
+# Our own product ops (custom ops: LoRA linears, frozen expert stacks), registered by the modules that define them
+# (`register_product`): op -> the argument whose last dimension they reduce over, as _products.
+_OUR_PRODUCTS: dict = {}
 
 
-@functools.cache
+def register_product(op, reduces_over: int = 0) -> None:
+    """Selective recompute keeps `op`'s outputs as it keeps aten's GEMMs' (a product reducing over the last dimension
+    of argument `reduces_over`)."""
+    _OUR_PRODUCTS[op] = reduces_over
+
+
+def _saved_ops() -> frozenset:
+    return _aten_saved_ops() | _OUR_PRODUCTS.keys()
+
+
 def _products() -> dict:
     """The saved ops that are products, and which argument's last dimension is the one they reduce over: mm(a [M, K],
-    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs), and ours on x [.., K] first."""
+    b), addmm(bias, a [M, K], b), _grouped_mm(a [M, K] or [G, M, K], b, offs), and ours (register_product)."""
     aten = torch.ops.aten
-    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0, **_our_products()}
+    return {aten.mm.default: 0, aten.addmm.default: 1, aten._grouped_mm.default: 0, **_OUR_PRODUCTS}
 
 
 def selective_checkpoint_context():
