@@ -211,7 +211,9 @@ class _WeightedSwiGLU(torch.autograd.Function):
 
 # Expert LoRA on frozen bf16 stacks through the TMA kernel (GROUPED_GEMM "triton"): its product added in the kernel's
 # epilogue, forward and input gradient (grouped_gemm.grouped_mm_frozen_lora), instead of written out as [rows, out]
-# and added (ExpertLoRA.delta). False: the latter.
+# and added (ExpertLoRA.delta). One H200, same call: GLM-4.7-Flash LoRA on MLA and the experts with CUDA graphs 15,239
+# tokens/s against 15,103, AIR-8 with LoRA on the experts equal (36,437 against 36,448): the element-wise passes go,
+# the epilogue's plain loads cost the GEMM part of it (BENCHMARKS.md, twenty-sixth session). False: the latter.
 LORA_IN_EPILOGUE = True
 
 

@@ -720,9 +720,10 @@ register_product(torch.ops.moetune.grouped_mm_frozen.default)
 # ------------------------------------------------------------------------------------------------ LoRA's thin products
 # Expert LoRA's products are thin: rows × (in or out) against a rank of 16–64. torch's CUTLASS grouped GEMMs take them
 # as tiles of a wide product (16.4 ms a GLM-4.7-Flash step with LoRA on the experts for four products a layer, ~4× what
-# reading their operands costs; BENCHMARKS.md, twenty-sixth session). Two kernels read each operand once:
-# `lora_rows` (rows · W[e] to the rank, a program a row tile of one group) and `ragged_outer` (Σ over a group's rows of
-# Pᵀ·Q, the weight gradients, a program an expert and column tile). LORA_KERNELS False: torch's grouped GEMMs.
+# reading their operands costs). Two kernels read each operand once: `lora_rows` (rows · W[e] to the rank, a program a
+# row tile of one group) and `ragged_outer` (Σ over a group's rows of Pᵀ·Q, the weight gradients, a program an expert
+# and column tile). AIR-8 with LoRA on the experts, one H200: 37,458 tokens/s against 36,324 (BENCHMARKS.md,
+# twenty-sixth session). LORA_KERNELS False: torch's grouped GEMMs.
 LORA_KERNELS = True
 _THIN = dict(BM=64, BK=128, num_warps=4, num_stages=3)
 _OUTER = dict(BT=128, BK=64, num_warps=4, num_stages=3)
@@ -856,7 +857,7 @@ def _(p, q, offs, scale):
 
 # A frozen bf16 stack with LoRA on it, one op each way: the LoRA branch's s·(x·Aᵀ)·Bᵀ added in the kernel's epilogue
 # (forward), and in the input gradient's its (dy·s·B)·A, instead of each written out as [rows, out] and added by a pass
-# of its own. A's and B's gradients are torch's grouped GEMMs.
+# of its own. The thin products (x·Aᵀ, dy·s·B, A's and B's gradients) by the kernels above.
 @torch.library.custom_op("moetune::grouped_mm_frozen_lora", mutates_args=())
 def _grouped_mm_frozen_lora_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, lora_A: torch.Tensor,
                                lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
