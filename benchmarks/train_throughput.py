@@ -382,32 +382,25 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.K_MAJOR_COPY = extra.get("k_major_copy", fp8_matmul.K_MAJOR_COPY)
         fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
         fp8_matmul.DENSE_QUANT = extra.get("dense_quant", fp8_matmul.DENSE_QUANT)
-    if extra.get("ggemm"):  # a candidate setting, measured against the default
-        import moetune.model.experts as experts_module
+    import moetune.model.experts as experts_module
+    import moetune.model.glm4_moe as glm4_moe_module
+    import moetune.model.grouped_gemm as grouped_gemm_module
+    import moetune.model.lora as lora_module
 
+    if extra.get("ggemm"):  # a candidate setting, measured against the default
         experts_module.GROUPED_GEMM = extra["ggemm"]
     if "swap_pairs" in extra:  # an fp8 stack as stored moved as int16 pairs (True, the default) or bytes
-        import moetune.model.grouped_gemm as grouped_gemm_module
-
         grouped_gemm_module.TMA_SWAP_PAIRS = extra["swap_pairs"]
     # the twenty-fourth session's (each True by default; False: the form before it): the router's logits on tensor
     # cores, the permutation's sort on narrow keys; and how a LoRA linear adds its product (lora.LORA_LINEAR)
-    import moetune.model.experts as experts_module
-    import moetune.model.glm4_moe as glm4_moe_module
-    import moetune.model.lora as lora_module
-
     glm4_moe_module.ROUTER_TENSOR_CORES = extra.get("router_tensor_cores", glm4_moe_module.ROUTER_TENSOR_CORES)
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
-    import moetune.model.grouped_gemm as grouped_gemm_module
-
     grouped_gemm_module.LORA_KERNELS = extra.get("lora_kernels", grouped_gemm_module.LORA_KERNELS)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
-        import moetune.model.grouped_gemm as grouped_gemm_module
-
         grouped_gemm_module.TMA_PERSISTENT = extra["tma_persistent"]
     if not full:
         apply_lora(model, targets, 16, 32)

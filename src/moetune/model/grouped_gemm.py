@@ -570,21 +570,13 @@ def lora_epilogue_fits(x: torch.Tensor, weight: torch.Tensor, rank: int) -> bool
             and tma_supported(x.new_empty(0, weight.shape[1]), weight, False))
 
 
-def _grouped_lora_reference(L, P, offs, y_fp32):
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            y_fp32[start:end] += L[start:end].float() @ P[e].float()
-        start = max(start, end)
-    return y_fp32
-
-
 def _run_lora(x, weight, offs, transpose, L, P):
-    """x · op(W[e]) + L · P[e] per group (op as `_run`), one rounding; the TMA kernel's epilogue where it fits."""
+    """x · op(W[e]) + L · P[e] per group (op as `_run`), one rounding; the TMA kernel's epilogue where it fits, else
+    both products in fp32 by the reference."""
     if lora_epilogue_fits(x, weight, L.shape[1]):
         return grouped_gemm_tma(x, weight, offs, None, transpose, lora=(L, P))
-    y = grouped_mm_reference(x.float(), weight, offs, None, transpose)  # fp32
-    return _grouped_lora_reference(L, P, offs, y).to(x.dtype)
+    y = grouped_mm_reference(x.float(), weight, offs, None, transpose)
+    return (y + grouped_mm_reference(L.float(), P, offs, None, transpose=False)).to(x.dtype)
 
 
 def _run(x, weight, offs, scale, transpose):
@@ -727,6 +719,7 @@ register_product(torch.ops.moetune.grouped_mm_frozen.default)
 LORA_KERNELS = True
 _THIN = dict(BM=64, BK=128, num_warps=4, num_stages=3)
 _OUTER = dict(BT=128, BK=64, num_warps=4, num_stages=3)
+_OUTER_INTERPRETER = dict(BT=16, BK=16, num_warps=1, num_stages=1)
 
 if triton is not None:
     @triton.jit
@@ -803,11 +796,11 @@ def lora_rows(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: float
     if M == 0:
         return y
     cfg = _INTERPRETER_CONFIG if _interpreting() else _THIN
-    BM, BK = cfg["BM"], min(cfg["BK"], 128)
-    grid = ((M // BM + E + 1),)
+    grid = (M // cfg["BM"] + E + 1,)
     _lora_rows_kernel[grid](x, w, y, offs.to(torch.int32), M, K, E, x.stride(0), w.stride(0), w.stride(1),
-                            w.stride(2), float(scale), E_POW2=triton.next_power_of_2(E + 1), R=r, BM=BM, BK=BK,
-                            DOT_FP32=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                            w.stride(2), float(scale), E_POW2=triton.next_power_of_2(E + 1), R=r, BM=cfg["BM"],
+                            BK=cfg["BK"], DOT_FP32=_interpreting(), num_warps=cfg["num_warps"],
+                            num_stages=cfg["num_stages"])
     return y
 
 
@@ -815,7 +808,7 @@ def ragged_outer(p: torch.Tensor, q: torch.Tensor, offs: torch.Tensor, scale: fl
     """scale · Σ over each expert's rows of pᵀ·q: [E, NP, NQ] in p's dtype, for rows p [M, NP] and q [M, NQ] sorted by
     expert (the weight gradients of LoRA's A and B: one of NP, NQ is the rank)."""
     E = offs.shape[0]
-    (M, NP), NQ = p.shape, q.shape[1]
+    NP, NQ = p.shape[1], q.shape[1]
     rank = min(NP, NQ)
     if not _thin_kernels(p, rank) or q.dtype != p.dtype:
         c = torch._grouped_mm(p.t(), q, offs=offs)
@@ -824,14 +817,12 @@ def ragged_outer(p: torch.Tensor, q: torch.Tensor, offs: torch.Tensor, scale: fl
     c = p.new_empty(E, NP, NQ)
     if E == 0:
         return c
-    interp = _interpreting()
-    BT, BK = (16, 16) if interp else (_OUTER["BT"], _OUTER["BK"])
-    BP, BQ = (NP, BT) if NP == rank else (BT, NQ)
+    cfg = _OUTER_INTERPRETER if _interpreting() else _OUTER
+    BP, BQ = (NP, cfg["BT"]) if NP == rank else (cfg["BT"], NQ)
     grid = (E, triton.cdiv(NP, BP), triton.cdiv(NQ, BQ))
     _ragged_outer_kernel[grid](p, q, c, offs.to(torch.int32), NP, NQ, p.stride(0), q.stride(0), c.stride(0),
-                               c.stride(1), c.stride(2), float(scale), BP=BP, BQ=BQ, BK=BK, DOT_FP32=interp,
-                               num_warps=1 if interp else _OUTER["num_warps"],
-                               num_stages=1 if interp else _OUTER["num_stages"])
+                               c.stride(1), c.stride(2), float(scale), BP=BP, BQ=BQ, BK=cfg["BK"],
+                               DOT_FP32=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return c
 
 
