@@ -208,8 +208,23 @@ def _tma_case(fp8: bool, pad: int, seed: int):
     return sum(COUNTS) + pad, offs, w
 
 
+# a GPU's tiles: 128 or 256 rows with tails of 64 (TMA_CONFIG*), K tiles of 64 and 128; `out` 256 a whole number of
+# the stored fp8 stack's K tiles. 300 rows: 2 whole 128-row tiles and a 44-row tail (1 tile and 44 at 256); 129: a
+# one-row tail (at 256: 3 tail tiles); 64: only a tail; 7: a tail of 7
+GPU_COUNTS, GPU_OUT, GPU_IN = [0, 300, 7, 129, 0, 64], 256, 128
+
+
+def _tma_gpu_case(pad: int):
+    torch.manual_seed(11)
+    offs = torch.tensor(GPU_COUNTS).cumsum(0).to(torch.int32).cuda()
+    w = (torch.randn(len(GPU_COUNTS), GPU_OUT, GPU_IN) / GPU_IN ** 0.5).cuda()
+    return sum(GPU_COUNTS) + pad, offs, w
+
+
 @pytest.fixture
 def tma_on_cpu(monkeypatch):
+    if torch.cuda.is_available():  # the tests' GPU twins: the module's own configs
+        return
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
     monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
     for name in ("TMA_CONFIG_FP8", "TMA_CONFIG_FP8_SWAP"):
@@ -226,25 +241,30 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     scales folded into the fp8 gradient rows) on a K-major copy and on the stack as stored (the transposed product,
     SWAP). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not
     stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
-    ones among them)."""
+    ones among them), whose groups end in tail tiles (BT rows after their whole BM tiles: one, several, or none).
+    On a GPU (its twin) with the GPU's launch configs and groups sized for its tiles, else under the interpreter."""
     monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
-    rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
+    if torch.cuda.is_available():
+        rows, offs, w = _tma_gpu_case(pad)
+    else:
+        rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
+    n_out, n_in = w.shape[1:]
     if case.startswith("bf16"):
         transpose = case.endswith("forward")
         wb = w.bfloat16()
-        x = torch.randn(rows, TMA_IN if transpose else TMA_OUT).bfloat16()
+        x = torch.randn(rows, n_in if transpose else n_out, device=w.device).bfloat16()
         assert gg.tma_supported(x, wb, transpose)
         y = gg.grouped_gemm_tma(x, wb, offs, None, transpose)
         want = grouped_mm_reference(x, wb, offs, None, transpose)
     elif case == "fp8_forward":
         w8, scale = quantize_rows(w)
-        x8, sx = quantize_rows(torch.randn(rows, TMA_IN))
+        x8, sx = quantize_rows(torch.randn(rows, n_in, device=w.device))
         assert gg.tma_supported(x8, w8, True)
         y = gg.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx)
         want = grouped_mm_reference(x8.float() * sx, w8, offs, scale)
     else:
         w8, _ = quantize_rows(w)
-        g8, sg = quantize_rows(torch.randn(rows, TMA_OUT))
+        g8, sg = quantize_rows(torch.randn(rows, n_out, device=w.device))
         as_stored = case.endswith("as_stored")
         operand = w8 if as_stored else w8.transpose(-2, -1).contiguous()
         assert gg.tma_supported(g8, operand, not as_stored)
@@ -252,7 +272,7 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
         want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
     assert y.shape == want.shape and y.dtype == torch.bfloat16
     _close(y, want)
-    assert (y[sum(COUNTS):] == 0).all()
+    assert (y[int(offs[-1]):] == 0).all()
 
 
 def test_tma_refuses_what_it_cannot_load(tma_on_cpu, monkeypatch):
