@@ -264,8 +264,6 @@ TMA_QUICK_FP8 = [(128, 128, 128, 4, 8), (128, 256, 128, 3, 8), (64, 128, 128, 4,
                  (128, 64, 128, 4, 4), (128, 128, 64, 4, 8), (128, 256, 128, 4, 8), (256, 128, 128, 3, 8),
                  (64, 64, 128, 4, 4)]
 CPU_TMA = [(16, 16, 16, 1, 1)]
-# the persistent kernel's tail tiles tried (GG_TAILS, rows; 0: none)
-TAILS = [int(t) for t in os.environ.get("GG_TAILS", "0,64").split(",")]
 # the stack as stored runs as the transposed product (the MMA's M is BN, its N the rows' BM): the stack's tile is
 # read from shared memory byte by byte into registers, a cost per BN × BK tile that larger row tiles (BM) amortise
 TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (256, 128, 128, 3, 8), (256, 128, 128, 4, 8),
@@ -314,17 +312,12 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
                 continue
             if not tr and w.shape[1] % BK:
                 continue
-            # the persistent kernel's tail tiles (BT rows after a group's whole BM tiles; 0: none)
-            for bt in (TAILS if extra.get("persistent") else (0,)):
-                if bt >= BM or (CPU and bt and bt != 8):
-                    continue
-                cfg = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, num_warps=warps, num_stages=stages,
-                           BT=bt)
-                tag = f"{BM}x{BN}x{BK}_s{stages}_w{warps}" + (f"_t{bt}" if bt else "")
-                r = record(f"{kind}[{tag}]", lambda: gg.grouped_gemm_tma(x, w, offs, s, tr, config=cfg, **extra),
-                           reference, config=cfg)
-                if "ms" in r and r["finite"] and (best is None or r["ms"] < best[1]["ms"]):
-                    best = (tag, r)
+            cfg = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, num_warps=warps, num_stages=stages)
+            tag = f"{BM}x{BN}x{BK}_s{stages}_w{warps}"
+            r = record(f"{kind}[{tag}]", lambda: gg.grouped_gemm_tma(x, w, offs, s, tr, config=cfg, **extra),
+                       reference, config=cfg)
+            if "ms" in r and r["finite"] and (best is None or r["ms"] < best[1]["ms"]):
+                best = (tag, r)
         if best is not None:
             res["methods"][kind] = dict(best[1], best_config=best[0])
 
@@ -373,16 +366,12 @@ for name, k, stored, pairs in [("fwd tma", gg._grouped_gemm_tma_kernel, False, F
                                ("dgrad as stored tma", gg._grouped_gemm_tma_kernel, True, True),
                                ("dgrad as stored tma_persistent", gg._grouped_gemm_tma_persistent_kernel, True, True),
                                ("dgrad as stored, bytes, tma_persistent", gg._grouped_gemm_tma_persistent_kernel,
-                                True, False),
-                               ("fwd tma_persistent tails", gg._grouped_gemm_tma_persistent_kernel, False, False),
-                               ("dgrad as stored tma_persistent tails", gg._grouped_gemm_tma_persistent_kernel, True,
-                                True)]:
+                                True, False)]:
     cfg = gg.TMA_CONFIG_FP8_SWAP if stored else gg.TMA_CONFIG_FP8
     const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=True, SCALE_B=not stored, DOT_FP32=False, BM=cfg["BM"],
                  BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, SWAP=stored, PAIRS=pairs, l_ptr=None, p_ptr=None,
                  stride_pe=0, stride_pr=0, stride_pn=0, LORA=False, RANK=16,
-                 **({"FLATTEN": True, "BT": cfg.get("BT", 0) if "tails" in name else 0} if "persistent" in name
-                    else {}))
+                 **({"FLATTEN": True} if "persistent" in name else {}))
     ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*i16" if pairs else "*fp8e4nv", "c_ptr": "*bf16", "scale_ptr": "*fp32",
             "ascale_ptr": "*fp32", "offs_ptr": "*i32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}

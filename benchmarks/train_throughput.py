@@ -280,11 +280,6 @@ for _base in ("ours_flash_mlaexperts_1x4096", "ours_flash_mlaexperts_1x4096_cg",
     VARIANTS[f"{_base}_xl0"] = (_s, _b, _t, _tg, {**_x, "expert_lora_epilogue": False})
     # LoRA's thin products by torch's grouped GEMMs (_lk0: grouped_gemm.LORA_KERNELS False)
     VARIANTS[f"{_base}_lk0"] = (_s, _b, _t, _tg, {**_x, "lora_kernels": False})
-# the persistent TMA kernel without tail tiles (_bt0: each group's last tile BM rows, before grouped_gemm's BT)
-for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096_cg",
-              "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_bt0"] = (_s, _b, _t, _tg, {**_x, "tails": 0})
 # the compiled SwiGLU's backward as Inductor's traced ops (_sw0), before experts.SWIGLU_BACKWARD "kernel"
 for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
               "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed"):
@@ -407,9 +402,6 @@ def build_ours(cfg: dict, targets, extra, device):
     grouped_gemm_module.LORA_KERNELS = extra.get("lora_kernels", grouped_gemm_module.LORA_KERNELS)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         grouped_gemm_module.TMA_PERSISTENT = extra["tma_persistent"]
-    if "tails" in extra:  # the persistent TMA kernel's tail tiles (BT rows; 0: a group's last tile BM rows too)
-        for name in ("TMA_CONFIG", "TMA_CONFIG_FP8", "TMA_CONFIG_FP8_SWAP"):
-            setattr(grouped_gemm_module, name, dict(getattr(grouped_gemm_module, name), BT=extra["tails"]))
     if not full:
         apply_lora(model, targets, 16, 32)
     model.attn_implementation = extra.get("attn", "auto")  # model.attn_implementation (packed rows: flex, varlen)

@@ -208,9 +208,8 @@ def _tma_case(fp8: bool, pad: int, seed: int):
     return sum(COUNTS) + pad, offs, w
 
 
-# a GPU's tiles: 128 or 256 rows with tails of 64 (TMA_CONFIG*), K tiles of 64 and 128; `out` 256 a whole number of
-# the stored fp8 stack's K tiles. 300 rows: 2 whole 128-row tiles and a 44-row tail (1 tile and 44 at 256); 129: a
-# one-row tail (at 256: 3 tail tiles); 64: only a tail; 7: a tail of 7
+# a GPU's tiles: 128 or 256 rows (TMA_CONFIG*), K tiles of 64 and 128; `out` 256 a whole number of the stored fp8
+# stack's K tiles. Groups ending past a whole tile by 44 rows (300), by 1 (129), within one tile (64, 7) and empty
 GPU_COUNTS, GPU_OUT, GPU_IN = [0, 300, 7, 129, 0, 64], 256, 128
 
 
@@ -241,8 +240,7 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     scales folded into the fp8 gradient rows) on a K-major copy and on the stack as stored (the transposed product,
     SWAP). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not
     stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
-    ones among them), whose groups end in tail tiles (BT rows after their whole BM tiles: one, several, or none).
-    On a GPU (its twin) with the GPU's launch configs and groups sized for its tiles, else under the interpreter."""
+    ones among them). On a GPU (its twin) with the GPU's launch configs and groups sized for its tiles, else under the interpreter."""
     monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
     if torch.cuda.is_available():
         rows, offs, w = _tma_gpu_case(pad)

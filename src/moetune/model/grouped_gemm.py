@@ -46,8 +46,6 @@ KERNEL_ON_CPU = False
 # A fixed launch config {BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages} instead of autotuning (tests: small tiles).
 CONFIG: dict | None = None
 _INTERPRETER_CONFIG = dict(BM=16, BN=16, BK=16, GROUP_M=2, SWAP=False, num_warps=1, num_stages=1)
-# the TMA kernel's under the interpreter: tail tiles of 8 rows (`_grouped_gemm_tma_persistent_kernel`'s BT)
-_INTERPRETER_TMA_CONFIG = dict(_INTERPRETER_CONFIG, BT=8)
 
 
 def _interpreting() -> bool:
@@ -267,23 +265,18 @@ if triton is not None:
         return g, row0, tl.sum(tl.where(idx == g, ends, 0), axis=0), tn
 
     @triton.jit
-    def _groups(offs_ptr, M, E, E_POW2: tl.constexpr):
-        """Each group's first row and end (groups 0..E, E the padding rows past the last end)."""
+    def _row_tiles(offs_ptr, M, E, E_POW2: tl.constexpr, BM: tl.constexpr):
+        """Each group's first row, end and first row tile (groups 0..E, E the padding rows; empty groups have no
+        tiles), and the row tiles in all: ⌈n_g/BM⌉ for a group of n_g rows, as a per-expert GEMM has."""
         idx = tl.arange(0, E_POW2)
         starts = tl.load(offs_ptr + idx - 1, mask=(idx > 0) & (idx <= E), other=0)
         ends = tl.where(idx < E, tl.load(offs_ptr + idx, mask=idx < E, other=0), M)
         ends = tl.where(idx <= E, tl.minimum(ends, M), 0)
-        return tl.minimum(starts, ends), ends
-
-    @triton.jit
-    def _row_tiles(starts, ends, E, E_POW2: tl.constexpr, BM: tl.constexpr):
-        """Each group's first row tile, and the row tiles in all: ⌈(end − start)/BM⌉ for a group's rows from `start`
-        (empty groups have no tiles), as a per-expert GEMM has."""
-        idx = tl.arange(0, E_POW2)
+        starts = tl.minimum(starts, ends)
         tiles = (ends - starts + BM - 1) // BM
         last = tl.cumsum(tiles, axis=0)
         first = tl.where(idx <= E, last - tiles, 2147483647)  # groups past E never match a tile
-        return first, tl.sum(tiles, axis=0)
+        return starts, ends, first, tl.sum(tiles, axis=0)
 
     @triton.jit
     def _grouped_gemm_tma_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -321,41 +314,21 @@ if triton is not None:
                                             num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False,
                                             PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
                                             stride_pr=0, stride_pn=0, LORA: tl.constexpr = False,
-                                            RANK: tl.constexpr = 16, BT: tl.constexpr = 0):
+                                            RANK: tl.constexpr = 16):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
         and the stores that end it are a large part of a one-tile program (the candidate for the grouped GEMMs' rate
         on small groups: BENCHMARKS.md, twenty-first session). Only tiles with rows are enumerated (`_row_tiles`):
-        every tile runs the whole K loop, which the loops' flattening needs; the padding group's is stored as zeros.
-        BT (tail tiles): each group's whole BM-row tiles first, then what is left of it (under BM rows) in tiles of
-        BT rows, a second loop continuing the programs' stride — a group's last BM tile is otherwise mostly rows past
-        its end wherever groups are a few tiles long (Flash's and Air's ~256 rows an expert: 20% of a 128-row
-        tiling's MMA work, 33% of a 256-row one's)."""
+        every tile runs the whole K loop, which the loops' flattening needs; the padding group's is stored as zeros."""
         a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS)
-        starts, ends = _groups(offs_ptr, M, E, E_POW2)
-        if BT > 0:
-            mids = starts + (ends - starts) // BM * BM  # where each group's tail starts
-        else:
-            mids = ends
-        first, R = _row_tiles(starts, mids, E, E_POW2, BM)
+        starts, ends, first, R = _row_tiles(offs_ptr, M, E, E_POW2, BM)
         num_n = tl.cdiv(N, BN)
-        pid = tl.program_id(0)
-        for t in tl.range(pid, R * num_n, num_programs, flatten=FLATTEN):
+        for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
                       stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr,
                       stride_pe, stride_pr, stride_pn, LORA, RANK)
-        if BT > 0:
-            t_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BT, BK])
-            first_t, R_t = _row_tiles(mids, ends, E, E_POW2, BT)
-            # tile R·num_n + u of the whole enumeration is program (R·num_n + u) mod num_programs's
-            u0 = (pid + num_programs - (R * num_n) % num_programs) % num_programs
-            for u in tl.range(u0, R_t * num_n, num_programs, flatten=FLATTEN):
-                g, row0, row_b, tn = _real_tile(u, mids, ends, first_t, R_t, num_n, E_POW2, BT, GROUP_M)
-                _tma_tile(t_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
-                          stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BT, BN, BK, SWAP, PAIRS, l_ptr, p_ptr,
-                          stride_pe, stride_pr, stride_pn, LORA, RANK)
 
 
 def _config(BM, BN, BK, stages, warps, GROUP_M=8, SWAP=False, PREFETCH=False):
@@ -446,12 +419,12 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scal
 # Flash's and an EP-8 rank's expert shapes, forward and input gradient (BENCHMARKS.md, fifteenth session); Triton's
 # autotuner picked slower ones (10–30%) there, and tuning at the first step costs time of its own. A stack read
 # N-major (a 16-bit input gradient) needs its K to be a multiple of BK, so that no K tile crosses into the next expert.
-TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3, BT=64)
-TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3, BT=64)
+TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
+TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 # The fp8 input gradient on a stack as stored (SWAP: the stack's BK × BN tile transposed on its way from shared memory
 # to registers): 256-row tiles halve that work per MMA against TMA_CONFIG_FP8's 128. On one H200, the tile moved byte
 # by byte, Flash's gate_up 0.42 ms against 0.48, AIR-8's 1.55 against 1.70 (BENCHMARKS.md, twenty-third session).
-TMA_CONFIG_FP8_SWAP = dict(BM=256, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3, BT=64)
+TMA_CONFIG_FP8_SWAP = dict(BM=256, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
 # Operands the TMA kernel takes go through it where its callers ask for it (Hopper and later; tests: the
 # interpreter): see `tma_supported`.
 TMA = True
@@ -550,19 +523,17 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
         L = L.contiguous()
         meta.update(l_ptr=L, p_ptr=P, stride_pe=P.stride(0), stride_pr=P.stride(1), stride_pn=P.stride(2), LORA=True,
                     RANK=L.shape[1])
-    config = config or CONFIG or (_INTERPRETER_TMA_CONFIG if _interpreting() else _tma_config(fp8, transpose))
+    config = config or CONFIG or (_INTERPRETER_CONFIG if _interpreting() else _tma_config(fp8, transpose))
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
+    tiles = (M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"])
     launch = launch or (lambda k: k)
     if TMA_PERSISTENT if persistent is None else persistent:
-        tiles = (M // (config.get("BT") or config["BM"]) + 2 * (E + 1)) * triton.cdiv(N, config["BN"])
         programs = min(tiles, _INTERPRETER_PROGRAMS if _interpreting()
                        else torch.cuda.get_device_properties(x.device).multi_processor_count)
         launch(_grouped_gemm_tma_persistent_kernel)[(programs,)](*args, **meta, **config, num_programs=programs,
                                                                  FLATTEN=not _interpreting())
     else:
-        config.pop("BT", None)  # tail tiles are the persistent kernel's
-        tiles = (M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"])
         launch(_grouped_gemm_tma_kernel)[(tiles,)](*args, **meta, **config)
     return y
 
