@@ -141,7 +141,7 @@ def speed():
     and the just-in-time dequantised bf16 product; the weight transpose alone."""
     from moetune.model.experts import _grouped_mm
     from moetune.model.quant.fp8 import quantize_rows
-    from moetune.model.quant.matmul import _gmm_dgrad, _gmm_fwd, _mm_dgrad, _mm_fwd
+    from moetune.model.quant.matmul import _gmm_dgrad, _gmm_fwd, fp8_mm_dgrad, fp8_mm
 
     cc = (lambda f: f) if CPU else (lambda f: torch.compile(f, dynamic=False))
     bf = torch.bfloat16
@@ -156,9 +156,9 @@ def speed():
         w8, s = quantize_rows(w)
         g = torch.randn(M, N, device=DEV, dtype=bf)
         cands = {"bf16_fwd": cc(lambda: x @ w.t()), "bf16_dgrad": cc(lambda: g @ w),
-                 "fp8_fwd": cc(lambda: _mm_fwd(x, w8, s, None)),
-                 "fp8_dgrad_exact_accum": cc(lambda: _mm_dgrad(g, w8, s, False)),
-                 "fp8_dgrad_fast_accum": cc(lambda: _mm_dgrad(g, w8, s, True)),
+                 "fp8_fwd": cc(lambda: fp8_mm(x, w8, s, None)),
+                 "fp8_dgrad_exact_accum": cc(lambda: fp8_mm_dgrad(g, w8, s, False)),
+                 "fp8_dgrad_fast_accum": cc(lambda: fp8_mm_dgrad(g, w8, s, True)),
                  "dequant_bf16_dgrad": cc(lambda: g @ (w8.to(bf) * s.to(bf))),
                  "weight_transpose": cc(lambda: w8.t().contiguous())}
         if CPU:

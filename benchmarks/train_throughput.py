@@ -156,7 +156,8 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_p
 # candidates of issue 21, each against the row it derives from (same call): SDPA forced to one kernel
 # ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
-              "ours_ep8rank_qkvo_1x4096", "ours_flash_mla_1x4096_demo", "ours_experts_4x1024_ac"):
+              "ours_ep8rank_qkvo_1x4096", "ours_flash_mla_1x4096_demo", "ours_experts_4x1024_ac",
+              "ours_ep8rank_qkvo_1x4096_packed"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
     VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
@@ -259,10 +260,10 @@ for _base in ("ours_qkvo_4x1024", "ours_fp8_qkvo_4x1024", "ours_flash_mla_1x4096
     VARIANTS[f"{_base}_pre24"] = (_s, _b, _t, _tg, {**_x, **_PRE24})
     for _suffix, _key in (("_r32", "router_tensor_cores"), ("_s64", "narrow_sort_keys"), ("_lsum", "lora_linear")):
         VARIANTS[f"{_base}{_suffix}"] = (_s, _b, _t, _tg, {**_x, _key: _PRE24[_key]})
-# a LoRA linear on a bf16 base traced, its product added by an addmm (_ladd: lora.LORA_LINEAR "addmm", before the
-# one op each way, "op")
+# a LoRA linear traced, its product added by an addmm (_ladd: lora.LORA_LINEAR "addmm", before the one op each way,
+# "op"; on an fp8 base the op runs where the layers replay as CUDA graphs)
 for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo_cg",
-              "ours_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096_cg"):
+              "ours_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096_cg", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_ladd"] = (_s, _b, _t, _tg, {**_x, "lora_linear": "addmm"})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or

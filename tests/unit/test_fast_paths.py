@@ -524,6 +524,98 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
     assert not dropped._one_op(x)
 
 
+def _fp8_lora_layer(device, bias: bool):
+    """A LoRA linear on a frozen row-scaled fp8 weight (64 -> 96, r 8), B nonzero."""
+    from moetune.model import lora
+    from moetune.model.quant.fp8 import ROWWISE, quantize_rows
+    from moetune.model.quant.modules import Fp8Linear
+
+    torch.manual_seed(2)
+    base = Fp8Linear(64, 96, bias, ROWWISE, device=device, bias_dtype=torch.bfloat16)
+    w8, scale = quantize_rows(torch.randn(96, 64, device=device) / 8)
+    base.weight.data, base.weight_scale.data = w8, scale
+    if bias:
+        base.bias.data = torch.randn(96, device=device).bfloat16()
+    layer = lora.LoRALinear(base, rank=8, alpha=16, dropout=0.0, rslora=False)
+    torch.nn.init.normal_(layer.lora_B)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_linear_fp8_op_is_the_fp8_product_plus_the_branch(bias):
+    """The LoRA op on an fp8 weight: its output is quant.matmul's fp8 product (activation rows quantised, fp8 x fp8,
+    `reference_fp8_linear`) plus s·(x·Aᵀ)·Bᵀ, x's gradient the fp8 input gradient (dy with the weight's scales
+    folded in, quantised: `reference_fp8_dgrad`) plus (dy·s·B)·A, A's and B's gradients the branch's; in fp32 (on the
+    CPU torch._scaled_mm's own kernel, on a GPU its twin); an input that needs no gradient gets none."""
+    from moetune.model import lora
+    from moetune.model.quant.matmul import reference_fp8_dgrad, reference_fp8_linear
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = _fp8_lora_layer(device, bias)
+    x = torch.randn(3, 10, 64, device=device).requires_grad_()
+    A, B = (p.detach().clone().requires_grad_() for p in (layer.lora_A, layer.lora_B))
+    y = lora.lora_linear_fp8(x, layer.weight, layer.scale, layer.bias, None, A, B, layer.scaling)
+    grad = torch.randn(3, 10, 96, device=device)
+    y.backward(grad)
+
+    xr, Ar, Br = (t.detach().clone().requires_grad_() for t in (x, A, B))
+    branch = layer.scaling * (xr @ Ar.t()) @ Br.t()
+    want = reference_fp8_linear(xr.detach(), layer.weight, layer.scale, layer.bias) + branch
+    (branch * grad).sum().backward()
+    dx = reference_fp8_dgrad(grad, layer.weight, layer.scale) + xr.grad
+    for got, ref in ((y, want), (x.grad, dx), (A.grad, Ar.grad), (B.grad, Br.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert B.grad.abs().sum() > 0 and A.grad.abs().sum() > 0
+    A.grad = None
+    lora.lora_linear_fp8(x.detach(), layer.weight, layer.scale, layer.bias, None, A, B, layer.scaling).sum().backward()
+    assert A.grad is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantises(bias, monkeypatch):
+    """A LoRA linear on an fp8 weight runs the one op each way where the fp8 GEMMs run on tensor cores with their
+    operands quantised by the row kernel (quant.matmul.DENSE_QUANT "kernel"), and there gives the traced form's
+    output and x/A/B gradients within bf16's rounding (the same fp8 GEMMs; the branch added in place); under
+    Inductor's quantisations, with LoRA dropout, or without fp8 tensor cores (the CPU) it keeps the traced form."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moetune.model import lora
+    from moetune.model.quant import matmul
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    layer = _fp8_lora_layer(device, bias)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, device=device)
+    monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")
+    assert not layer._one_op(x)
+    monkeypatch.setattr(matmul, "DENSE_QUANT", "kernel")
+    assert layer._one_op(x) == cuda  # the fp8 tensor-core path is CUDA's (the CPU dequantises just in time)
+    out = []
+    for form in ("op", "addmm"):
+        monkeypatch.setattr(lora, "LORA_LINEAR", form)
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        with Ops() as ops:
+            y = layer(xi)
+            y.float().square().sum().backward()
+        assert ("moetune.lora_linear_fp8" in ops.seen and "moetune.lora_linear_fp8_bwd" in ops.seen) == (
+            form == "op" and cuda)
+        out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    dropped = lora.LoRALinear(_fp8_lora_layer(device, bias), rank=8, alpha=16, dropout=0.1, rslora=False)
+    assert not dropped._one_op(x)
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_scaled_rows_fp8_kernel_equals_the_torch_reference(scaled):
     """Rows (times a weight's row scales: a dense input gradient's operand) quantised per row in one pass, against
@@ -608,3 +700,35 @@ def test_lora_linear_ops_pass_opcheck(bias):
     for input_grad in (True, False):
         torch.library.opcheck(torch.ops.moetune.lora_linear_bwd.default,
                               (grad, x.detach(), h, W, A.detach(), B.detach(), 2.0, input_grad))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("transposed", [False, True], ids=["copy_made", "copy_kept"])
+def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
+    """The fp8 LoRA linear's two ops as torch.library.opcheck sees them (fp32 activations, an fp8 weight with row
+    scales, its kept transposed copy or none): autograd registration, fake kernels against the real ones, AOTAutograd
+    with dynamic shapes. Its schema check cannot compare fp8 tensors on the CPU (no fp8 multiply there): that no
+    input is mutated is checked bit for bit instead."""
+    from moetune.model import lora  # noqa: F401  (registers the ops)
+    from moetune.model.quant.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 32, generator=g).requires_grad_()
+    w8, scale = quantize_rows(torch.randn(48, 32, generator=g))
+    b = torch.randn(48, generator=g) if bias else None
+    copy = w8.t().contiguous() if transposed else None
+    A = torch.randn(4, 32, generator=g).requires_grad_()
+    B = torch.randn(48, 4, generator=g).requires_grad_()
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    grad, h = torch.randn(2, 5, 48, generator=g), torch.randn(10, 4, generator=g)
+    calls = [(torch.ops.moetune.lora_linear_fp8.default, (x, w8, scale, b, copy, A, B, 2.0))]
+    calls += [(torch.ops.moetune.lora_linear_fp8_bwd.default,
+               (grad, x.detach(), h, w8, scale, copy, A.detach(), B.detach(), 2.0, input_grad))
+              for input_grad in (True, False)]
+    for op, args in calls:
+        torch.library.opcheck(op, args, test_utils=checks)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        before = [t.detach().clone() for t in tensors]
+        op(*args)
+        assert all(torch.equal(t.view(torch.uint8), c.view(torch.uint8)) if t.dtype == w8.dtype else torch.equal(t, c)
+                   for t, c in zip(tensors, before))

@@ -16,7 +16,7 @@ from helpers import hf_model, rewrite_checkpoint, save_hf
 from moetune.model.grouped_gemm import scaled_grouped_mm_reference
 from moetune.model.hf_io import load_model
 from moetune.model.quant.fp8 import FP8, ROWWISE, Fp8Scheme, quantize_blocks, quantize_rows
-from moetune.model.quant.matmul import (_mm_dgrad, _mm_fwd, expert_of_rows, fp8_grouped_linear, fp8_linear,
+from moetune.model.quant.matmul import (fp8_mm_dgrad, fp8_mm, expert_of_rows, fp8_grouped_linear, fp8_linear,
                                         reference_fp8_dgrad, reference_fp8_grouped_linear, reference_fp8_linear)
 from moetune.model.quant.modules import fp8_weights, scale_name, stacked_parts
 
@@ -59,8 +59,8 @@ def test_scaled_mm_kernel_calls_equal_their_references():
     x, g = torch.randn(24, 64), torch.randn(24, 48)
     w8, s = quantize_rows(torch.randn(48, 64) * 0.05)
     bias = torch.randn(48)
-    torch.testing.assert_close(_mm_fwd(x, w8, s, bias).float(), reference_fp8_linear(x, w8, s, bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(_mm_dgrad(g, w8, s).float(), reference_fp8_dgrad(g, w8, s), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp8_mm(x, w8, s, bias).float(), reference_fp8_linear(x, w8, s, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp8_mm_dgrad(g, w8, s).float(), reference_fp8_dgrad(g, w8, s), rtol=1e-5, atol=1e-5)
     # and both are within fp8's own error of the dequantised fp32 product
     w = w8.float() * s
     assert _rel(reference_fp8_linear(x, w8, s), x @ w.t()) < 0.05
@@ -81,7 +81,7 @@ def test_eager_quantisation_compiled_equals_op_by_op(monkeypatch):
     stack_scale = torch.rand(4, 48, 1) + 0.5
 
     def run():
-        return (_mm_fwd(x, w8, s, None), _mm_dgrad(g, w8, s), *matmul._quantized(quantize_rows, x),
+        return (fp8_mm(x, w8, s, None), fp8_mm_dgrad(g, w8, s), *matmul._quantized(quantize_rows, x),
                 *matmul._quantized(matmul._gmm_dgrad_operand, g, stack_scale, offs))
 
     torch._dynamo.reset()
@@ -860,7 +860,8 @@ def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of
     swaps, copies = [], []
     real, real_copy = gg.grouped_gemm_tma, gg.k_major_copy
     monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: swaps.append(not a[4]) or real(*a, **k))
-    monkeypatch.setattr(matmul, "k_major_copy", lambda w: copies.append(w.shape) or real_copy(w))
+    # the stacks' copies (eager, the dense weights' input gradients copy their weights by the same kernel)
+    monkeypatch.setattr(matmul, "k_major_copy", lambda w: (w.dim() == 3 and copies.append(w.shape)) or real_copy(w))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 
     def run(dgrad, max_rows):
@@ -930,8 +931,11 @@ def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisation
     from moetune.model import grouped_gemm as gg
     from moetune.model.quant import matmul
 
+    from moetune.model import lora
+
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(lora, "LORA_LINEAR", "addmm")  # LoRA's branch traced both ways (the op: the test below)
     calls = []
     real = matmul.scaled_rows_fp8
     monkeypatch.setattr(matmul, "scaled_rows_fp8", lambda x, cs: calls.append(cs is not None) or real(x, cs))
@@ -949,6 +953,43 @@ def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisation
     assert calls.count(False) >= 4 and calls.count(True) >= 4  # q, o and the shared expert's, forward and backward
     assert torch.equal(got_loss, loss)
     assert not [n for n in grads if not torch.equal(got[n], grads[n])]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lora_on_fp8_linears_as_one_op_gives_the_traced_forms_loss_and_gradients(monkeypatch, compiled):
+    """Where the dense fp8 operands are quantised by the row kernel (forced on the CPU), the LoRA linears on fp8
+    weights run as one op each way (lora.lora_linear_fp8), forward and backward, and the tiny model's loss and every
+    LoRA gradient are those of the traced form (fp8 GEMM, then LoRA's addmm) within bf16's rounding: the same fp8
+    products, the branch added in place. A rounding that moves a gradient value across an fp8 step moves every layer
+    below it: the traced forms themselves (addmm against the product written, then added) differ by 4-8% relative L2
+    in these gradients, the op against addmm by 0-6%; under 10% here, where dropping the branch from x's gradient
+    gives 24% (layer 0's q). Eager, and compiled as one graph per layer."""
+    from moetune.model import grouped_gemm as gg
+    from moetune.model import lora
+    from moetune.model.quant import matmul
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(matmul, "_dense_kernel_quant", lambda x2: True)
+    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    calls = []  # the op's own GEMMs, run by its bodies (compiled too: the op is opaque)
+    for name in ("fp8_mm", "fp8_mm_dgrad"):
+        real = getattr(lora, name)
+        monkeypatch.setattr(lora, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for form in ("addmm", "op"):
+        monkeypatch.setattr(lora, "LORA_LINEAR", form)
+        calls.clear()
+        results[form] = _tiny_fp8_step(ids, compiled)
+        # q and o of 2 layers, the shared expert's 3 linears of the MoE layer; an input gradient for each but layer 0's
+        # q (its input comes from the frozen embedding)
+        assert (calls.count("fp8_mm"), calls.count("fp8_mm_dgrad")) == ((7, 6) if form == "op" else (0, 0))
+    (loss, grads), (got_loss, got) = results["addmm"], results["op"]
+    torch.testing.assert_close(got_loss, loss, rtol=1e-3, atol=0)
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    for n in grads:
+        rel = ((got[n] - grads[n]).norm() / grads[n].norm()).item()
+        assert rel < 0.1, (n, rel)  # NaN fails too
 
 
 def test_dense_operands_take_the_row_kernel_where_the_layers_replay_as_cuda_graphs(monkeypatch):

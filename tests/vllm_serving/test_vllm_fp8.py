@@ -123,7 +123,7 @@ def run(tmp_path_factory):
 
 @pytest.fixture
 def kernel_numerics(monkeypatch):
-    """Our fp8 GEMMs as they run on an fp8 GPU (matmul._mm_fwd: activation rows quantised to e4m3, torch._scaled_mm),
+    """Our fp8 GEMMs as they run on an fp8 GPU (matmul.fp8_mm: activation rows quantised to e4m3, torch._scaled_mm),
     on the CPU: torch._scaled_mm has a CPU implementation; only the device check keeps the CPU off that path."""
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: scheme.block is None)
 

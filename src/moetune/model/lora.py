@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.model.experts import grouped_linear
-from moetune.model.quant.modules import Fp8Linear, frozen_linear
+from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op
+from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy
 from moetune.model.recompute import register_product
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
@@ -25,9 +26,11 @@ from moetune.tensors import is_dtensor, local_tensor
 _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the other, by q_lora_rank
 
 
-# How a LoRA linear on a frozen bf16 base adds its branch s·(x·Aᵀ)·Bᵀ to the base product x·Wᵀ + b:
-# - "op": one opaque op each way (`lora_linear` below). Its forward's GEMM writes y and LoRA's B product is added onto
-#   y in place (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees one node.
+# How a LoRA linear on a frozen base adds its branch s·(x·Aᵀ)·Bᵀ to the base product x·Wᵀ + b:
+# - "op": one opaque op each way (`lora_linear` below; `lora_linear_fp8` on an fp8 weight where its operands are
+#   quantised by the row kernel, quant.matmul.fp8_mm_in_one_op). Its forward's GEMM writes y and LoRA's B product is
+#   added onto y in place (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees
+#   one node.
 #   One H200, same call against "addmm": GLM-4.7-Flash LoRA on MLA with CUDA graphs 17,146 tokens/s against 16,908,
 #   AIR-8 q,k,v,o 41,435 against 41,030, an EP-8 rank of Air equal (BENCHMARKS.md, twenty-sixth session).
 # - "addmm": traced, LoRA's product added by an addmm (the sum in the GEMM's epilogue, as Unsloth's fast LoRA).
@@ -35,17 +38,30 @@ _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the oth
 #   device-to-device copies (3.4 ms) a GLM-4.7-Flash step (BENCHMARKS.md, twenty-fifth session); its backward adds
 #   the input gradients of W and A in a pass of their own.
 # - "sum": the product written, then added.
-# An fp8 base, LoRA dropout or a sharded weight take the traced forms ("op" then means "addmm").
+# LoRA dropout, a sharded weight, and an fp8 weight whose operands Inductor quantises (fused into the kernels that
+# make them) take the traced forms ("op" then means "addmm").
 LORA_LINEAR = "op"
+
+
+def _add_branch(x2, y, lora_A, lora_B, scaling):
+    """Adds s·(x·Aᵀ)·Bᵀ onto the base product y in place (cuBLAS's beta = 1); returns x·Aᵀ, what B's gradient needs."""
+    h = torch.mm(x2, lora_A.t())
+    y.addmm_(h, lora_B.t(), alpha=scaling)
+    return h
+
+
+def _branch_grads(g, x2, h, lora_A, lora_B, scaling):
+    """The branch's backward: the gradient reaching x·Aᵀ (dy·s·B, which dx adds times A), A's and B's gradients."""
+    grad_h = torch.mm(g, lora_B * scaling)
+    return grad_h, torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
 
 
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
 def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
                     lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
-    h = torch.mm(x2, lora_A.t())
     y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-    y.addmm_(h, lora_B.t(), alpha=scaling)
+    h = _add_branch(x2, y, lora_A, lora_B, scaling)
     return y.view(*x.shape[:-1], weight.shape[0]), h
 
 
@@ -59,9 +75,7 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
                         lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
                         input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = grad.reshape(-1, grad.shape[-1])
-    grad_h = torch.mm(g, lora_B * scaling)
-    grad_A = torch.mm(grad_h.t(), x.reshape(-1, x.shape[-1]))
-    grad_B = torch.mm(g.t(), h * scaling)
+    grad_h, grad_A, grad_B = _branch_grads(g, x.reshape(-1, x.shape[-1]), h, lora_A, lora_B, scaling)
     if not input_grad:
         return x.new_empty(0), grad_A, grad_B
     dx = torch.mm(g, weight)
@@ -97,6 +111,66 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float) -> torch.Tensor
     return torch.ops.moetune.lora_linear(x, weight, bias, lora_A, lora_B, scaling)[0]
 
 
+# The same on a frozen fp8 weight (row scales): the base product and input gradient are quant.matmul's fp8 GEMMs
+# (fp8_mm, fp8_mm_dgrad), LoRA's branch added in place as above. `transposed`: the weight's kept [in, out] copy for
+# the input gradient, or None (a copy made in the backward).
+@torch.library.custom_op("moetune::lora_linear_fp8", mutates_args=())
+def _lora_linear_fp8_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                        transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fp8_mm(x2, w8, scale, bias)
+    h = _add_branch(x2, y, lora_A, lora_B, scaling)
+    return y.view(*x.shape[:-1], w8.shape[0]), h
+
+
+@_lora_linear_fp8_op.register_fake
+def _(x, w8, scale, bias, transposed, lora_A, lora_B, scaling):
+    return x.new_empty(*x.shape[:-1], w8.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+
+
+@torch.library.custom_op("moetune::lora_linear_fp8_bwd", mutates_args=())
+def _lora_linear_fp8_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w8: torch.Tensor,
+                            scale: torch.Tensor, transposed: torch.Tensor | None, lora_A: torch.Tensor,
+                            lora_B: torch.Tensor, scaling: float,
+                            input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = grad.reshape(-1, grad.shape[-1]).contiguous()
+    grad_h, grad_A, grad_B = _branch_grads(g, x.reshape(-1, x.shape[-1]), h, lora_A, lora_B, scaling)
+    if not input_grad:
+        return x.new_empty(0), grad_A, grad_B
+    dx = fp8_mm_dgrad(g, w8, scale, transposed=transposed)
+    dx.addmm_(grad_h, lora_A)
+    return dx.view(x.shape), grad_A, grad_B
+
+
+@_lora_linear_fp8_bwd_op.register_fake
+def _(grad, x, h, w8, scale, transposed, lora_A, lora_B, scaling, input_grad):
+    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+
+
+def _lora_linear_fp8_setup(ctx, inputs, output):
+    x, w8, scale, _, transposed, lora_A, lora_B, scaling = inputs
+    ctx.save_for_backward(x, output[1], w8, scale, transposed, lora_A, lora_B)
+    ctx.scaling = scaling
+
+
+def _lora_linear_fp8_backward(ctx, grad, _grad_h):
+    x, h, w8, scale, transposed, lora_A, lora_B = ctx.saved_tensors
+    dx, grad_A, grad_B = torch.ops.moetune.lora_linear_fp8_bwd(grad, x, h, w8, scale, transposed, lora_A, lora_B,
+                                                                ctx.scaling, ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None), None, None, None, None, grad_A, grad_B, None
+
+
+_lora_linear_fp8_op.register_autograd(_lora_linear_fp8_backward, setup_context=_lora_linear_fp8_setup)
+register_product(torch.ops.moetune.lora_linear_fp8.default)
+
+
+def lora_linear_fp8(x, w8, scale, bias, transposed, lora_A, lora_B, scaling: float) -> torch.Tensor:
+    """x·dequant(w8, scale)ᵀ + b + scaling·(x·Aᵀ)·Bᵀ for a frozen fp8 weight (row scales) as one op each way, the
+    base product and input gradient on fp8 tensor cores (quant.matmul.fp8_mm_in_one_op says where)."""
+    return torch.ops.moetune.lora_linear_fp8(x, w8, scale, bias, transposed, lora_A, lora_B, scaling)[0]
+
+
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
@@ -130,6 +204,9 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         if LORA_LINEAR == "op" and self._one_op(x):
+            if self.quant is not None:
+                return lora_linear_fp8(x, self.weight, self.scale, self.bias, transposed_copy(self, "weight"), A, B,
+                                       self.scaling)
             return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
         y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), A)
@@ -138,9 +215,17 @@ class LoRALinear(nn.Module):
         y2 = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=self.scaling)
         return y2.view(y.shape)
 
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self, self.quant.scale_suffix)
+
     def _one_op(self, x) -> bool:
-        return (self.quant is None and isinstance(self.dropout, nn.Identity) and x.dtype == self.weight.dtype
-                and not self.weight.requires_grad and not any(map(is_dtensor, (self.weight, self.lora_A, self.lora_B))))
+        if not isinstance(self.dropout, nn.Identity) or self.weight.requires_grad or any(
+                map(is_dtensor, (self.weight, self.lora_A, self.lora_B))):
+            return False
+        if self.quant is not None:
+            return fp8_mm_in_one_op(x, self.weight, self.quant)
+        return x.dtype == self.weight.dtype
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling:g}"

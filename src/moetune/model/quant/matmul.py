@@ -155,7 +155,8 @@ def _dense_kernel_quant(x2: torch.Tensor) -> bool:
     return dense_quant_mode() == "kernel" and x2.is_cuda and x2.shape[-1] <= SCALED_ROWS_MAX
 
 
-def _mm_fwd(x2, w8, scale, bias):
+def fp8_mm(x2, w8, scale, bias):
+    """x2 [M, in] · dequant(w8 [out, in], scale)ᵀ (+ bias) on fp8 tensor cores, x2 quantised per row here."""
     if _dense_kernel_quant(x2):
         xq, sx = _scaled_rows_fp8(x2, None)
     else:
@@ -173,14 +174,17 @@ def _mm_dgrad_operand(g2, scale):
     return scaled_rows_fp8_torch(g2, _row_scales(scale))
 
 
-def _mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
-    """dx through w8 [out, in]: the GEMM reads it K-major, `transposed` [in, out] (a kept copy) or a copy made here."""
+def fp8_mm_dgrad(g2, w8, scale, fast_accum=None, transposed=None):
+    """dx through w8 [out, in]: the GEMM reads it K-major, `transposed` [in, out] (a kept copy) or a copy made here
+    (traced: Inductor's transpose, fused with its neighbours; eager: the copy kernel, ~10x torch's strided copy)."""
     if _dense_kernel_quant(g2):
         gq, sg = _scaled_rows_fp8(g2, _row_scales(scale))
     else:
         gq, sg = _quantized(_mm_dgrad_operand, g2, scale)
     ones = torch.ones(1, w8.shape[1], device=g2.device, dtype=torch.float32)
-    k_major = (w8.t().contiguous() if transposed is None else transposed).t()
+    if transposed is None:
+        transposed = w8.t().contiguous() if torch.compiler.is_compiling() else k_major_copy(w8)
+    k_major = transposed.t()
     return torch._scaled_mm(gq, k_major, scale_a=sg, scale_b=ones, out_dtype=g2.dtype,
                             use_fast_accum=FAST_ACCUM_DGRAD if fast_accum is None else fast_accum)
 
@@ -192,7 +196,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.scheme = scheme
         x2 = x.reshape(-1, x.shape[-1])
         if _fp8_kernels(x2, w8, scheme):
-            y = _mm_fwd(x2, w8, scale, bias)
+            y = fp8_mm(x2, w8, scale, bias)
         else:
             y = F.linear(x2, scheme.dequantize(w8, scale, x.dtype), None if bias is None else bias.to(x.dtype))
         return y.view(*x.shape[:-1], w8.shape[0])
@@ -204,12 +208,20 @@ class _Fp8Linear(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
-                dx = _mm_dgrad(g2, w8, scale, transposed=transposed)
+                dx = fp8_mm_dgrad(g2, w8, scale, transposed=transposed)
             else:
                 dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
             dx = dx.view(*g.shape[:-1], w8.shape[1])
         dbias = g2.sum(0) if ctx.needs_input_grad[3] else None
         return dx, None, None, dbias, None, None
+
+
+def fp8_mm_in_one_op(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
+    """Whether a LoRA linear on this fp8 weight runs as one op each way (lora.lora_linear_fp8): the fp8 tensor-core
+    path, forward and input gradient, with the operands quantised by the row kernel (DENSE_QUANT's "kernel", where
+    the layers replay as CUDA graphs). Under Inductor's quantisations, fused into the kernels that produce the
+    operands, the traced form keeps that fusion."""
+    return DGRAD == "fp8" and _fp8_kernels(x, w8, scheme) and _dense_kernel_quant(x)
 
 
 def fp8_linear(x, w8, scale, scheme: Fp8Scheme, bias=None, transposed=None):
