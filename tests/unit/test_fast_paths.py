@@ -708,19 +708,21 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
     """The fp8 LoRA linear's two ops as torch.library.opcheck sees them (fp32 activations, an fp8 weight with row
     scales, its kept transposed copy or none): autograd registration, fake kernels against the real ones, AOTAutograd
     with dynamic shapes. Its schema check cannot compare fp8 tensors on the CPU (no fp8 multiply there): that no
-    input is mutated is checked bit for bit instead."""
+    input is mutated is checked bit for bit instead. On a GPU (its twin) on CUDA tensors: torch 2.11's CPU
+    _scaled_mm takes per-tensor scales only."""
     from moetune.model import lora  # noqa: F401  (registers the ops)
     from moetune.model.quant.fp8 import quantize_rows
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 32, generator=g).requires_grad_()
-    w8, scale = quantize_rows(torch.randn(48, 32, generator=g))
-    b = torch.randn(48, generator=g) if bias else None
+    x = torch.randn(2, 8, 32, generator=g).to(device).requires_grad_()  # 16 rows: cuBLAS's fp8 GEMM wants 16s
+    w8, scale = quantize_rows(torch.randn(48, 32, generator=g).to(device))
+    b = torch.randn(48, generator=g).to(device) if bias else None
     copy = w8.t().contiguous() if transposed else None
-    A = torch.randn(4, 32, generator=g).requires_grad_()
-    B = torch.randn(48, 4, generator=g).requires_grad_()
+    A = torch.randn(4, 32, generator=g).to(device).requires_grad_()
+    B = torch.randn(48, 4, generator=g).to(device).requires_grad_()
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    grad, h = torch.randn(2, 5, 48, generator=g), torch.randn(10, 4, generator=g)
+    grad, h = torch.randn(2, 8, 48, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
     calls = [(torch.ops.moetune.lora_linear_fp8.default, (x, w8, scale, b, copy, A, B, 2.0))]
     calls += [(torch.ops.moetune.lora_linear_fp8_bwd.default,
                (grad, x.detach(), h, w8, scale, copy, A.detach(), B.detach(), 2.0, input_grad))
