@@ -431,7 +431,8 @@ TMA = True
 # The TMA kernel as a persistent one (a program an SM striding over the tiles that have rows, its tile and K loops
 # flattened so that a tile's first loads overlap the last one's epilogue) instead of a program a tile: on one H200,
 # fp8 x fp8 on Flash's, Air's and an EP-8 rank's expert shapes 2-21% faster, forward and input gradient (BENCHMARKS.md,
-# twenty-second session).
+# twenty-second session). A group's remainder in smaller tiles, in a second loop after every group's whole tiles, was
+# slower on every shape (AIR-8 −5.6%): each group's weights are read from memory a second time (twenty-seventh).
 TMA_PERSISTENT = True
 # The fp8 stack as stored (SWAP) moved to registers as int16 pairs (vector loads from shared memory, the pairs' bytes
 # split in registers) instead of byte by byte (one shared-memory load a byte: 64 a thread a K step at 256 × 128). On

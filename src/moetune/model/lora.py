@@ -32,7 +32,8 @@ _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the oth
 #   added onto y in place (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees
 #   one node.
 #   One H200, same call against "addmm": GLM-4.7-Flash LoRA on MLA with CUDA graphs 17,146 tokens/s against 16,908,
-#   AIR-8 q,k,v,o 41,435 against 41,030, an EP-8 rank of Air equal (BENCHMARKS.md, twenty-sixth session).
+#   AIR-8 q,k,v,o 41,435 against 41,030, an EP-8 rank of Air equal (BENCHMARKS.md, twenty-sixth session). On an fp8
+#   base (Flash, CUDA graphs, no copies) 18,873 against 18,563; the 284 copies of its step gone (twenty-seventh).
 # - "addmm": traced, LoRA's product added by an addmm (the sum in the GEMM's epilogue, as Unsloth's fast LoRA).
 #   Compiled, Inductor calls aten's out-of-place addmm, which first copies the base output into its own: 284
 #   device-to-device copies (3.4 ms) a GLM-4.7-Flash step (BENCHMARKS.md, twenty-fifth session); its backward adds
