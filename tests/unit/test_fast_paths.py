@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.experts import grouped_linear, permute, unpermute
@@ -448,24 +449,25 @@ def test_sort_by_key_sorts_narrow_keys_to_the_int64_order(num_keys, dtype, monke
     assert torch.equal(got, argsort(key, stable=True))
 
 
+class _SeenOps(TorchDispatchMode):
+    """The ops that run under it, by name (e.g. "moetune.lora_linear")."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
     """The three forms of a LoRA linear on a bf16-like base (lora.LORA_LINEAR; float64 here): the one op each way,
     the addmm and the plain sum give the same output and the same gradients for x, A and B, eager and compiled
     (Inductor); the op form runs the op, forward and backward, and the others do not."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from moetune.model import lora
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     layer = lora.LoRALinear(torch.nn.Linear(12, 20, bias=bias).double(), rank=4, alpha=12, dropout=0.0, rslora=False)
@@ -480,7 +482,7 @@ def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
         f = torch.compile(layer, backend="inductor") if compiled else layer
         layer.zero_grad()
         xi = x.clone().requires_grad_()
-        with Ops() as ops:
+        with _SeenOps() as ops:
             y = f(xi)
             (y * weights).sum().backward()
         if not compiled:
@@ -577,19 +579,8 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
     operands quantised by the row kernel (quant.matmul.DENSE_QUANT "kernel"), and there gives the traced form's
     output and x/A/B gradients within bf16's rounding (the same fp8 GEMMs; the branch added in place); under
     Inductor's quantisations, with LoRA dropout, or without fp8 tensor cores (the CPU) it keeps the traced form."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from moetune.model import lora
     from moetune.model.quant import matmul
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -604,7 +595,7 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
         layer.zero_grad()
         xi = x.clone().requires_grad_()
-        with Ops() as ops:
+        with _SeenOps() as ops:
             y = layer(xi)
             y.float().square().sum().backward()
         assert ("moetune.lora_linear_fp8" in ops.seen and "moetune.lora_linear_fp8_bwd" in ops.seen) == (

@@ -16,7 +16,7 @@ from helpers import hf_model, rewrite_checkpoint, save_hf
 from moetune.model.grouped_gemm import scaled_grouped_mm_reference
 from moetune.model.hf_io import load_model
 from moetune.model.quant.fp8 import FP8, ROWWISE, Fp8Scheme, quantize_blocks, quantize_rows
-from moetune.model.quant.matmul import (fp8_mm_dgrad, fp8_mm, expert_of_rows, fp8_grouped_linear, fp8_linear,
+from moetune.model.quant.matmul import (expert_of_rows, fp8_grouped_linear, fp8_linear, fp8_mm, fp8_mm_dgrad,
                                         reference_fp8_dgrad, reference_fp8_grouped_linear, reference_fp8_linear)
 from moetune.model.quant.modules import fp8_weights, scale_name, stacked_parts
 
@@ -59,7 +59,8 @@ def test_scaled_mm_kernel_calls_equal_their_references():
     x, g = torch.randn(24, 64), torch.randn(24, 48)
     w8, s = quantize_rows(torch.randn(48, 64) * 0.05)
     bias = torch.randn(48)
-    torch.testing.assert_close(fp8_mm(x, w8, s, bias).float(), reference_fp8_linear(x, w8, s, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp8_mm(x, w8, s, bias).float(), reference_fp8_linear(x, w8, s, bias), rtol=1e-5,
+                               atol=1e-5)
     torch.testing.assert_close(fp8_mm_dgrad(g, w8, s).float(), reference_fp8_dgrad(g, w8, s), rtol=1e-5, atol=1e-5)
     # and both are within fp8's own error of the dequantised fp32 product
     w = w8.float() * s

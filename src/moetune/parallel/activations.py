@@ -57,8 +57,9 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
              mlp.shared_experts b·(2Is + H); and each LoRA linear's x·Aᵀ (b·r). LoRA's B products, (x·Aᵀ)·Bᵀ,
              reduce over the rank: up to names.SELECTIVE_RECOMPUTE_MAX_K (64; the experts' rank padded to 16 bytes)
              they are recomputed, above it their full-width outputs (b·out) are kept too (selective_lora_outputs).
-             A LoRA linear run as one op (model/lora.py's LORA_LINEAR "op": a bf16 base without LoRA dropout) has no
-             B output of its own, whatever the rank: above the bound the term is an upper bound for it (b·out over).
+             A LoRA linear run as one op (model/lora.py's LORA_LINEAR "op": a bf16 base, or an fp8 one whose
+             operands the row kernel quantises, without LoRA dropout) has no B output of its own, whatever the rank:
+             above the bound the term is an upper bound for it (b·out over).
              Norms, RoPE, SwiGLU and the gathers are recomputed: full fine-tuning keeps no expert inputs here. Every
              base GEMM of a GLM model reduces over more than the bound (the smallest: MLA's kv_lora_rank, 512).
   attention  activation checkpointing recomputes the attention block (its norm, q/k/v/o, RoPE, attention) from the
