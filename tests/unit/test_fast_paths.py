@@ -526,7 +526,7 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
     assert not dropped._one_op(x)
 
 
-def _fp8_lora_layer(device, bias: bool):
+def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0):
     """A LoRA linear on a frozen row-scaled fp8 weight (64 -> 96, r 8), B nonzero."""
     from moetune.model import lora
     from moetune.model.quant.fp8 import ROWWISE, quantize_rows
@@ -538,7 +538,7 @@ def _fp8_lora_layer(device, bias: bool):
     base.weight.data, base.weight_scale.data = w8, scale
     if bias:
         base.bias.data = torch.randn(96, device=device).bfloat16()
-    layer = lora.LoRALinear(base, rank=8, alpha=16, dropout=0.0, rslora=False)
+    layer = lora.LoRALinear(base, rank=8, alpha=16, dropout=dropout, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     return layer
 
@@ -551,25 +551,27 @@ def test_lora_linear_fp8_op_is_the_fp8_product_plus_the_branch(bias):
     CPU torch._scaled_mm's own kernel, on a GPU its twin); an input that needs no gradient gets none."""
     from moetune.model import lora
     from moetune.model.quant.matmul import reference_fp8_dgrad, reference_fp8_linear
+    from moetune.model.quant.modules import weight_scale
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer = _fp8_lora_layer(device, bias)
     x = torch.randn(3, 10, 64, device=device).requires_grad_()
     A, B = (p.detach().clone().requires_grad_() for p in (layer.lora_A, layer.lora_B))
-    y = lora.lora_linear_fp8(x, layer.weight, layer.scale, layer.bias, None, A, B, layer.scaling)
+    y = lora.lora_linear_fp8(x, layer.weight, weight_scale(layer), layer.bias, None, A, B, layer.scaling)
     grad = torch.randn(3, 10, 96, device=device)
     y.backward(grad)
 
     xr, Ar, Br = (t.detach().clone().requires_grad_() for t in (x, A, B))
     branch = layer.scaling * (xr @ Ar.t()) @ Br.t()
-    want = reference_fp8_linear(xr.detach(), layer.weight, layer.scale, layer.bias) + branch
+    want = reference_fp8_linear(xr.detach(), layer.weight, weight_scale(layer), layer.bias) + branch
     (branch * grad).sum().backward()
-    dx = reference_fp8_dgrad(grad, layer.weight, layer.scale) + xr.grad
+    dx = reference_fp8_dgrad(grad, layer.weight, weight_scale(layer)) + xr.grad
     for got, ref in ((y, want), (x.grad, dx), (A.grad, Ar.grad), (B.grad, Br.grad)):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     assert B.grad.abs().sum() > 0 and A.grad.abs().sum() > 0
     A.grad = None
-    lora.lora_linear_fp8(x.detach(), layer.weight, layer.scale, layer.bias, None, A, B, layer.scaling).sum().backward()
+    y = lora.lora_linear_fp8(x.detach(), layer.weight, weight_scale(layer), layer.bias, None, A, B, layer.scaling)
+    y.sum().backward()
     assert A.grad is not None
 
 
@@ -603,7 +605,7 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
         out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
-    dropped = lora.LoRALinear(_fp8_lora_layer(device, bias), rank=8, alpha=16, dropout=0.1, rslora=False)
+    dropped = _fp8_lora_layer(device, bias, dropout=0.1)
     assert not dropped._one_op(x)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from moetune.model.experts import grouped_linear
 from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op
-from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy
+from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy, weight_scale
 from moetune.model.recompute import register_product
 
 from moetune.names import ATTENTION_TARGETS as ATTENTION, LORA_TARGETS as TARGETS, MLA_ATTENTION_TARGETS as MLA_ATTENTION
@@ -57,6 +57,16 @@ def _branch_grads(g, x2, h, lora_A, lora_B, scaling):
     return grad_h, torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
 
 
+def _outputs(x, weight, lora_A):
+    """The LoRA ops' outputs as their fake kernels give them: y [..., out], x·Aᵀ [tokens, r]."""
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+
+
+def _gradients(x, lora_A, lora_B, input_grad):
+    """Their backward ops' outputs: x's gradient (empty where x needs none), A's and B's."""
+    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+
+
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
 def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
                     lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +78,7 @@ def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @_lora_linear_op.register_fake
 def _(x, weight, bias, lora_A, lora_B, scaling):
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+    return _outputs(x, weight, lora_A)
 
 
 @torch.library.custom_op("moetune::lora_linear_bwd", mutates_args=())
@@ -86,7 +96,7 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
 
 @_lora_linear_bwd_op.register_fake
 def _(grad, x, h, weight, lora_A, lora_B, scaling, input_grad):
-    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+    return _gradients(x, lora_A, lora_B, input_grad)
 
 
 def _lora_linear_setup(ctx, inputs, output):
@@ -127,7 +137,7 @@ def _lora_linear_fp8_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, 
 
 @_lora_linear_fp8_op.register_fake
 def _(x, w8, scale, bias, transposed, lora_A, lora_B, scaling):
-    return x.new_empty(*x.shape[:-1], w8.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+    return _outputs(x, w8, lora_A)
 
 
 @torch.library.custom_op("moetune::lora_linear_fp8_bwd", mutates_args=())
@@ -146,7 +156,7 @@ def _lora_linear_fp8_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor
 
 @_lora_linear_fp8_bwd_op.register_fake
 def _(grad, x, h, w8, scale, transposed, lora_A, lora_B, scaling, input_grad):
-    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+    return _gradients(x, lora_A, lora_B, input_grad)
 
 
 def _lora_linear_fp8_setup(ctx, inputs, output):
@@ -186,7 +196,7 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         self.quant = getattr(base, "quant", None)  # an fp8 base keeps its scale under the checkpoint's name
         if self.quant is not None:
-            setattr(self, self.quant.scale_suffix, base.scale)
+            setattr(self, self.quant.scale_suffix, weight_scale(base))
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
@@ -206,8 +216,8 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         if LORA_LINEAR == "op" and self._one_op(x):
             if self.quant is not None:
-                return lora_linear_fp8(x, self.weight, self.scale, self.bias, transposed_copy(self, "weight"), A, B,
-                                       self.scaling)
+                return lora_linear_fp8(x, self.weight, weight_scale(self), self.bias, transposed_copy(self, "weight"),
+                                       A, B, self.scaling)
             return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
         y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), A)
@@ -215,10 +225,6 @@ class LoRALinear(nn.Module):
             return y + F.linear(h, B) * self.scaling
         y2 = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=self.scaling)
         return y2.view(y.shape)
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return getattr(self, self.quant.scale_suffix)
 
     def _one_op(self, x) -> bool:
         if not isinstance(self.dropout, nn.Identity) or self.weight.requires_grad or any(

@@ -56,7 +56,7 @@ class Fp8Linear(nn.Module):
 
     @property
     def scale(self) -> torch.Tensor:
-        return getattr(self, self.quant.scale_suffix)
+        return weight_scale(self)
 
     def forward(self, x):
         return frozen_linear(self, x)
@@ -65,12 +65,17 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.quant.name}"
 
 
+def weight_scale(module: nn.Module) -> torch.Tensor:
+    """The scales of a (possibly LoRA-wrapped) linear's fp8 weight, under the checkpoint's name."""
+    return getattr(module, module.quant.scale_suffix)
+
+
 def frozen_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The base product of a (possibly LoRA-wrapped) linear: fp8 when the module holds an fp8 weight."""
     quant = getattr(module, "quant", None)
     if quant is None:
         return F.linear(x, module.weight, module.bias)
-    return fp8_linear(x, module.weight, getattr(module, quant.scale_suffix), quant, module.bias,
+    return fp8_linear(x, module.weight, weight_scale(module), quant, module.bias,
                       transposed_copy(module, "weight"))
 
 
