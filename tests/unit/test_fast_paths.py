@@ -557,7 +557,7 @@ def test_lora_linear_fp8_op_is_the_fp8_product_plus_the_branch(bias):
     layer = _fp8_lora_layer(device, bias)
     x = torch.randn(3, 10, 64, device=device).requires_grad_()
     A, B = (p.detach().clone().requires_grad_() for p in (layer.lora_A, layer.lora_B))
-    y = lora.lora_linear_fp8(x, layer.weight, weight_scale(layer), layer.bias, None, A, B, layer.scaling)
+    y = lora.lora_linear(x, layer.weight, layer.bias, A, B, layer.scaling, weight_scale(layer))
     grad = torch.randn(3, 10, 96, device=device)
     y.backward(grad)
 
@@ -570,7 +570,7 @@ def test_lora_linear_fp8_op_is_the_fp8_product_plus_the_branch(bias):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     assert B.grad.abs().sum() > 0 and A.grad.abs().sum() > 0
     A.grad = None
-    y = lora.lora_linear_fp8(x.detach(), layer.weight, weight_scale(layer), layer.bias, None, A, B, layer.scaling)
+    y = lora.lora_linear(x.detach(), layer.weight, layer.bias, A, B, layer.scaling, weight_scale(layer))
     y.sum().backward()
     assert A.grad is not None
 
@@ -600,8 +600,7 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
         with _SeenOps() as ops:
             y = layer(xi)
             y.float().square().sum().backward()
-        assert ("moetune.lora_linear_fp8" in ops.seen and "moetune.lora_linear_fp8_bwd" in ops.seen) == (
-            form == "op" and cuda)
+        assert ("moetune.lora_linear" in ops.seen and "moetune.lora_linear_bwd" in ops.seen) == (form == "op" and cuda)
         out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
@@ -688,19 +687,19 @@ def test_lora_linear_ops_pass_opcheck(bias):
     W, b = torch.randn(20, 12, generator=g, **f64), torch.randn(20, generator=g, **f64)
     A = torch.randn(4, 12, generator=g, **f64).requires_grad_()
     B = torch.randn(20, 4, generator=g, **f64).requires_grad_()
-    torch.library.opcheck(torch.ops.moetune.lora_linear.default, (x, W, b if bias else None, A, B, 2.0))
+    torch.library.opcheck(torch.ops.moetune.lora_linear.default, (x, W, None, b if bias else None, None, A, B, 2.0))
     grad, h = torch.randn(2, 5, 20, generator=g, **f64), torch.randn(10, 4, generator=g, **f64)
     for input_grad in (True, False):
         torch.library.opcheck(torch.ops.moetune.lora_linear_bwd.default,
-                              (grad, x.detach(), h, W, A.detach(), B.detach(), 2.0, input_grad))
+                              (grad, x.detach(), h, W, None, None, A.detach(), B.detach(), 2.0, input_grad))
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("transposed", [False, True], ids=["copy_made", "copy_kept"])
 def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
-    """The fp8 LoRA linear's two ops as torch.library.opcheck sees them (fp32 activations, an fp8 weight with row
-    scales, its kept transposed copy or none): autograd registration, fake kernels against the real ones, AOTAutograd
-    with dynamic shapes. Its schema check cannot compare fp8 tensors on the CPU (no fp8 multiply there): that no
+    """The LoRA linear's two ops on an fp8 weight as torch.library.opcheck sees them (fp32 activations, an fp8 weight
+    with row scales, its kept transposed copy or none): autograd registration, fake kernels against the real ones,
+    AOTAutograd with dynamic shapes. Its schema check cannot compare fp8 tensors on the CPU (no fp8 multiply there): that no
     input is mutated is checked bit for bit instead. On a GPU (its twin) on CUDA tensors: torch 2.11's CPU
     _scaled_mm takes per-tensor scales only."""
     from moetune.model import lora  # noqa: F401  (registers the ops)
@@ -716,8 +715,8 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
     B = torch.randn(48, 4, generator=g).to(device).requires_grad_()
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     grad, h = torch.randn(2, 8, 48, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
-    calls = [(torch.ops.moetune.lora_linear_fp8.default, (x, w8, scale, b, copy, A, B, 2.0))]
-    calls += [(torch.ops.moetune.lora_linear_fp8_bwd.default,
+    calls = [(torch.ops.moetune.lora_linear.default, (x, w8, scale, b, copy, A, B, 2.0))]
+    calls += [(torch.ops.moetune.lora_linear_bwd.default,
                (grad, x.detach(), h, w8, scale, copy, A.detach(), B.detach(), 2.0, input_grad))
               for input_grad in (True, False)]
     for op, args in calls:

@@ -959,7 +959,7 @@ def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisation
 @pytest.mark.parametrize("compiled", [False, True])
 def test_lora_on_fp8_linears_as_one_op_gives_the_traced_forms_loss_and_gradients(monkeypatch, compiled):
     """Where the dense fp8 operands are quantised by the row kernel (forced on the CPU), the LoRA linears on fp8
-    weights run as one op each way (lora.lora_linear_fp8), forward and backward, and the tiny model's loss and every
+    weights run as one op each way (lora.lora_linear), forward and backward, and the tiny model's loss and every
     LoRA gradient are those of the traced form (fp8 GEMM, then LoRA's addmm) within bf16's rounding: the same fp8
     products, the branch added in place. A rounding that moves a gradient value across an fp8 step moves every layer
     below it: the traced forms themselves (addmm against the product written, then added) differ by 4-8% relative L2

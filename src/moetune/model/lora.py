@@ -27,10 +27,9 @@ _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the oth
 
 
 # How a LoRA linear on a frozen base adds its branch s·(x·Aᵀ)·Bᵀ to the base product x·Wᵀ + b:
-# - "op": one opaque op each way (`lora_linear` below; `lora_linear_fp8` on an fp8 weight where its operands are
-#   quantised by the row kernel, quant.matmul.fp8_mm_in_one_op). Its forward's GEMM writes y and LoRA's B product is
-#   added onto y in place (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees
-#   one node.
+# - "op": one opaque op each way (`lora_linear` below; on an fp8 weight where its operands are quantised by the row
+#   kernel, quant.matmul.fp8_mm_in_one_op). Its forward's GEMM writes y and LoRA's B product is added onto y in place
+#   (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees one node.
 #   One H200, same call against "addmm": GLM-4.7-Flash LoRA on MLA with CUDA graphs 17,146 tokens/s against 16,908,
 #   AIR-8 q,k,v,o 41,435 against 41,030, an EP-8 rank of Air equal (BENCHMARKS.md, twenty-sixth session). On an fp8
 #   base (Flash, CUDA graphs, no copies) 18,873 against 18,563; the 284 copies of its step gone (twenty-seventh).
@@ -57,129 +56,81 @@ def _branch_grads(g, x2, h, lora_A, lora_B, scaling):
     return grad_h, torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
 
 
-def _outputs(x, weight, lora_A):
-    """The LoRA ops' outputs as their fake kernels give them: y [..., out], x·Aᵀ [tokens, r]."""
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+def _base_product(x2, weight, scale, bias):
+    """x2 · Wᵀ + b: W bf16-like (`scale` None), or fp8 with row scales (quant.matmul's fp8 GEMM)."""
+    if scale is not None:
+        return fp8_mm(x2, weight, scale, bias)
+    return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
 
 
-def _gradients(x, lora_A, lora_B, input_grad):
-    """Their backward ops' outputs: x's gradient (empty where x needs none), A's and B's."""
-    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+def _base_input_grad(g, weight, scale, transposed):
+    """dy · W: bf16-like, or the fp8 input gradient (on `transposed`, the weight's kept [in, out] copy, or a copy
+    made here)."""
+    return torch.mm(g, weight) if scale is None else fp8_mm_dgrad(g, weight, scale, transposed=transposed)
 
 
+# One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
+# [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y, LoRA's branch is added in
+# place. It returns x·Aᵀ besides y, to save for the backward.
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
-def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
-                    lora_B: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                    transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+    y = _base_product(x2, weight, scale, bias)
     h = _add_branch(x2, y, lora_A, lora_B, scaling)
     return y.view(*x.shape[:-1], weight.shape[0]), h
 
 
 @_lora_linear_op.register_fake
-def _(x, weight, bias, lora_A, lora_B, scaling):
-    return _outputs(x, weight, lora_A)
+def _(x, weight, scale, bias, transposed, lora_A, lora_B, scaling):
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
 
 
 @torch.library.custom_op("moetune::lora_linear_bwd", mutates_args=())
 def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                        lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float,
+                        scale: torch.Tensor | None, transposed: torch.Tensor | None, lora_A: torch.Tensor,
+                        lora_B: torch.Tensor, scaling: float,
                         input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = grad.reshape(-1, grad.shape[-1])
+    if scale is not None:
+        g = g.contiguous()  # the fp8 GEMM's operand is quantised row by row
     grad_h, grad_A, grad_B = _branch_grads(g, x.reshape(-1, x.shape[-1]), h, lora_A, lora_B, scaling)
     if not input_grad:
         return x.new_empty(0), grad_A, grad_B
-    dx = torch.mm(g, weight)
+    dx = _base_input_grad(g, weight, scale, transposed)
     dx.addmm_(grad_h, lora_A)
     return dx.view(x.shape), grad_A, grad_B
 
 
 @_lora_linear_bwd_op.register_fake
-def _(grad, x, h, weight, lora_A, lora_B, scaling, input_grad):
-    return _gradients(x, lora_A, lora_B, input_grad)
+def _(grad, x, h, weight, scale, transposed, lora_A, lora_B, scaling, input_grad):
+    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
 
 
 def _lora_linear_setup(ctx, inputs, output):
-    x, weight, _, lora_A, lora_B, scaling = inputs
-    ctx.save_for_backward(x, output[1], weight, lora_A, lora_B)
+    x, weight, scale, _, transposed, lora_A, lora_B, scaling = inputs
+    ctx.save_for_backward(x, output[1], weight, scale, transposed, lora_A, lora_B)
     ctx.scaling = scaling
 
 
 def _lora_linear_backward(ctx, grad, _grad_h):
     # h is an output only to be saved: nothing outside reads it, so its gradient is zero
-    x, h, weight, lora_A, lora_B = ctx.saved_tensors
-    dx, grad_A, grad_B = torch.ops.moetune.lora_linear_bwd(grad, x, h, weight, lora_A, lora_B, ctx.scaling,
-                                                            ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None), None, None, grad_A, grad_B, None
+    x, h, weight, scale, transposed, lora_A, lora_B = ctx.saved_tensors
+    dx, grad_A, grad_B = torch.ops.moetune.lora_linear_bwd(grad, x, h, weight, scale, transposed, lora_A, lora_B,
+                                                            ctx.scaling, ctx.needs_input_grad[0])
+    return (dx if ctx.needs_input_grad[0] else None), None, None, None, None, grad_A, grad_B, None
 
 
 _lora_linear_op.register_autograd(_lora_linear_backward, setup_context=_lora_linear_setup)
 register_product(torch.ops.moetune.lora_linear.default)
 
 
-def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float) -> torch.Tensor:
-    """x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ for a frozen W and b (no gradient), all in x's dtype, as one op each way."""
-    return torch.ops.moetune.lora_linear(x, weight, bias, lora_A, lora_B, scaling)[0]
-
-
-# The same on a frozen fp8 weight (row scales): the base product and input gradient are quant.matmul's fp8 GEMMs
-# (fp8_mm, fp8_mm_dgrad), LoRA's branch added in place as above. `transposed`: the weight's kept [in, out] copy for
-# the input gradient, or None (a copy made in the backward).
-@torch.library.custom_op("moetune::lora_linear_fp8", mutates_args=())
-def _lora_linear_fp8_op(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                        transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
-                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    x2 = x.reshape(-1, x.shape[-1])
-    y = fp8_mm(x2, w8, scale, bias)
-    h = _add_branch(x2, y, lora_A, lora_B, scaling)
-    return y.view(*x.shape[:-1], w8.shape[0]), h
-
-
-@_lora_linear_fp8_op.register_fake
-def _(x, w8, scale, bias, transposed, lora_A, lora_B, scaling):
-    return _outputs(x, w8, lora_A)
-
-
-@torch.library.custom_op("moetune::lora_linear_fp8_bwd", mutates_args=())
-def _lora_linear_fp8_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, w8: torch.Tensor,
-                            scale: torch.Tensor, transposed: torch.Tensor | None, lora_A: torch.Tensor,
-                            lora_B: torch.Tensor, scaling: float,
-                            input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = grad.reshape(-1, grad.shape[-1]).contiguous()
-    grad_h, grad_A, grad_B = _branch_grads(g, x.reshape(-1, x.shape[-1]), h, lora_A, lora_B, scaling)
-    if not input_grad:
-        return x.new_empty(0), grad_A, grad_B
-    dx = fp8_mm_dgrad(g, w8, scale, transposed=transposed)
-    dx.addmm_(grad_h, lora_A)
-    return dx.view(x.shape), grad_A, grad_B
-
-
-@_lora_linear_fp8_bwd_op.register_fake
-def _(grad, x, h, w8, scale, transposed, lora_A, lora_B, scaling, input_grad):
-    return _gradients(x, lora_A, lora_B, input_grad)
-
-
-def _lora_linear_fp8_setup(ctx, inputs, output):
-    x, w8, scale, _, transposed, lora_A, lora_B, scaling = inputs
-    ctx.save_for_backward(x, output[1], w8, scale, transposed, lora_A, lora_B)
-    ctx.scaling = scaling
-
-
-def _lora_linear_fp8_backward(ctx, grad, _grad_h):
-    x, h, w8, scale, transposed, lora_A, lora_B = ctx.saved_tensors
-    dx, grad_A, grad_B = torch.ops.moetune.lora_linear_fp8_bwd(grad, x, h, w8, scale, transposed, lora_A, lora_B,
-                                                                ctx.scaling, ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None), None, None, None, None, grad_A, grad_B, None
-
-
-_lora_linear_fp8_op.register_autograd(_lora_linear_fp8_backward, setup_context=_lora_linear_fp8_setup)
-register_product(torch.ops.moetune.lora_linear_fp8.default)
-
-
-def lora_linear_fp8(x, w8, scale, bias, transposed, lora_A, lora_B, scaling: float) -> torch.Tensor:
-    """x·dequant(w8, scale)ᵀ + b + scaling·(x·Aᵀ)·Bᵀ for a frozen fp8 weight (row scales) as one op each way, the
-    base product and input gradient on fp8 tensor cores (quant.matmul.fp8_mm_in_one_op says where)."""
-    return torch.ops.moetune.lora_linear_fp8(x, w8, scale, bias, transposed, lora_A, lora_B, scaling)[0]
+def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float, scale=None, transposed=None) -> torch.Tensor:
+    """x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ for a frozen W and b (no gradient) as one op each way, in x's dtype. An fp8 W
+    gives its row `scale` (and its kept transposed copy, or None): the base product and input gradient then run on
+    fp8 tensor cores (quant.matmul.fp8_mm_in_one_op says where)."""
+    return torch.ops.moetune.lora_linear(x, weight, scale, bias, transposed, lora_A, lora_B, scaling)[0]
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -215,10 +166,10 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         if LORA_LINEAR == "op" and self._one_op(x):
-            if self.quant is not None:
-                return lora_linear_fp8(x, self.weight, weight_scale(self), self.bias, transposed_copy(self, "weight"),
-                                       A, B, self.scaling)
-            return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
+            if self.quant is None:
+                return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
+            return lora_linear(x, self.weight, self.bias, A, B, self.scaling, weight_scale(self),
+                               transposed_copy(self, "weight"))
         y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), A)
         if LORA_LINEAR == "sum":

@@ -217,7 +217,7 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def fp8_mm_in_one_op(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
-    """Whether a LoRA linear on this fp8 weight runs as one op each way (lora.lora_linear_fp8): the fp8 tensor-core
+    """Whether a LoRA linear on this fp8 weight runs as one op each way (lora.lora_linear): the fp8 tensor-core
     path, forward and input gradient, with the operands quantised by the row kernel (DENSE_QUANT's "kernel", where
     the layers replay as CUDA graphs). Under Inductor's quantisations, fused into the kernels that produce the
     operands, the traced form keeps that fusion."""
