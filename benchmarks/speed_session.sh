@@ -7,6 +7,7 @@
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # perm:      benchmarks/permutation_kernels.py (the MoE permutation's gathers and sums, each way of writing them)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
+# lora_kernels: benchmarks/lora_linear_kernels.py (a LoRA linear's op on the dense shapes, each way of adding its branch)
 # flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; overrides in
 #              $FLASH_EXTRA);
 #              flash_train_b, _c, _d: again with $FLASH_EXTRA_B and $FLASH_ENV_B (environment assignments), ...
@@ -36,7 +37,7 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
-        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t|^numerics_transformers|^\{\"shape" "$LOGS/$name.log" \
+        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t|^numerics_transformers|^\{\"shape|^(flash|air)_[a-z_]+ +(bf16|fp8) " "$LOGS/$name.log" \
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
 PORT=29611
 flash_train() {  # $1: name, rest: extra overrides
@@ -57,6 +58,7 @@ for stage in ${STAGES:-attention trace variants}; do
         > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
     variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
     perm) run perm ${PERM_LIMIT:-120} python3 benchmarks/permutation_kernels.py ;;
+    lora_kernels) run lora_kernels ${LK_LIMIT:-120} env OUT="$OUT" python3 benchmarks/lora_linear_kernels.py ;;
     ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train EXTRA="${FLASH_EXTRA:-}" ;;
     flash_train_[b-d]) # the same run again: ${FLASH_EXTRA_B} overrides, ${FLASH_ENV_B} environment (B, C or D)

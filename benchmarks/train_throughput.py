@@ -266,6 +266,18 @@ for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x
               "ours_ep8rank_qkvo_1x4096_packed", "ours_flash_mlaexperts_1x4096_cg", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_ladd"] = (_s, _b, _t, _tg, {**_x, "lora_linear": "addmm"})
+# the one op's branch always added in place (_lak0: lora.LORA_ALONG_K False), before it ran along the GEMM's reduction
+# where the output is much wider than the input (MLA's q_b and kv_b)
+for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo_cg",
+              "ours_flash_mlaexperts_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_lak0"] = (_s, _b, _t, _tg, {**_x, "lora_along_k": False})
+# LoRA's branch on an fp8 weight added in the TMA kernel's epilogue, the kernel making the whole product as one group
+# (_le: quant.matmul.FP8_LORA_EPILOGUE True; where the LoRA op runs, the _cg rows), against cuBLAS's fp8 GEMM + add
+for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024_cg"):
+    if _base in VARIANTS:
+        _s, _b, _t, _tg, _x = VARIANTS[_base]
+        VARIANTS[f"{_base}_le"] = (_s, _b, _t, _tg, {**_x, "fp8_lora_epilogue": True})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
 # by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
 # as CUDA graphs, the _cg rows)
@@ -383,6 +395,7 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.K_MAJOR_COPY = extra.get("k_major_copy", fp8_matmul.K_MAJOR_COPY)
         fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
         fp8_matmul.DENSE_QUANT = extra.get("dense_quant", fp8_matmul.DENSE_QUANT)
+        fp8_matmul.FP8_LORA_EPILOGUE = extra.get("fp8_lora_epilogue", fp8_matmul.FP8_LORA_EPILOGUE)
     import moetune.model.experts as experts_module
     import moetune.model.glm4_moe as glm4_moe_module
     import moetune.model.grouped_gemm as grouped_gemm_module
@@ -397,6 +410,7 @@ def build_ours(cfg: dict, targets, extra, device):
     glm4_moe_module.ROUTER_TENSOR_CORES = extra.get("router_tensor_cores", glm4_moe_module.ROUTER_TENSOR_CORES)
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
+    lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)

@@ -1,5 +1,7 @@
 """Every fast path against the plain computation it replaces (forward and gradients)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -463,21 +465,29 @@ class _SeenOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
-    """The three forms of a LoRA linear on a bf16-like base (lora.LORA_LINEAR; float64 here): the one op each way,
-    the addmm and the plain sum give the same output and the same gradients for x, A and B, eager and compiled
-    (Inductor); the op form runs the op, forward and backward, and the others do not."""
+@pytest.mark.parametrize("shape", [(12, 20, (3, 5)), (8, 96, (4, 16))], ids=["in_place", "along_k"])
+def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
+    """The forms of a LoRA linear on a bf16-like base (lora.LORA_LINEAR; float64 here): the one op each way (its
+    branch added in place, or along the GEMM's reduction where the output is much wider than the input:
+    lora.LORA_ALONG_K), the addmm and the plain sum give the same output and the same gradients for x, A and B, eager
+    and compiled (Inductor); the op form runs the op, forward and backward, and the others do not."""
     from moetune.model import lora
 
+    n_in, n_out, lead = shape
     torch.manual_seed(0)
-    layer = lora.LoRALinear(torch.nn.Linear(12, 20, bias=bias).double(), rank=4, alpha=12, dropout=0.0, rslora=False)
+    layer = lora.LoRALinear(torch.nn.Linear(n_in, n_out, bias=bias).double(), rank=4, alpha=12, dropout=0.0,
+                            rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
-    x = torch.randn(3, 5, 12, dtype=torch.float64)
-    weights = torch.randn(20, dtype=torch.float64)
+    x = torch.randn(*lead, n_in, dtype=torch.float64)
+    assert lora._along_k(math.prod(lead), layer.weight, layer.lora_A) == (n_out == 96)
+    weights = torch.randn(n_out, dtype=torch.float64)
+    chosen, along_k_rule = [], lora._along_k
+    monkeypatch.setattr(lora, "_along_k", lambda *a: chosen.append(along_k_rule(*a)) or chosen[-1])
     results = []
-    for form in ("op", "addmm", "sum"):
+    for form, along_k in (("op", True), ("op", False), ("addmm", True), ("sum", True)):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
+        monkeypatch.setattr(lora, "LORA_ALONG_K", along_k)
         torch._dynamo.reset()
         f = torch.compile(layer, backend="inductor") if compiled else layer
         layer.zero_grad()
@@ -487,6 +497,9 @@ def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
             (y * weights).sum().backward()
         if not compiled:
             assert ("moetune.lora_linear" in ops.seen and "moetune.lora_linear_bwd" in ops.seen) == (form == "op")
+            # the op's two halves each took LoRA's branch along K where it pays (and it was allowed), else in place
+            assert chosen == ([n_out == 96 and along_k] * 2 if form == "op" else [])
+        chosen.clear()
         results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for got in results[1:]:
         for a, b in zip(results[0], got):
@@ -494,18 +507,21 @@ def test_lora_linear_forms_are_one_product(compiled, bias, monkeypatch):
     assert results[0][3].abs().sum() > 0 and results[0][2].abs().sum() > 0
 
 
-def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
+@pytest.mark.parametrize("n_in, n_out, rows", [(64, 96, 40), (16, 256, 128)], ids=["in_place", "along_k"])
+def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, monkeypatch):
     """In bf16 the op's output and gradients are those of the traced form within bf16's rounding (the same GEMMs, the
-    sums in fp32 accumulators; cuBLAS's on CUDA); an input that needs no gradient gets none (B's and A's still come);
-    LoRA dropout and an fp32 input fall back to the traced form."""
+    sums in fp32 accumulators; cuBLAS's on CUDA), its branch added in place or along the reduction; an input that
+    needs no gradient gets none (B's and A's still come); LoRA dropout and an fp32 input fall back to the traced
+    form."""
     from moetune.model import lora
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(1)
-    layer = lora.LoRALinear(torch.nn.Linear(64, 96, bias=True).bfloat16().to(device), rank=8, alpha=16, dropout=0.0,
-                            rslora=False)
+    layer = lora.LoRALinear(torch.nn.Linear(n_in, n_out, bias=True).bfloat16().to(device), rank=8, alpha=16,
+                            dropout=0.0, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
-    x = torch.randn(40, 64, dtype=torch.bfloat16, device=device)
+    x = torch.randn(rows, n_in, dtype=torch.bfloat16, device=device)
+    assert lora._along_k(rows, layer.weight, layer.lora_A) == (n_out == 256)
     out = []
     for form in ("op", "addmm"):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
@@ -521,12 +537,12 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(monkeypatch):
     layer(x).float().sum().backward()  # x needs no gradient
     assert layer.lora_A.grad is not None and layer.lora_B.grad.abs().sum() > 0
     assert layer._one_op(x) and not layer._one_op(x.float())
-    dropped = lora.LoRALinear(torch.nn.Linear(64, 96).bfloat16().to(device), rank=8, alpha=16, dropout=0.1,
+    dropped = lora.LoRALinear(torch.nn.Linear(n_in, n_out).bfloat16().to(device), rank=8, alpha=16, dropout=0.1,
                               rslora=False)
     assert not dropped._one_op(x)
 
 
-def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0):
+def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0, rank: int = 8):
     """A LoRA linear on a frozen row-scaled fp8 weight (64 -> 96, r 8), B nonzero."""
     from moetune.model import lora
     from moetune.model.quant.fp8 import ROWWISE, quantize_rows
@@ -538,7 +554,7 @@ def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0):
     base.weight.data, base.weight_scale.data = w8, scale
     if bias:
         base.bias.data = torch.randn(96, device=device).bfloat16()
-    layer = lora.LoRALinear(base, rank=8, alpha=16, dropout=dropout, rslora=False)
+    layer = lora.LoRALinear(base, rank=rank, alpha=16, dropout=dropout, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     return layer
 
@@ -575,18 +591,24 @@ def test_lora_linear_fp8_op_is_the_fp8_product_plus_the_branch(bias):
     assert A.grad is not None
 
 
+@pytest.mark.parametrize("epilogue", [False, True], ids=["added_in_place", "in_the_epilogue"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantises(bias, monkeypatch):
+def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantises(bias, epilogue, monkeypatch):
     """A LoRA linear on an fp8 weight runs the one op each way where the fp8 GEMMs run on tensor cores with their
     operands quantised by the row kernel (quant.matmul.DENSE_QUANT "kernel"), and there gives the traced form's
-    output and x/A/B gradients within bf16's rounding (the same fp8 GEMMs; the branch added in place); under
-    Inductor's quantisations, with LoRA dropout, or without fp8 tensor cores (the CPU) it keeps the traced form."""
+    output and x/A/B gradients within bf16's rounding (the same fp8 GEMMs; the branch added in place, or in the TMA
+    kernel's epilogue where quant.matmul.FP8_LORA_EPILOGUE allows it: no bias, rank 16); under Inductor's
+    quantisations, with LoRA dropout, or without fp8 tensor cores (the CPU) it keeps the traced form."""
     from moetune.model import lora
     from moetune.model.quant import matmul
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    layer = _fp8_lora_layer(device, bias)
+    layer = _fp8_lora_layer(device, bias, rank=16 if epilogue else 8)
+    monkeypatch.setattr(matmul, "FP8_LORA_EPILOGUE", epilogue)
+    epilogues = []
+    real_epilogue = lora.fp8_mm_lora
+    monkeypatch.setattr(lora, "fp8_mm_lora", lambda *a: epilogues.append(1) or real_epilogue(*a))
     x = torch.randn(40, 64, dtype=torch.bfloat16, device=device)
     monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")
     assert not layer._one_op(x)
@@ -601,6 +623,8 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
             y = layer(xi)
             y.float().square().sum().backward()
         assert ("moetune.lora_linear" in ops.seen and "moetune.lora_linear_bwd" in ops.seen) == (form == "op" and cuda)
+        assert len(epilogues) == (form == "op" and cuda and epilogue and not bias)
+        epilogues.clear()
         out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())

@@ -446,6 +446,34 @@ def test_lora_in_the_tma_epilogue_gives_the_lora_branch_and_its_gradients(rank, 
         _close(got, ref)
 
 
+@pytest.mark.parametrize("rank", [16, 32])
+def test_fp8_linear_with_lora_in_the_tma_epilogue(rank, tma_on_cpu, monkeypatch):
+    """A LoRA linear's forward on a frozen fp8 weight by the TMA kernel as one group (quant.matmul.fp8_mm_lora): the
+    activation rows quantised, the fp8 product with both operands' scales, and L·P added after the scales, against
+    the fp32 reference of each (reference_fp8_linear + L·P); rows ending mid-tile. An epilogue that adds the branch
+    before the scales, or drops it, fails. On a GPU with its launch config (its twin), else under the interpreter."""
+    from moetune.model.quant import matmul
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    n_out, n_in, rows = (GPU_OUT, GPU_IN, 300) if cuda else (TMA_OUT, TMA_IN, 37)
+    torch.manual_seed(13)
+    w8, scale = quantize_rows((torch.randn(n_out, n_in) / n_in ** 0.5).to(device))
+    x = torch.randn(rows, n_in, device=device).bfloat16()
+    L = torch.randn(rows, rank, device=device).bfloat16()
+    P = (torch.randn(rank, n_out, device=device) / rank).bfloat16()
+    monkeypatch.setattr(matmul, "FP8_LORA_EPILOGUE", True)
+    assert matmul.fp8_mm_lora_fits(x, w8, rank, None)
+    assert not matmul.fp8_mm_lora_fits(x, w8, 8, None) and not matmul.fp8_mm_lora_fits(x, w8, rank, x[0])
+    y = matmul.fp8_mm_lora(x, w8, scale, L, P)
+    want = matmul.reference_fp8_linear(x.float(), w8, scale) + L.float() @ P.float()
+    assert y.dtype == x.dtype and y.shape == (rows, n_out)
+    _close(y, want)
+    assert (want - matmul.reference_fp8_linear(x.float(), w8, scale)).abs().max() > 0.1 * want.abs().max()
+    monkeypatch.setattr(matmul, "FP8_LORA_EPILOGUE", False)
+    assert not matmul.fp8_mm_lora_fits(x, w8, rank, None)
+
+
 def test_grouped_lora_ops_pass_opcheck():
     """The frozen stack's LoRA op and its input-gradient op as torch.library.opcheck sees them (schema, autograd
     registration, fake kernels, AOTAutograd with dynamic shapes), an empty group among them."""

@@ -203,9 +203,9 @@ if triton is not None:
         there, Triton transposes it through shared memory again and waits on every MMA (145–157 TFLOP/s,
         BENCHMARKS.md, fifteenth session); as the first operand it may come from registers, and the MMAs stay
         asynchronous (the sm_90 compile: wgmma with its A in registers, MMAs left in flight at each wait).
-        LORA (16-bit operands, no SWAP): C[rows of g] += L[rows] · P[g], L [M, RANK] contiguous, P[g] [RANK, N] at
-        strides (stride_pr, stride_pn): one more MMA over RANK before the store (a LoRA branch's product added in
-        the epilogue)."""
+        LORA (no SWAP): C[rows of g] += L[rows] · P[g] after the scales, L [M, RANK] contiguous and P[g] [RANK, N]
+        at strides (stride_pr, stride_pn) 16-bit: one more MMA over RANK before the store (a LoRA branch's product
+        added in the epilogue)."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
         for k0 in range(0, k_end, BK):
@@ -235,7 +235,11 @@ if triton is not None:
         rn = tn * BN + tl.arange(0, BN)
         m_mask = rm < row_b
         n_mask = rn < N
-        if LORA:
+        if SCALE_B:
+            acc = acc * tl.load(scale_ptr + ge.to(tl.int64) * stride_se + rn, mask=n_mask, other=0.0)[None, :]
+        if SCALE_A:
+            acc = acc * tl.load(ascale_ptr + rm, mask=m_mask, other=0.0)[:, None]
+        if LORA:  # after the scales: L and P are 16-bit values as they are
             rr = tl.arange(0, RANK)
             lo = tl.load(l_ptr + rm.to(tl.int64)[:, None] * RANK + rr[None, :], mask=m_mask[:, None], other=0.0)
             pg = tl.load(p_ptr + ge.to(tl.int64) * stride_pe + rr[:, None] * stride_pr + rn[None, :] * stride_pn,
@@ -244,10 +248,6 @@ if triton is not None:
                 lo = lo.to(tl.float32)
                 pg = pg.to(tl.float32)
             acc = tl.dot(lo, pg, acc)
-        if SCALE_B:
-            acc = acc * tl.load(scale_ptr + ge.to(tl.int64) * stride_se + rn, mask=n_mask, other=0.0)[None, :]
-        if SCALE_A:
-            acc = acc * tl.load(ascale_ptr + rm, mask=m_mask, other=0.0)[:, None]
         acc = tl.where(g < E, acc, 0.0)  # not a product: the padding rows may hold anything
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -497,7 +497,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     `launch`: torch.library.wrap_triton inside the triton_op (torch.compile then launches the kernel itself).
     `persistent`: the persistent kernel (default TMA_PERSISTENT); `pairs`: an fp8 stack as stored moved as int16
     pairs (default TMA_SWAP_PAIRS). `lora` (L [M, r], P [E, r, N], any strides; 16-bit, r as `lora_epilogue_fits`
-    says): y[rows of e] += L[rows] · P[e], summed with the product in fp32 and rounded once."""
+    says; not with `transpose` False on fp8): y[rows of e] += L[rows] · P[e] (after an fp8 product's scales),
+    summed with the product in fp32 and rounded once."""
     E, n_out, n_in = weight.shape
     M = x.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
@@ -520,7 +521,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
                 DOT_FP32=_interpreting(), SWAP=swap, PAIRS=pairs)
     if lora is not None:
         L, P = lora
-        assert not fp8 and L.shape == (M, P.shape[1]) and P.shape == (E, L.shape[1], N) and L.dtype == x.dtype
+        assert not swap and L.shape == (M, P.shape[1]) and P.shape == (E, L.shape[1], N) and L.dtype == y.dtype
         L = L.contiguous()
         meta.update(l_ptr=L, p_ptr=P, stride_pe=P.stride(0), stride_pr=P.stride(1), stride_pn=P.stride(2), LORA=True,
                     RANK=L.shape[1])

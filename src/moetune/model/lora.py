@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.model.experts import grouped_linear
-from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op
+from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op, fp8_mm_lora, fp8_mm_lora_fits
 from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy, weight_scale
 from moetune.model.recompute import register_product
 
@@ -69,6 +69,21 @@ def _base_input_grad(g, weight, scale, transposed):
     return torch.mm(g, weight) if scale is None else fp8_mm_dgrad(g, weight, scale, transposed=transposed)
 
 
+# Where a bf16-like base's output is much wider than its input (MLA's q_b and kv_b: 768 -> 5,120 and 512 -> 8,960),
+# the in-place add reads and writes all of y again, and the backward's dy·s·B reads all of dy again. There the op
+# runs LoRA's branch as more columns of the base GEMM's reduction: y = [x | s·x·Aᵀ]·[W | B]ᵀ, and backward
+# [dy·W | dy·s·B] = dy·[W | s·B], copying x and W with r more columns instead (`_along_k`: fewer bytes moved).
+# True: where it moves fewer bytes; False: never.
+LORA_ALONG_K = True
+
+
+def _along_k(rows: int, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
+    """Whether the op takes LoRA's branch along the GEMM's reduction: the in-place add moves 2·rows·out values, the
+    concatenations 2·(rows + out)·(in + r)."""
+    out, n_in = weight.shape
+    return LORA_ALONG_K and rows * out > (rows + out) * (n_in + lora_A.shape[0])
+
+
 # One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
 # [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y, LoRA's branch is added in
 # place. It returns x·Aᵀ besides y, to save for the backward.
@@ -77,8 +92,16 @@ def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
                     transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
-    y = _base_product(x2, weight, scale, bias)
-    h = _add_branch(x2, y, lora_A, lora_B, scaling)
+    if scale is None and _along_k(x2.shape[0], weight, lora_A):
+        h = torch.mm(x2, lora_A.t())
+        xc, wc = torch.cat([x2, h * scaling], 1), torch.cat([weight, lora_B], 1)
+        y = torch.mm(xc, wc.t()) if bias is None else torch.addmm(bias, xc, wc.t())
+    elif scale is not None and fp8_mm_lora_fits(x2, weight, lora_A.shape[0], bias):
+        h = torch.mm(x2, lora_A.t())
+        y = fp8_mm_lora(x2, weight, scale, h * scaling, lora_B.t())
+    else:
+        y = _base_product(x2, weight, scale, bias)
+        h = _add_branch(x2, y, lora_A, lora_B, scaling)
     return y.view(*x.shape[:-1], weight.shape[0]), h
 
 
@@ -95,7 +118,13 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
     g = grad.reshape(-1, grad.shape[-1])
     if scale is not None:
         g = g.contiguous()  # the fp8 GEMM's operand is quantised row by row
-    grad_h, grad_A, grad_B = _branch_grads(g, x.reshape(-1, x.shape[-1]), h, lora_A, lora_B, scaling)
+    x2 = x.reshape(-1, x.shape[-1])
+    if input_grad and scale is None and _along_k(g.shape[0], weight, lora_A):
+        gc = torch.mm(g, torch.cat([weight, lora_B * scaling], 1))  # [dy·W | dy·s·B]
+        grad_h = gc[:, weight.shape[1]:]
+        dx = torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A)
+        return dx.view(x.shape), torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
+    grad_h, grad_A, grad_B = _branch_grads(g, x2, h, lora_A, lora_B, scaling)
     if not input_grad:
         return x.new_empty(0), grad_A, grad_B
     dx = _base_input_grad(g, weight, scale, transposed)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.model.grouped_gemm import (grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy, k_major_copy_reference,
-                                        kernel_supported, kernel_supported_w8a8, tma_supported)
+from moetune.model import grouped_gemm
+from moetune.model.grouped_gemm import (grouped_gemm_tma, grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy,
+                                        k_major_copy_reference, kernel_supported, kernel_supported_w8a8, tma_supported)
 from moetune.model.kernels import (SCALED_ROWS_MAX, compiled_for_eager, gather_sum, gathered_rows_fp8, scaled_rows_fp8,
                                    scaled_rows_fp8_torch, weighted_swiglu_bwd_fp8, weighted_swiglu_fp8)
 from moetune.model.quant.fp8 import FP8, Fp8Scheme, quantize_rows
@@ -167,6 +168,30 @@ def fp8_mm(x2, w8, scale, bias):
                          bias=bias.to(x2.dtype) if fused_bias else None, out_dtype=x2.dtype,
                          use_fast_accum=FAST_ACCUM_FORWARD)
     return y + bias.to(y.dtype) if bias is not None and not fused_bias else y
+
+
+# LoRA's branch on an fp8 weight added by the fp8 GEMM that makes y (model/grouped_gemm.py's TMA kernel as one group,
+# s·(x·Aᵀ)·Bᵀ one more MMA in its epilogue) instead of cuBLAS's fp8 GEMM and an in-place add that reads and writes y
+# again (GLM-4.7-Flash's kv_b: 43 µs for the GEMM, 59 for the add, one H200, BENCHMARKS.md twenty-eighth session).
+FP8_LORA_EPILOGUE = False
+
+
+def fp8_mm_lora_fits(x2, w8, rank: int, bias) -> bool:
+    """Whether `fp8_mm_lora` takes this product: FP8_LORA_EPILOGUE, no bias, a rank the epilogue's MMA takes, and
+    the TMA kernel's operands (fp8 rows as x2's, the weight as a one-expert stack)."""
+    return (FP8_LORA_EPILOGUE and bias is None and rank in (16, 32, 64)
+            and (x2.is_cuda or grouped_gemm.KERNEL_ON_CPU)
+            and x2.shape[-1] <= SCALED_ROWS_MAX
+            and tma_supported(x2.new_empty(0, x2.shape[-1], dtype=FP8), w8.unsqueeze(0), True))
+
+
+def fp8_mm_lora(x2, w8, scale, L, P):
+    """x2 [M, in] · dequant(w8 [out, in], scale)ᵀ + L [M, r] · P [r, out], one rounding: x2 quantised per row, the
+    fp8 GEMM and the 16-bit product summed in the TMA kernel's accumulator."""
+    xq, sx = _scaled_rows_fp8(x2, None) if x2.is_cuda else scaled_rows_fp8_torch(x2)
+    offs = torch.full((1,), x2.shape[0], dtype=torch.int32, device=x2.device)
+    return grouped_gemm_tma(xq, w8.unsqueeze(0), offs, scale.reshape(1, -1), True, x_scale=sx,
+                            lora=(L.to(torch.bfloat16), P.to(torch.bfloat16).unsqueeze(0))).to(x2.dtype)
 
 
 def _mm_dgrad_operand(g2, scale):

@@ -1,0 +1,119 @@
+"""A LoRA linear on a frozen weight, one op each way (model/lora.py's `lora_linear`), on the dense shapes of
+GLM-4.7-Flash's MLA projections and Air's attention (4,096 tokens, rank 16), each way of adding LoRA's branch:
+- bf16 base: added in place onto y (cuBLAS's beta = 1) against along the GEMM's reduction (lora.LORA_ALONG_K);
+- fp8 base (row scales, operands by the row kernel): cuBLAS's fp8 GEMM + the in-place add against the TMA kernel
+  with the branch in its epilogue (quant.matmul.FP8_LORA_EPILOGUE).
+Forward alone and forward + backward, ms (CUDA events, median of the repeats), and the output's error against the
+other form's. Results to $OUT/lora_linear_kernels.json.
+
+    python benchmarks/lora_linear_kernels.py            (one GPU)
+    BENCH_CPU=1 python benchmarks/lora_linear_kernels.py   (a CPU rehearsal: tiny shapes, bf16 forms only)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from moetune.model import lora  # noqa: E402
+from moetune.model.quant import matmul  # noqa: E402
+from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
+
+CPU = os.environ.get("BENCH_CPU") == "1"
+ROWS, RANK = (64, 16) if CPU else (4096, 16)
+SHAPES = {  # name: (in, out)
+    "flash_q_a": (2048, 768), "flash_q_b": (768, 5120), "flash_kv_a": (2048, 576), "flash_kv_b": (512, 8960),
+    "flash_o": (5120, 2048), "air_q": (4096, 12288), "air_kv": (4096, 1024), "air_o": (12288, 4096),
+}
+if CPU:
+    SHAPES = {"tiny_wide": (16, 256), "tiny_narrow": (128, 32)}
+
+
+def timed(fn, repeats: int) -> float:
+    if CPU:
+        fn()
+        return 0.0
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err == err, "NaN in a comparison"
+    return err
+
+
+def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
+    device = "cpu" if CPU else "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(ROWS, n_in, device=device, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(n_out, n_in, device=device, generator=g) / n_in ** 0.5
+    A = (torch.randn(RANK, n_in, device=device, generator=g) / n_in ** 0.5).bfloat16().requires_grad_()
+    B = (torch.randn(n_out, RANK, device=device, generator=g) / RANK).bfloat16().requires_grad_()
+    grad = torch.randn(ROWS, n_out, device=device, generator=g).bfloat16()
+    if fp8:
+        w8, scale = quantize_rows(w)
+        matmul.FP8_LORA_EPILOGUE = setting == "epilogue"
+        args = (w8, None, A, B, 2.0, scale, None)
+    else:
+        lora.LORA_ALONG_K = setting == "along_k"
+        args = (w.bfloat16(), None, A, B, 2.0)
+
+    def forward():
+        with torch.no_grad():
+            return lora.lora_linear(x, *args)
+
+    def step():
+        x.grad = A.grad = B.grad = None
+        lora.lora_linear(x, *args).backward(grad)
+
+    y = forward()
+    step()
+    return dict(shape=name, n_in=n_in, n_out=n_out, base="fp8" if fp8 else "bf16", setting=setting,
+                along_k=lora._along_k(ROWS, w, A) if not fp8 else None,
+                epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) if fp8 else None,
+                forward_ms=timed(forward, repeats), step_ms=timed(step, repeats),
+                y=y, grads=(x.grad.clone(), A.grad.clone(), B.grad.clone()))
+
+
+def main():
+    out_dir = os.environ.get("OUT", "/tmp")
+    matmul.DENSE_QUANT = "kernel"  # the row kernel, as where the layers replay as CUDA graphs (the op runs there)
+    results = []
+    for name, (n_in, n_out) in SHAPES.items():
+        pairs = [(False, ("in_place", "along_k"))] + ([] if CPU else [(True, ("in_place", "epilogue"))])
+        for fp8, settings in pairs:
+            a, b = (case(name, n_in, n_out, fp8, s, 20) for s in settings)
+            y_err, dx_err = rel_err(b["y"], a["y"]), rel_err(b["grads"][0], a["grads"][0])
+            for r in (a, b):
+                r.update(y_err_vs_other=y_err, dx_err_vs_other=dx_err)
+                r.pop("y"), r.pop("grads")
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    with open(os.path.join(out_dir, "lora_linear_kernels.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name() if not CPU else "cpu", torch=torch.__version__,
+                       rows=ROWS, rank=RANK, results=results), f, indent=1)
+    print(f"{'shape':12} {'base':5} {'setting':9} {'fwd ms':>8} {'fwd+bwd ms':>10}  y err")
+    for r in results:
+        print(f"{r['shape']:12} {r['base']:5} {r['setting']:9} {r['forward_ms']:8.4f} {r['step_ms']:10.4f}  "
+              f"{r['y_err_vs_other']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
