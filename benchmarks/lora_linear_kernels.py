@@ -3,8 +3,8 @@ GLM-4.7-Flash's MLA projections and Air's attention (4,096 tokens, rank 16), eac
 - bf16 base: added in place onto y (cuBLAS's beta = 1) against along the GEMM's reduction (lora.LORA_ALONG_K);
 - fp8 base (row scales, operands by the row kernel): cuBLAS's fp8 GEMM + the in-place add against the TMA kernel
   with the branch in its epilogue (quant.matmul.FP8_LORA_EPILOGUE).
-Forward alone and forward + backward, ms (CUDA events, median of the repeats), and the output's error against the
-other form's. Results to $OUT/lora_linear_kernels.json.
+Forward alone and forward + backward, GPU ms per call (the kernels' durations summed by torch.profiler), and the
+output's and x's gradient's error against the other form's. Results to $OUT/lora_linear_kernels.json.
 
     python benchmarks/lora_linear_kernels.py            (one GPU)
     BENCH_CPU=1 python benchmarks/lora_linear_kernels.py   (a CPU rehearsal: tiny shapes, bf16 forms only)
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
+import tempfile
 
 import torch
 
@@ -36,20 +36,25 @@ if CPU:
 
 
 def timed(fn, repeats: int) -> float:
+    """GPU time per call, ms: the kernels' own durations summed (torch.profiler), not the host's launches (eager
+    launches of these ~10–50 µs kernels take longer than the kernels; in training the layers replay as CUDA graphs)."""
     if CPU:
         fn()
         return 0.0
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    with tempfile.TemporaryDirectory() as tmp:  # the Chrome trace's device events, as benchmarks/trace_kernels.py
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return sum(e["dur"] for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")) / 1000 / repeats
 
 
 def rel_err(a, b) -> float:

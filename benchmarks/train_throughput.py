@@ -272,12 +272,12 @@ for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_m
               "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_lak0"] = (_s, _b, _t, _tg, {**_x, "lora_along_k": False})
-# LoRA's branch on an fp8 weight added in the TMA kernel's epilogue, the kernel making the whole product as one group
-# (_le: quant.matmul.FP8_LORA_EPILOGUE True; where the LoRA op runs, the _cg rows), against cuBLAS's fp8 GEMM + add
+# LoRA's branch on an fp8 weight added by cuBLAS's fp8 GEMM + an in-place add (_le0: quant.matmul.FP8_LORA_EPILOGUE
+# False), before the TMA kernel made the whole product as one group with the branch in its epilogue (where the LoRA op
+# runs: the _cg rows)
 for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024_cg"):
-    if _base in VARIANTS:
-        _s, _b, _t, _tg, _x = VARIANTS[_base]
-        VARIANTS[f"{_base}_le"] = (_s, _b, _t, _tg, {**_x, "fp8_lora_epilogue": True})
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_le0"] = (_s, _b, _t, _tg, {**_x, "fp8_lora_epilogue": False})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
 # by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
 # as CUDA graphs, the _cg rows)
