@@ -7,7 +7,7 @@
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # perm:      benchmarks/permutation_kernels.py (the MoE permutation's gathers and sums, each way of writing them)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
-# lora_kernels: benchmarks/lora_linear_kernels.py (a LoRA linear's op on the dense shapes, each way of adding its branch)
+# lora_kernels: benchmarks/lora_linear_kernels.py (a LoRA linear's op on the dense shapes, each way of adding LoRA)
 # flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; overrides in
 #              $FLASH_EXTRA);
 #              flash_train_b, _c, _d: again with $FLASH_EXTRA_B and $FLASH_ENV_B (environment assignments), ...

@@ -480,10 +480,11 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
     torch.nn.init.normal_(layer.lora_B)
     layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
     x = torch.randn(*lead, n_in, dtype=torch.float64)
-    assert lora._along_k(math.prod(lead), layer.weight, layer.lora_A) == (n_out == 96)
+    assert lora._wide_output(math.prod(lead), layer.weight, layer.lora_A) == (n_out == 96)
     weights = torch.randn(n_out, dtype=torch.float64)
-    chosen, along_k_rule = [], lora._along_k
-    monkeypatch.setattr(lora, "_along_k", lambda *a: chosen.append(along_k_rule(*a)) or chosen[-1])
+    chosen = []
+    for fn in ("_product_along_k", "_grads_along_k"):
+        monkeypatch.setattr(lora, fn, lambda *a, _fn=getattr(lora, fn), _name=fn: chosen.append(_name) or _fn(*a))
     results = []
     for form, along_k in (("op", True), ("op", False), ("addmm", True), ("sum", True)):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
@@ -498,7 +499,8 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
         if not compiled:
             assert ("moetune.lora_linear" in ops.seen and "moetune.lora_linear_bwd" in ops.seen) == (form == "op")
             # the op's two halves each took LoRA's branch along K where it pays (and it was allowed), else in place
-            assert chosen == ([n_out == 96 and along_k] * 2 if form == "op" else [])
+            assert chosen == (["_product_along_k", "_grads_along_k"] if form == "op" and along_k and n_out == 96
+                              else [])
         chosen.clear()
         results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for got in results[1:]:
@@ -521,7 +523,7 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, m
                             dropout=0.0, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     x = torch.randn(rows, n_in, dtype=torch.bfloat16, device=device)
-    assert lora._along_k(rows, layer.weight, layer.lora_A) == (n_out == 256)
+    assert lora._wide_output(rows, layer.weight, layer.lora_A) == (n_out == 256)
     out = []
     for form in ("op", "addmm"):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
@@ -542,18 +544,18 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, m
     assert not dropped._one_op(x)
 
 
-def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0, rank: int = 8):
-    """A LoRA linear on a frozen row-scaled fp8 weight (64 -> 96, r 8), B nonzero."""
+def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0, rank: int = 8, n_in: int = 64, n_out: int = 96):
+    """A LoRA linear on a frozen row-scaled fp8 weight (64 -> 96, r 8 unless given), B nonzero."""
     from moetune.model import lora
     from moetune.model.quant.fp8 import ROWWISE, quantize_rows
     from moetune.model.quant.modules import Fp8Linear
 
     torch.manual_seed(2)
-    base = Fp8Linear(64, 96, bias, ROWWISE, device=device, bias_dtype=torch.bfloat16)
-    w8, scale = quantize_rows(torch.randn(96, 64, device=device) / 8)
+    base = Fp8Linear(n_in, n_out, bias, ROWWISE, device=device, bias_dtype=torch.bfloat16)
+    w8, scale = quantize_rows(torch.randn(n_out, n_in, device=device) / 8)
     base.weight.data, base.weight_scale.data = w8, scale
     if bias:
-        base.bias.data = torch.randn(96, device=device).bfloat16()
+        base.bias.data = torch.randn(n_out, device=device).bfloat16()
     layer = lora.LoRALinear(base, rank=rank, alpha=16, dropout=dropout, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     return layer
@@ -597,19 +599,23 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
     """A LoRA linear on an fp8 weight runs the one op each way where the fp8 GEMMs run on tensor cores with their
     operands quantised by the row kernel (quant.matmul.DENSE_QUANT "kernel"), and there gives the traced form's
     output and x/A/B gradients within bf16's rounding (the same fp8 GEMMs; the branch added in place, or in the TMA
-    kernel's epilogue where quant.matmul.FP8_LORA_EPILOGUE allows it: no bias, rank 16); under Inductor's
-    quantisations, with LoRA dropout, or without fp8 tensor cores (the CPU) it keeps the traced form."""
+    kernel's epilogue where the output is much wider than the input and FP8_LORA_EPILOGUE allows it: no bias, rank
+    16); under Inductor's quantisations, with LoRA dropout, or without fp8 tensor cores (the CPU) it keeps the traced
+    form."""
     from moetune.model import lora
     from moetune.model.quant import matmul
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    layer = _fp8_lora_layer(device, bias, rank=16 if epilogue else 8)
+    # the epilogue where the output is much wider than the input (lora._wide_output): 32 -> 512 at 128 rows
+    n_in, n_out, rows = (32, 512, 128) if epilogue else (64, 96, 40)
+    layer = _fp8_lora_layer(device, bias, rank=16 if epilogue else 8, n_in=n_in, n_out=n_out)
+    assert lora._wide_output(rows, layer.weight, layer.lora_A) == epilogue
     monkeypatch.setattr(matmul, "FP8_LORA_EPILOGUE", epilogue)
     epilogues = []
     real_epilogue = lora.fp8_mm_lora
     monkeypatch.setattr(lora, "fp8_mm_lora", lambda *a: epilogues.append(1) or real_epilogue(*a))
-    x = torch.randn(40, 64, dtype=torch.bfloat16, device=device)
+    x = torch.randn(rows, n_in, dtype=torch.bfloat16, device=device)
     monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")
     assert not layer._one_op(x)
     monkeypatch.setattr(matmul, "DENSE_QUANT", "kernel")
@@ -628,7 +634,7 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
         out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
-    dropped = _fp8_lora_layer(device, bias, dropout=0.1)
+    dropped = _fp8_lora_layer(device, bias, dropout=0.1, n_in=n_in, n_out=n_out)
     assert not dropped._one_op(x)
 
 
@@ -723,8 +729,8 @@ def test_lora_linear_ops_pass_opcheck(bias):
 def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
     """The LoRA linear's two ops on an fp8 weight as torch.library.opcheck sees them (fp32 activations, an fp8 weight
     with row scales, its kept transposed copy or none): autograd registration, fake kernels against the real ones,
-    AOTAutograd with dynamic shapes. Its schema check cannot compare fp8 tensors on the CPU (no fp8 multiply there): that no
-    input is mutated is checked bit for bit instead. On a GPU (its twin) on CUDA tensors: torch 2.11's CPU
+    AOTAutograd with dynamic shapes. Its schema check cannot compare fp8 tensors on the CPU (no fp8 multiply there):
+    that no input is mutated is checked bit for bit instead. On a GPU (its twin) on CUDA tensors: torch 2.11's CPU
     _scaled_mm takes per-tensor scales only."""
     from moetune.model import lora  # noqa: F401  (registers the ops)
     from moetune.model.quant.fp8 import quantize_rows

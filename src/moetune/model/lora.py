@@ -69,19 +69,38 @@ def _base_input_grad(g, weight, scale, transposed):
     return torch.mm(g, weight) if scale is None else fp8_mm_dgrad(g, weight, scale, transposed=transposed)
 
 
-# Where a bf16-like base's output is much wider than its input (MLA's q_b and kv_b: 768 -> 5,120 and 512 -> 8,960),
-# the in-place add reads and writes all of y again, and the backward's dy·s·B reads all of dy again. There the op
-# runs LoRA's branch as more columns of the base GEMM's reduction: y = [x | s·x·Aᵀ]·[W | B]ᵀ, and backward
-# [dy·W | dy·s·B] = dy·[W | s·B], copying x and W with r more columns instead (`_along_k`: fewer bytes moved).
-# True: where it moves fewer bytes; False: never.
+# Where a base's output is much wider than its input (MLA's q_b and kv_b: 768 -> 5,120 and 512 -> 8,960), the in-place
+# add reads and writes all of y again. There the op makes LoRA's branch inside the base GEMM:
+# - a bf16-like base (LORA_ALONG_K): as more columns of its reduction, y = [x | s·x·Aᵀ]·[W | B]ᵀ, and backward
+#   [dy·W | dy·s·B] = dy·[W | s·B] (the backward's dy·s·B no longer reads dy again), copying x and W with r more
+#   columns instead;
+# - an fp8 base (quant.matmul.FP8_LORA_EPILOGUE): the TMA kernel's product with s·(x·Aᵀ)·Bᵀ added in its epilogue.
+# One H200, GPU time of one op forward + backward, 4,096 rows, rank 16 (BENCHMARKS.md, twenty-eighth session): bf16
+# kv_b 0.243 -> 0.203 ms, q_b 0.176 -> 0.163; fp8 kv_b 0.263 -> 0.229, q_b 0.182 -> 0.167. On the narrower shapes
+# (q_a, kv_a, o_proj; Air's q, k, v, o) the fp8 epilogue was 3–7% slower than cuBLAS + the add, and the bf16
+# concatenations would move more bytes than the add: there the branch is added in place.
 LORA_ALONG_K = True
 
 
-def _along_k(rows: int, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
-    """Whether the op takes LoRA's branch along the GEMM's reduction: the in-place add moves 2·rows·out values, the
-    concatenations 2·(rows + out)·(in + r)."""
+def _wide_output(rows: int, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
+    """Whether the branch goes inside the base GEMM: the in-place add moves 2·rows·out values, the concatenations
+    2·(rows + out)·(in + r)."""
     out, n_in = weight.shape
-    return LORA_ALONG_K and rows * out > (rows + out) * (n_in + lora_A.shape[0])
+    return rows * out > (rows + out) * (n_in + lora_A.shape[0])
+
+
+def _product_along_k(x2, weight, bias, lora_A, lora_B, scaling):
+    """y = [x | s·x·Aᵀ]·[W | B]ᵀ + b, and x·Aᵀ."""
+    h = torch.mm(x2, lora_A.t())
+    xc, wc = torch.cat([x2, h * scaling], 1), torch.cat([weight, lora_B], 1)
+    return (torch.mm(xc, wc.t()) if bias is None else torch.addmm(bias, xc, wc.t())), h
+
+
+def _grads_along_k(g, x2, h, weight, lora_A, lora_B, scaling):
+    """x's, A's and B's gradients from [dy·W | dy·s·B] = dy·[W | s·B], one GEMM reading dy."""
+    gc = torch.mm(g, torch.cat([weight, lora_B * scaling], 1))
+    grad_h = gc[:, weight.shape[1]:]
+    return torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A), torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
 
 
 # One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
@@ -92,11 +111,10 @@ def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
                     transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
-    if scale is None and _along_k(x2.shape[0], weight, lora_A):
-        h = torch.mm(x2, lora_A.t())
-        xc, wc = torch.cat([x2, h * scaling], 1), torch.cat([weight, lora_B], 1)
-        y = torch.mm(xc, wc.t()) if bias is None else torch.addmm(bias, xc, wc.t())
-    elif scale is not None and fp8_mm_lora_fits(x2, weight, lora_A.shape[0], bias):
+    wide = _wide_output(x2.shape[0], weight, lora_A)
+    if scale is None and wide and LORA_ALONG_K:
+        y, h = _product_along_k(x2, weight, bias, lora_A, lora_B, scaling)
+    elif scale is not None and wide and fp8_mm_lora_fits(x2, weight, lora_A.shape[0], bias):
         h = torch.mm(x2, lora_A.t())
         y = fp8_mm_lora(x2, weight, scale, h * scaling, lora_B.t())
     else:
@@ -119,11 +137,9 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
     if scale is not None:
         g = g.contiguous()  # the fp8 GEMM's operand is quantised row by row
     x2 = x.reshape(-1, x.shape[-1])
-    if input_grad and scale is None and _along_k(g.shape[0], weight, lora_A):
-        gc = torch.mm(g, torch.cat([weight, lora_B * scaling], 1))  # [dy·W | dy·s·B]
-        grad_h = gc[:, weight.shape[1]:]
-        dx = torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A)
-        return dx.view(x.shape), torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
+    if input_grad and scale is None and LORA_ALONG_K and _wide_output(g.shape[0], weight, lora_A):
+        dx, grad_A, grad_B = _grads_along_k(g, x2, h, weight, lora_A, lora_B, scaling)
+        return dx.view(x.shape), grad_A, grad_B
     grad_h, grad_A, grad_B = _branch_grads(g, x2, h, lora_A, lora_B, scaling)
     if not input_grad:
         return x.new_empty(0), grad_A, grad_B
