@@ -6,6 +6,9 @@ GLM-4.7-Flash's MLA projections and Air's attention (4,096 tokens, rank 16), eac
 Forward alone and forward + backward, GPU ms per call (the kernels' durations summed by torch.profiler), and the
 output's and x's gradient's error against the other form's. Results to $OUT/lora_linear_kernels.json.
 
+The op takes the branch inside the GEMM only where the output is much wider than the input (lora._wide_output);
+EVERY_SHAPE=1 takes it there on every shape (how the rule was measured: the twenty-eighth session's call 2).
+
     python benchmarks/lora_linear_kernels.py            (one GPU)
     BENCH_CPU=1 python benchmarks/lora_linear_kernels.py   (a CPU rehearsal: tiny shapes, bf16 forms only)
 """
@@ -91,8 +94,9 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
     y = forward()
     step()
     return dict(shape=name, n_in=n_in, n_out=n_out, base="fp8" if fp8 else "bf16", setting=setting,
-                along_k=lora._along_k(ROWS, w, A) if not fp8 else None,
-                epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) if fp8 else None,
+                along_k=lora.LORA_ALONG_K and lora._wide_output(ROWS, w, A) if not fp8 else None,
+                epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) and lora._wide_output(ROWS, w, A)
+                if fp8 else None,
                 forward_ms=timed(forward, repeats), step_ms=timed(step, repeats),
                 y=y, grads=(x.grad.clone(), A.grad.clone(), B.grad.clone()))
 
@@ -100,6 +104,8 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
 def main():
     out_dir = os.environ.get("OUT", "/tmp")
     matmul.DENSE_QUANT = "kernel"  # the row kernel, as where the layers replay as CUDA graphs (the op runs there)
+    if os.environ.get("EVERY_SHAPE") == "1":
+        lora._wide_output = lambda *a: True
     results = []
     for name, (n_in, n_out) in SHAPES.items():
         pairs = [(False, ("in_place", "along_k"))] + ([] if CPU else [(True, ("in_place", "epilogue"))])

@@ -105,8 +105,9 @@ def _grads_along_k(g, x2, h, weight, lora_A, lora_B, scaling):
 
 
 # One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
-# [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y, LoRA's branch is added in
-# place. It returns x·Aᵀ besides y, to save for the backward.
+# [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y and LoRA's branch is added in
+# place, or made inside that GEMM where the output is wide (above). It returns x·Aᵀ besides y, to save for the
+# backward.
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
 def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                     transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
