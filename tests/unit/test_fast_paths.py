@@ -756,3 +756,25 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
         op(*args)
         assert all(torch.equal(t.view(torch.uint8), c.view(torch.uint8)) if t.dtype == w8.dtype else torch.equal(t, c)
                    for t, c in zip(tensors, before))
+
+
+def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
+    """benchmarks/lora_linear_kernels.py's CPU rehearsal runs against today's op and reports what the GPU run's table
+    rests on: the wide shape takes LoRA's branch along K and the narrow one in place, the two forms' outputs within
+    bf16's rounding of each other (finite: a NaN fails the comparison); EVERY_SHAPE=1 takes it along K on both."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_linear_kernels.py"
+    for every in ("0", "1"):
+        env = dict(os.environ, BENCH_CPU="1", OUT=str(tmp_path), EVERY_SHAPE=every, OMP_NUM_THREADS="1")
+        p = subprocess.run([sys.executable, str(bench)], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+        rows = json.loads((tmp_path / "lora_linear_kernels.json").read_text())["results"]
+        along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == "along_k"}
+        assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}
+        assert all(r["y_err_vs_other"] < 1e-2 and r["dx_err_vs_other"] < 1e-2 for r in rows)
+        assert not any(r["along_k"] for r in rows if r["setting"] == "in_place")
