@@ -706,19 +706,22 @@ def test_compiled_swiglu_backward_as_one_kernel_gives_autograds_gradients(monkey
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_lora_linear_ops_pass_opcheck(bias):
-    """The LoRA linear's two custom ops as torch.library.opcheck sees them: schema (no input mutated or aliased),
-    autograd registration, fake kernels against the real ones, and AOTAutograd with dynamic shapes."""
-    from moetune.model import lora  # noqa: F401  (registers the ops)
+@pytest.mark.parametrize("n_in, n_out, rows", [(12, 20, 5), (8, 96, 16)], ids=["in_place", "along_k"])
+def test_lora_linear_ops_pass_opcheck(bias, n_in, n_out, rows):
+    """The LoRA linear's two custom ops as torch.library.opcheck sees them, their branch added in place and along the
+    GEMM's reduction: schema (no input mutated or aliased), autograd registration, fake kernels against the real ones,
+    and AOTAutograd with dynamic shapes."""
+    from moetune.model import lora
 
     g = torch.Generator().manual_seed(0)
     f64 = dict(dtype=torch.float64)
-    x = torch.randn(2, 5, 12, generator=g, **f64).requires_grad_()
-    W, b = torch.randn(20, 12, generator=g, **f64), torch.randn(20, generator=g, **f64)
-    A = torch.randn(4, 12, generator=g, **f64).requires_grad_()
-    B = torch.randn(20, 4, generator=g, **f64).requires_grad_()
+    x = torch.randn(2, rows, n_in, generator=g, **f64).requires_grad_()
+    W, b = torch.randn(n_out, n_in, generator=g, **f64), torch.randn(n_out, generator=g, **f64)
+    A = torch.randn(4, n_in, generator=g, **f64).requires_grad_()
+    B = torch.randn(n_out, 4, generator=g, **f64).requires_grad_()
+    assert lora._wide_output(2 * rows, W, A) == (n_out == 96)
     torch.library.opcheck(torch.ops.moetune.lora_linear.default, (x, W, None, b if bias else None, None, A, B, 2.0))
-    grad, h = torch.randn(2, 5, 20, generator=g, **f64), torch.randn(10, 4, generator=g, **f64)
+    grad, h = torch.randn(2, rows, n_out, generator=g, **f64), torch.randn(2 * rows, 4, generator=g, **f64)
     for input_grad in (True, False):
         torch.library.opcheck(torch.ops.moetune.lora_linear_bwd.default,
                               (grad, x.detach(), h, W, None, None, A.detach(), B.detach(), 2.0, input_grad))
