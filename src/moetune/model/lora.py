@@ -43,19 +43,6 @@ _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the oth
 LORA_LINEAR = "op"
 
 
-def _add_branch(x2, y, lora_A, lora_B, scaling):
-    """Adds s·(x·Aᵀ)·Bᵀ onto the base product y in place (cuBLAS's beta = 1); returns x·Aᵀ, what B's gradient needs."""
-    h = torch.mm(x2, lora_A.t())
-    y.addmm_(h, lora_B.t(), alpha=scaling)
-    return h
-
-
-def _branch_grads(g, x2, h, lora_A, lora_B, scaling):
-    """The branch's backward: the gradient reaching x·Aᵀ (dy·s·B, which dx adds times A), A's and B's gradients."""
-    grad_h = torch.mm(g, lora_B * scaling)
-    return grad_h, torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
-
-
 def _base_product(x2, weight, scale, bias):
     """x2 · Wᵀ + b: W bf16-like (`scale` None), or fp8 with row scales (quant.matmul's fp8 GEMM)."""
     if scale is not None:
@@ -90,18 +77,17 @@ def _wide_output(rows: int, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
     return rows * out > (rows + out) * (n_in + lora_A.shape[0])
 
 
-def _product_along_k(x2, weight, bias, lora_A, lora_B, scaling):
-    """y = [x | s·x·Aᵀ]·[W | B]ᵀ + b, and x·Aᵀ."""
-    h = torch.mm(x2, lora_A.t())
+def _product_along_k(x2, h, weight, bias, lora_B, scaling):
+    """y = [x | s·h]·[W | B]ᵀ + b, h = x·Aᵀ."""
     xc, wc = torch.cat([x2, h * scaling], 1), torch.cat([weight, lora_B], 1)
-    return (torch.mm(xc, wc.t()) if bias is None else torch.addmm(bias, xc, wc.t())), h
+    return torch.mm(xc, wc.t()) if bias is None else torch.addmm(bias, xc, wc.t())
 
 
-def _grads_along_k(g, x2, h, weight, lora_A, lora_B, scaling):
-    """x's, A's and B's gradients from [dy·W | dy·s·B] = dy·[W | s·B], one GEMM reading dy."""
+def _grads_along_k(g, weight, lora_A, lora_B, scaling):
+    """x's gradient and dy·s·B from [dy·W | dy·s·B] = dy·[W | s·B], one GEMM reading dy."""
     gc = torch.mm(g, torch.cat([weight, lora_B * scaling], 1))
     grad_h = gc[:, weight.shape[1]:]
-    return torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A), torch.mm(grad_h.t(), x2), torch.mm(g.t(), h * scaling)
+    return torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A), grad_h
 
 
 # One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
@@ -113,15 +99,15 @@ def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
                     transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
+    h = torch.mm(x2, lora_A.t())  # what B's gradient needs
     wide = _wide_output(x2.shape[0], weight, lora_A)
     if scale is None and wide and LORA_ALONG_K:
-        y, h = _product_along_k(x2, weight, bias, lora_A, lora_B, scaling)
+        y = _product_along_k(x2, h, weight, bias, lora_B, scaling)
     elif scale is not None and wide and fp8_mm_lora_fits(x2, weight, lora_A.shape[0], bias):
-        h = torch.mm(x2, lora_A.t())
         y = fp8_mm_lora(x2, weight, scale, h * scaling, lora_B.t())
     else:
         y = _base_product(x2, weight, scale, bias)
-        h = _add_branch(x2, y, lora_A, lora_B, scaling)
+        y.addmm_(h, lora_B.t(), alpha=scaling)  # in place: cuBLAS's beta = 1
     return y.view(*x.shape[:-1], weight.shape[0]), h
 
 
@@ -138,16 +124,13 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
     g = grad.reshape(-1, grad.shape[-1])
     if scale is not None:
         g = g.contiguous()  # the fp8 GEMM's operand is quantised row by row
-    x2 = x.reshape(-1, x.shape[-1])
     if input_grad and scale is None and LORA_ALONG_K and _wide_output(g.shape[0], weight, lora_A):
-        dx, grad_A, grad_B = _grads_along_k(g, x2, h, weight, lora_A, lora_B, scaling)
-        return dx.view(x.shape), grad_A, grad_B
-    grad_h, grad_A, grad_B = _branch_grads(g, x2, h, lora_A, lora_B, scaling)
-    if not input_grad:
-        return x.new_empty(0), grad_A, grad_B
-    dx = _base_input_grad(g, weight, scale, transposed)
-    dx.addmm_(grad_h, lora_A)
-    return dx.view(x.shape), grad_A, grad_B
+        dx, grad_h = _grads_along_k(g, weight, lora_A, lora_B, scaling)
+    else:
+        grad_h = torch.mm(g, lora_B * scaling)  # the gradient reaching x·Aᵀ
+        dx = _base_input_grad(g, weight, scale, transposed).addmm_(grad_h, lora_A) if input_grad else None
+    grad_A, grad_B = torch.mm(grad_h.t(), x.reshape(-1, x.shape[-1])), torch.mm(g.t(), h * scaling)
+    return (dx.view(x.shape) if input_grad else x.new_empty(0)), grad_A, grad_B
 
 
 @_lora_linear_bwd_op.register_fake

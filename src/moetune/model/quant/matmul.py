@@ -156,12 +156,14 @@ def _dense_kernel_quant(x2: torch.Tensor) -> bool:
     return dense_quant_mode() == "kernel" and x2.is_cuda and x2.shape[-1] <= SCALED_ROWS_MAX
 
 
+def _quantized_operand(x2):
+    """A dense fp8 GEMM's activation quantised per row: the row kernel where DENSE_QUANT says, else quantize_rows."""
+    return _scaled_rows_fp8(x2, None) if _dense_kernel_quant(x2) else _quantized(quantize_rows, x2)
+
+
 def fp8_mm(x2, w8, scale, bias):
     """x2 [M, in] · dequant(w8 [out, in], scale)ᵀ (+ bias) on fp8 tensor cores, x2 quantised per row here."""
-    if _dense_kernel_quant(x2):
-        xq, sx = _scaled_rows_fp8(x2, None)
-    else:
-        xq, sx = _quantized(quantize_rows, x2)
+    xq, sx = _quantized_operand(x2)
     # _scaled_mm takes a bias only for a 16-bit output
     fused_bias = bias is not None and x2.dtype != torch.float32
     y = torch._scaled_mm(xq, w8.t(), scale_a=sx, scale_b=_row_scales(scale).view(1, -1),
@@ -190,7 +192,7 @@ def fp8_mm_lora_fits(x2, w8, rank: int, bias) -> bool:
 def fp8_mm_lora(x2, w8, scale, L, P):
     """x2 [M, in] · dequant(w8 [out, in], scale)ᵀ + L [M, r] · P [r, out], one rounding: x2 quantised per row, the
     fp8 GEMM and the 16-bit product summed in the TMA kernel's accumulator."""
-    xq, sx = _scaled_rows_fp8(x2, None) if x2.is_cuda else scaled_rows_fp8_torch(x2)
+    xq, sx = _quantized_operand(x2)
     offs = torch.full((1,), x2.shape[0], dtype=torch.int32, device=x2.device)
     return grouped_gemm_tma(xq, w8.unsqueeze(0), offs, scale.reshape(1, -1), True, x_scale=sx,
                             lora=(L.to(torch.bfloat16), P.to(torch.bfloat16).unsqueeze(0))).to(x2.dtype)
