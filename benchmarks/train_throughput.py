@@ -278,6 +278,12 @@ for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_m
 for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_le0"] = (_s, _b, _t, _tg, {**_x, "fp8_lora_epilogue": False})
+# an fp8 base's narrow dense weights as bf16 GEMMs on the weight dequantised just in time (_nd:
+# quant.matmul.DENSE_FP8_MIN_WIDTH 768: Flash's q_a, kv_a, q_b and kv_b; o_proj, the shared expert and Air's
+# projections stay fp8)
+for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_nd"] = (_s, _b, _t, _tg, {**_x, "dense_fp8_min_width": 768})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
 # by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
 # as CUDA graphs, the _cg rows)
@@ -396,6 +402,7 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
         fp8_matmul.DENSE_QUANT = extra.get("dense_quant", fp8_matmul.DENSE_QUANT)
         fp8_matmul.FP8_LORA_EPILOGUE = extra.get("fp8_lora_epilogue", fp8_matmul.FP8_LORA_EPILOGUE)
+        fp8_matmul.DENSE_FP8_MIN_WIDTH = extra.get("dense_fp8_min_width", fp8_matmul.DENSE_FP8_MIN_WIDTH)
     import moetune.model.experts as experts_module
     import moetune.model.glm4_moe as glm4_moe_module
     import moetune.model.grouped_gemm as grouped_gemm_module

@@ -638,6 +638,55 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
     assert not dropped._one_op(x)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_narrow_fp8_weight_runs_bf16_gemms_on_its_weight_dequantised(bias, monkeypatch):
+    """quant.matmul.DENSE_FP8_MIN_WIDTH: where the fp8 tensor cores would run (forced on the CPU), a dense fp8 weight
+    whose in or out width is at most it runs no fp8 GEMM: a LoRA linear on it runs the bf16 op on the weight
+    dequantised just in time (whatever quantises the fp8 operands elsewhere), a plain fp8 linear the dequantising
+    path; both give the dequantised weight's product and gradients (fp32 reference, bf16 rounding). Wider weights,
+    and every weight at the default 0, keep the fp8 GEMMs."""
+    from moetune.model import lora
+    from moetune.model.quant import matmul
+    from moetune.model.quant.modules import frozen_linear, weight_scale
+
+    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")  # the fp8 op would not run here: the narrow one does
+    fp8_gemms = []
+    for module, name in ((lora, "fp8_mm"), (lora, "fp8_mm_dgrad"), (matmul, "fp8_mm"), (matmul, "fp8_mm_dgrad")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=real, **k: fp8_gemms.append(1) or _f(*a, **k))
+    layer = _fp8_lora_layer(torch.device("cpu"), bias, n_in=64, n_out=96)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    assert not layer._one_op(x)  # the default: fp8 GEMMs, traced (Inductor's quantisations)
+    monkeypatch.setattr(matmul, "DENSE_FP8_MIN_WIDTH", 64)
+    assert layer._one_op(x) and not layer._one_op(x.float())
+    w = layer.quant.dequantize(layer.weight, weight_scale(layer), torch.float32)
+    b = None if layer.bias is None else layer.bias.float()
+    xi = x.clone().requires_grad_()
+    with _SeenOps() as ops:
+        y = layer(xi)
+        y.float().square().sum().backward()
+    assert {"moetune.lora_linear", "moetune.lora_linear_bwd"} <= ops.seen and not fp8_gemms
+    xr, A, B = x.float().requires_grad_(), layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
+    A.requires_grad_(), B.requires_grad_()
+    yr = F.linear(xr, w, b) + layer.scaling * (xr @ A.t()) @ B.t()
+    yr.square().sum().backward()
+    for got, want in ((y, yr), (xi.grad, xr.grad), (layer.lora_A.grad, A.grad), (layer.lora_B.grad, B.grad)):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    # a plain fp8 linear (no LoRA) on the same narrow weight: the dequantising path
+    xi = x.clone().requires_grad_()
+    y = frozen_linear(layer, xi)
+    y.float().square().sum().backward()
+    assert not fp8_gemms
+    xr = x.float().requires_grad_()
+    F.linear(xr, w, b).square().sum().backward()
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w, b), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(xi.grad.float(), xr.grad, rtol=2e-2, atol=2e-2 * xr.grad.abs().max().item())
+    monkeypatch.setattr(matmul, "DENSE_FP8_MIN_WIDTH", 63)  # now wider than the rule: fp8 GEMMs again
+    frozen_linear(layer, x.clone().requires_grad_()).float().sum().backward()
+    assert len(fp8_gemms) == 2
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_scaled_rows_fp8_kernel_equals_the_torch_reference(scaled):
     """Rows (times a weight's row scales: a dense input gradient's operand) quantised per row in one pass, against

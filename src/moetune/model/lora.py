@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.model.experts import grouped_linear
-from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op, fp8_mm_lora, fp8_mm_lora_fits
+from moetune.model.quant.matmul import (dense_dequantised_for_speed, fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op, fp8_mm_lora,
+                                        fp8_mm_lora_fits)
 from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy, weight_scale
 from moetune.model.recompute import register_product
 
@@ -198,6 +199,9 @@ class LoRALinear(nn.Module):
         if LORA_LINEAR == "op" and self._one_op(x):
             if self.quant is None:
                 return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
+            if dense_dequantised_for_speed(x, self.weight, self.quant):  # narrow: the bf16 op, weight dequantised here
+                w = self.quant.dequantize(self.weight, weight_scale(self), x.dtype)
+                return lora_linear(x, w, None if self.bias is None else self.bias.to(x.dtype), A, B, self.scaling)
             return lora_linear(x, self.weight, self.bias, A, B, self.scaling, weight_scale(self),
                                transposed_copy(self, "weight"))
         y = frozen_linear(self, x)
@@ -212,7 +216,8 @@ class LoRALinear(nn.Module):
                 map(is_dtensor, (self.weight, self.lora_A, self.lora_B))):
             return False
         if self.quant is not None:
-            return fp8_mm_in_one_op(x, self.weight, self.quant)
+            return (dense_dequantised_for_speed(x, self.weight, self.quant)
+                    or fp8_mm_in_one_op(x, self.weight, self.quant))
         return x.dtype == self.weight.dtype
 
     def extra_repr(self):
