@@ -284,6 +284,15 @@ for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024_cg"):
 for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_nd"] = (_s, _b, _t, _tg, {**_x, "dense_fp8_min_width": 768})
+# MLA's query RoPE rotated in place in q_b's output where the layers are compiled (_rip: mla.ROPE_IN_PLACE), and with
+# the narrow fp8 weights dequantised (_ndrip)
+for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_fp8_flash_mla_1x4096_cg",
+              "ours_flash_mlaexperts_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_rip"] = (_s, _b, _t, _tg, {**_x, "rope_in_place": True})
+VARIANTS["ours_fp8_flash_mla_1x4096_cg_ndrip"] = (*VARIANTS["ours_fp8_flash_mla_1x4096_cg"][:4],
+                                                  {**VARIANTS["ours_fp8_flash_mla_1x4096_cg"][4],
+                                                   "rope_in_place": True, "dense_fp8_min_width": 768})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
 # by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
 # as CUDA graphs, the _cg rows)
@@ -418,6 +427,9 @@ def build_ours(cfg: dict, targets, extra, device):
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
+    import moetune.model.mla as mla_module
+
+    mla_module.ROPE_IN_PLACE = extra.get("rope_in_place", mla_module.ROPE_IN_PLACE)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)

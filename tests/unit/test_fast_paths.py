@@ -830,3 +830,68 @@ def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
         assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}
         assert all(r["y_err_vs_other"] < 1e-2 and r["dx_err_vs_other"] < 1e-2 for r in rows)
         assert not any(r["along_k"] for r in rows if r["setting"] == "in_place")
+
+
+def _tiny_mla(interleave: bool):
+    """GLM-4.7-Flash's tiny shape (tests/family_models.py) in bf16 with LoRA on its MLA projections, B nonzero."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from family_models import TINY_MLA
+
+    from moetune.model.build import build_model
+    from moetune.model.config import ModelConfig
+    from moetune.model.hf_io import cast_model, init_weights
+    from moetune.model.lora import apply_lora
+    from moetune.train.setup import init_lora
+
+    cfg = dict(TINY_MLA, model_type="glm4_moe_lite", rope_interleave=interleave, num_hidden_layers=2)
+    model = build_model(ModelConfig.from_hf_dict(cfg), "cpu")
+    cast_model(model, torch.bfloat16)  # torch's grouped GEMM traces in bf16 only
+    init_weights(model, 0.05, seed=0)
+    apply_lora(model, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], 4, 8)
+    init_lora(model, seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    return model
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
+def test_mla_query_rope_rotated_in_place_when_compiled_gives_the_concatenations_numbers(interleave, monkeypatch):
+    """mla.ROPE_IN_PLACE: compiled, the query's RoPE slice is rotated in place in q_b's output: each layer's
+    traced graph holds one concatenation fewer (q's), and the tiny Flash model's loss and every LoRA gradient (LoRA on
+    MLA, the one op each way) are the concatenation's; eager, where autograd forbids the in-place write into an op's
+    output views, it keeps the concatenation."""
+    from moetune.model import mla
+
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for in_place, compiled in ((False, False), (True, False), (False, True), (True, True)):
+        monkeypatch.setattr(mla, "ROPE_IN_PLACE", in_place)
+        model = _tiny_mla(interleave)
+        cats = []
+        if compiled:
+            from torch._dynamo.backends.debugging import aot_eager
+
+            def backend(gm, example_inputs):  # traced as Inductor would (functionalised), run op by op
+                cats.append(sum(n.target in (torch.cat, torch.concat) for n in gm.graph.nodes))
+                return aot_eager(gm, example_inputs)
+
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend=backend, dynamic=False)
+        loss = model(ids, labels=torch.roll(ids, -1, 1))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[in_place, compiled] = loss.detach(), grads, cats
+    assert len(results[True, True][2]) == len(results[False, True][2]) == 2  # the dense layer's graph, the MoE one's
+    assert [a - b for a, b in zip(results[False, True][2], results[True, True][2])] == [1, 1]
+    for compiled in (False, True):
+        (base_loss, base_grads, _), (loss, grads, _) = results[False, compiled], results[True, compiled]
+        assert base_grads and all(g.abs().sum() > 0 for g in base_grads.values())
+        torch.testing.assert_close(loss, base_loss, rtol=0, atol=0)
+        for n in base_grads:  # the same products in the same order: equal
+            torch.testing.assert_close(grads[n], base_grads[n], rtol=0, atol=0, msg=f"compiled={compiled} {n}")
