@@ -812,8 +812,10 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
 
 def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
     """benchmarks/lora_linear_kernels.py's CPU rehearsal runs against today's op and reports what the GPU run's table
-    rests on: the wide shape takes LoRA's branch along K and the narrow one in place, the two forms' outputs within
-    bf16's rounding of each other (finite: a NaN fails the comparison); EVERY_SHAPE=1 takes it along K on both."""
+    rests on: the wide shape takes LoRA's branch along K and the narrow one in place (a bf16 weight, and an fp8 one
+    dequantised just in time), the bf16 forms' outputs within bf16's rounding of each other, the fp8 product and the
+    dequantised weight's within the activation's fp8 rounding (finite: a NaN fails the comparison); EVERY_SHAPE=1
+    takes it along K on both."""
     import json
     import os
     import subprocess
@@ -826,9 +828,14 @@ def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
         p = subprocess.run([sys.executable, str(bench)], env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         rows = json.loads((tmp_path / "lora_linear_kernels.json").read_text())["results"]
-        along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == "along_k"}
-        assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}
-        assert all(r["y_err_vs_other"] < 1e-2 and r["dx_err_vs_other"] < 1e-2 for r in rows)
+        for setting in ("along_k", "dequant"):
+            along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == setting}
+            assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}, setting
+        assert {(r["base"], r["setting"]) for r in rows} == {("bf16", "in_place"), ("bf16", "along_k"),
+                                                             ("fp8", "in_place"), ("fp8", "dequant")}
+        for r in rows:
+            tol = 1e-2 if r["base"] == "bf16" else 5e-2
+            assert r["y_err_vs_other"] < tol and r["dx_err_vs_other"] < tol, r
         assert not any(r["along_k"] for r in rows if r["setting"] == "in_place")
 
 
