@@ -135,10 +135,14 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
     """torch.nn.attention.varlen.varlen_attn's contract (FlashAttention-2 varlen: [tokens, heads, D], one sequence per
-    cu_seqlens interval, causal for window (-1, 0), GQA by head groups), one SDPA per sequence: the CPU's stand-in."""
+    cu_seqlens interval, causal for window (-1, 0), GQA by head groups: where the installed torch's varlen_attn takes
+    `enable_gqa`, only when told), one SDPA per sequence: the CPU's stand-in."""
+    from moetune.model.attention import VARLEN_TAKES_GQA
+
     assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert enable_gqa == (VARLEN_TAKES_GQA and q.shape[1] != k.shape[1]), (enable_gqa, q.shape, k.shape)
     bounds = cu_q.tolist()
     assert max(b - a for a, b in zip(bounds, bounds[1:])) <= max_q
     outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),

@@ -11,11 +11,16 @@ Decoding (KVCache): the new positions attend to every cached one, and causally a
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
+
+# torch 2.13's varlen_attn refuses fewer key/value heads than query heads unless told enable_gqa (2.11 has no such
+# argument: FlashAttention-2 groups the heads either way)
+VARLEN_TAKES_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 @dataclass
@@ -140,6 +145,7 @@ def attend_varlen(q, k, v, meta: AttnMeta):
     def flat(t):
         return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
 
+    gqa = {"enable_gqa": True} if VARLEN_TAKES_GQA and k.shape[1] != Hq else {}
     o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
-                    window_size=(-1, 0))
+                    window_size=(-1, 0), **gqa)
     return o.view(B, S, Hq, -1).transpose(1, 2)
