@@ -3,7 +3,8 @@ GLM-4.7-Flash's MLA projections and Air's attention (4,096 tokens, rank 16), eac
 - bf16 base: added in place onto y (cuBLAS's beta = 1) against along the GEMM's reduction (lora.LORA_ALONG_K);
 - fp8 base (row scales, operands by the row kernel): cuBLAS's fp8 GEMM + the in-place add against the TMA kernel
   with the branch in its epilogue (quant.matmul.FP8_LORA_EPILOGUE), and against the bf16 op on the weight dequantised
-  just in time (quant.matmul.DENSE_FP8_MIN_WIDTH's path for narrow weights; the dequantisation timed with it).
+  just in time inside the op (quant.matmul.DENSE_FP8_MIN_WIDTH's path for narrow weights; the dequantisations, forward
+  and backward, timed with it).
 Forward alone and forward + backward, GPU ms per call (the kernels' durations summed by torch.profiler), and the
 output's and x's gradient's error against the other form's. Results to $OUT/lora_linear_kernels.json.
 
@@ -27,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from moetune.model import lora  # noqa: E402
 from moetune.model.quant import matmul  # noqa: E402
-from moetune.model.quant.fp8 import ROWWISE, quantize_rows  # noqa: E402
+from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
 
 CPU = os.environ.get("BENCH_CPU") == "1"
 ROWS, RANK = (64, 16) if CPU else (4096, 16)
@@ -77,25 +78,22 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
     B = (torch.randn(n_out, RANK, device=device, generator=g) / RANK).bfloat16().requires_grad_()
     grad = torch.randn(ROWS, n_out, device=device, generator=g).bfloat16()
     lora.LORA_ALONG_K = not fp8 and setting == "along_k" or setting == "dequant"
+    # "dequant": the op dequantises the weight inside itself, as for a weight narrower than DENSE_FP8_MIN_WIDTH
+    matmul.DENSE_FP8_MIN_WIDTH = 1 << 30 if setting == "dequant" else 0
     if fp8:
         w8, scale = quantize_rows(w)
         matmul.FP8_LORA_EPILOGUE = setting == "epilogue"
-
-        def args():
-            if setting == "dequant":
-                return ROWWISE.dequantize(w8, scale, torch.bfloat16), None, A, B, 2.0
-            return w8, None, A, B, 2.0, scale, None
+        args = (w8, None, A, B, 2.0, scale, None)
     else:
-        def args():
-            return w.bfloat16(), None, A, B, 2.0
+        args = (w.bfloat16(), None, A, B, 2.0)
 
     def forward():
         with torch.no_grad():
-            return lora.lora_linear(x, *args())
+            return lora.lora_linear(x, *args)
 
     def step():
         x.grad = A.grad = B.grad = None
-        lora.lora_linear(x, *args()).backward(grad)
+        lora.lora_linear(x, *args).backward(grad)
 
     y = forward()
     step()

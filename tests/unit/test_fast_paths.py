@@ -645,10 +645,11 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_narrow_fp8_weight_runs_bf16_gemms_on_its_weight_dequantised(bias, monkeypatch):
     """quant.matmul.DENSE_FP8_MIN_WIDTH: where the fp8 tensor cores would run (forced on the CPU), a dense fp8 weight
-    whose in or out width is at most it runs no fp8 GEMM: a LoRA linear on it runs the bf16 op on the weight
-    dequantised just in time (whatever quantises the fp8 operands elsewhere), a plain fp8 linear the dequantising
-    path; both give the dequantised weight's product and gradients (fp32 reference, bf16 rounding). Wider weights,
-    and every weight at the default 0, keep the fp8 GEMMs."""
+    whose in or out width is at most it runs no fp8 GEMM: a LoRA linear on it runs the LoRA op (whatever quantises the
+    fp8 operands elsewhere), which dequantises the weight inside each op, so that autograd keeps the fp8 weight, not a
+    bf16 copy; a plain fp8 linear takes the dequantising path; both give the dequantised weight's product and
+    gradients (fp32 reference, bf16 rounding). Wider weights, and every weight at the default 0, keep the fp8
+    GEMMs."""
     from moetune.model import lora
     from moetune.model.quant import matmul
     from moetune.model.quant.modules import frozen_linear, weight_scale
@@ -667,10 +668,13 @@ def test_a_narrow_fp8_weight_runs_bf16_gemms_on_its_weight_dequantised(bias, mon
     w = layer.quant.dequantize(layer.weight, weight_scale(layer), torch.float32)
     b = None if layer.bias is None else layer.bias.float()
     xi = x.clone().requires_grad_()
+    saved = []
     with _SeenOps() as ops:
-        y = layer(xi)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.shape, t.dtype)) or t, lambda t: t):
+            y = layer(xi)
         y.float().square().sum().backward()
     assert {"moetune.lora_linear", "moetune.lora_linear_bwd"} <= ops.seen and not fp8_gemms
+    assert (layer.weight.shape, layer.weight.dtype) in saved and (layer.weight.shape, torch.bfloat16) not in saved
     xr, A, B = x.float().requires_grad_(), layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
     A.requires_grad_(), B.requires_grad_()
     yr = F.linear(xr, w, b) + layer.scaling * (xr @ A.t()) @ B.t()

@@ -166,21 +166,27 @@ def _quantized_operand(x2):
 # forward and its gradient backward cost (one H200, 4,096 rows, LoRA r16, forward + backward: kv_b 0.229 ms against
 # 0.203 for bf16, kv_a 0.087 against 0.073; only o_proj, 5,120 -> 2,048, is faster in fp8; BENCHMARKS.md,
 # twenty-eighth session). A dense fp8 weight whose in or out width is at most DENSE_FP8_MIN_WIDTH runs bf16 GEMMs on
-# the weight dequantised just in time instead, as the CPU does; 0: every dense fp8 weight on fp8 tensor cores. A
-# candidate (harness rows `_nd`), not yet measured end to end.
+# the weight dequantised just in time instead, as the CPU does (a LoRA linear's op dequantises it inside itself: a
+# bf16 copy made outside would be saved for the backward); 0: every dense fp8 weight on fp8 tensor cores. A candidate
+# (harness rows `_nd`), not yet measured end to end.
 DENSE_FP8_MIN_WIDTH = 0
+
+
+def narrow_dense(w8: torch.Tensor) -> bool:
+    """Whether a dense fp8 weight is at most DENSE_FP8_MIN_WIDTH wide on either side."""
+    return min(w8.shape[-2:]) <= DENSE_FP8_MIN_WIDTH
 
 
 def dense_in_fp8(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
     """Whether a dense product through this frozen fp8 weight runs on fp8 tensor cores (else on the weight
     dequantised just in time)."""
-    return _fp8_kernels(x, w8, scheme) and min(w8.shape[-2:]) > DENSE_FP8_MIN_WIDTH
+    return _fp8_kernels(x, w8, scheme) and not narrow_dense(w8)
 
 
 def dense_dequantised_for_speed(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
     """Whether this fp8 weight could run on fp8 tensor cores here but is narrower than DENSE_FP8_MIN_WIDTH: a LoRA
-    linear on it then runs the bf16 op on the weight dequantised just in time (lora.lora_linear)."""
-    return _fp8_kernels(x, w8, scheme) and not dense_in_fp8(x, w8, scheme)
+    linear on it runs the LoRA op all the same, which dequantises it just in time (lora.lora_linear)."""
+    return _fp8_kernels(x, w8, scheme) and narrow_dense(w8)
 
 
 def fp8_mm(x2, w8, scale, bias):
