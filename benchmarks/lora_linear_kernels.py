@@ -77,7 +77,7 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
     A = (torch.randn(RANK, n_in, device=device, generator=g) / n_in ** 0.5).bfloat16().requires_grad_()
     B = (torch.randn(n_out, RANK, device=device, generator=g) / RANK).bfloat16().requires_grad_()
     grad = torch.randn(ROWS, n_out, device=device, generator=g).bfloat16()
-    lora.LORA_ALONG_K = not fp8 and setting == "along_k" or setting == "dequant"
+    lora.LORA_ALONG_K = (not fp8 and setting == "along_k") or setting == "dequant"
     # "dequant": the op dequantises the weight inside itself, as for a weight narrower than DENSE_FP8_MIN_WIDTH
     matmul.DENSE_FP8_MIN_WIDTH = 1 << 30 if setting == "dequant" else 0
     if fp8:

@@ -92,18 +92,19 @@ def _grads_along_k(g, weight, lora_A, lora_B, scaling):
     return torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A), grad_h
 
 
+def _dequantised_if_narrow(weight, scale, transposed, dtype):
+    """An fp8 weight narrower than quant.matmul.DENSE_FP8_MIN_WIDTH as the bf16-like weight the op then takes (no
+    scale, no transposed copy); anything else as given."""
+    if scale is not None and narrow_dense(weight):
+        return ROWWISE.dequantize(weight, scale, dtype), None, None
+    return weight, scale, transposed
+
+
 # One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
 # [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y and LoRA's branch is added in
 # place, or made inside that GEMM where the output is wide (above). It returns x·Aᵀ besides y, to save for the
 # backward. An fp8 weight narrower than quant.matmul.DENSE_FP8_MIN_WIDTH is dequantised inside each op and takes the
 # bf16 path: autograd then keeps the fp8 weight, not a bf16 copy, for the backward.
-
-
-def _dequantised_if_narrow(weight, scale, transposed, dtype):
-    if scale is not None and narrow_dense(weight):
-        return ROWWISE.dequantize(weight, scale, dtype), None, None
-    return weight, scale, transposed
-
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
 def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                     transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
