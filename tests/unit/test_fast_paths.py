@@ -849,10 +849,6 @@ def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
 
 def _tiny_mla(interleave: bool):
     """GLM-4.7-Flash's tiny shape (tests/family_models.py) in bf16 with LoRA on its MLA projections, B nonzero."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from family_models import TINY_MLA
 
     from moetune.model.build import build_model
