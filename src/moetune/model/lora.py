@@ -209,10 +209,8 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
         if LORA_LINEAR == "op" and self._one_op(x):
-            if self.quant is None:
-                return lora_linear(x, self.weight, self.bias, A, B, self.scaling)
-            return lora_linear(x, self.weight, self.bias, A, B, self.scaling, weight_scale(self),
-                               transposed_copy(self, "weight"))
+            scale = None if self.quant is None else weight_scale(self)
+            return lora_linear(x, self.weight, self.bias, A, B, self.scaling, scale, transposed_copy(self, "weight"))
         y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), A)
         if LORA_LINEAR == "sum":
