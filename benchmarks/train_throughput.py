@@ -15,6 +15,7 @@ A step-time breakdown comes from one profiled step, kernels bucketed by name.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -327,6 +328,13 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_fp8_fla
               "ours_fp8_ep8rank_qkvo_1x4096_packed_tto", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_nf"] = (_s, _b, _t, _tg, {**_x, "fused_expert_mlp": False})
+# packed rows through FlexAttention on FlashAttention-4's kernels (model.attn_implementation flex_fa4: flex's "FLASH"
+# backend; flash-attn-4 installed, benchmarks/fa4_carry.sh) instead of its Triton ones, each against its row
+for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_cg", "ours_flash_mla_1x4096_demo",
+              "ours_flash_mla_1x4096_demo_cg", "ours_flash_mla_1x4096_packed", "trainer_flash_mla_1x4096_demo",
+              "trainer_flash_mla_1x4096_demo_cg", "ours_fp8_ep8rank_qkvo_1x4096_packed"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_fa4"] = (_s, _b, _t, _tg, {**_x, "attn": "flex_fa4"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -612,6 +620,45 @@ def bucket(kernel: str) -> str:
                 "elementwise_other")
 
 
+class GraphRecordings:
+    """CUDA graph trees (layers compiled with mode "reduce-overhead") over the timed steps: how many graphs they
+    recorded (none once every layer replays) and the first reasons a recorded graph could not be replayed (its
+    invariants: static inputs' addresses, memory the pool manages, what was alive at recording). A step that
+    re-records each time runs ~10x slower than one without graphs (twenty-seventh session's EP-8 rank, 740 tokens/s)."""
+
+    def __enter__(self):
+        from torch._inductor import cudagraph_trees as trees
+
+        self.recorded, self.reasons, self._saved = 0, [], []
+
+        def counting(record):
+            def f(manager, *args, **kwargs):
+                self.recorded += 1
+                return record(manager, *args, **kwargs)
+            return f
+
+        def noting(check):
+            def f(node, *args, **kwargs):
+                status, logger = check(node, *args, **kwargs)
+                if status != trees.CheckInvariantStatus.SUCCESS and len(self.reasons) < 4:
+                    try:
+                        self.reasons.append(f"{status}: {logger()}"[:600])
+                    except Exception as e:  # the reason's text is a nice-to-have
+                        self.reasons.append(f"{status} ({type(e).__name__} formatting it)")
+                return status, logger
+            return f
+
+        for cls, name, wrap in ((trees.CUDAGraphTreeManager, "record_function", counting),
+                                (trees.CUDAGraphNode, "check_invariants", noting)):
+            self._saved.append((cls, name, getattr(cls, name)))
+            setattr(cls, name, wrap(getattr(cls, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, original in self._saved:
+            setattr(cls, name, original)
+
+
 def breakdown(step, batch):
     from torch.profiler import ProfilerActivity, profile
 
@@ -681,7 +728,8 @@ def worker(name: str) -> dict:
         step = hf_step_fn(model)
     elif stack == "trainer":
         model, step = trainer_step_fn(cfg, targets, B, S, dev, extra.get("compile_mode"), extra.get("quantize"),
-                                      extra.get("fp8_copies"))
+                                      extra.get("fp8_copies"),
+                                      ["--model.attn_implementation", extra["attn"]] if "attn" in extra else None)
     else:
         model = build_ours(cfg, targets, extra, dev)
         step = ours_step_fn(model, targets is None, extra.get("offload", False), extra.get("guard", False))
@@ -699,13 +747,15 @@ def worker(name: str) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(8):
-        t = time.perf_counter()
-        loss = step(*batch)
-        # the compute stream, as `moetune train` times a step: the guard's host copy runs on its own stream under
-        # the next step (a device-wide synchronize would expose it)
-        torch.cuda.current_stream().synchronize()
-        times.append(time.perf_counter() - t)
+    graphs = extra.get("compile_mode") == "reduce-overhead" and dev.type == "cuda"
+    with GraphRecordings() if graphs else contextlib.nullcontext() as recordings:
+        for _ in range(8):
+            t = time.perf_counter()
+            loss = step(*batch)
+            # the compute stream, as `moetune train` times a step: the guard's host copy runs on its own stream under
+            # the next step (a device-wide synchronize would expose it)
+            torch.cuda.current_stream().synchronize()
+            times.append(time.perf_counter() - t)
     st = statistics.median(times)
     tokens = B * S
     res = {
@@ -718,6 +768,8 @@ def worker(name: str) -> dict:
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
         "loss": round(float(loss), 4),
     }
+    if recordings is not None:
+        res["cuda_graphs_recorded"], res["cuda_graphs_rerecorded_because"] = recordings.recorded, recordings.reasons
     if targets is None:
         res["mfu6p"] = round(6 * active_params(cfg) * tokens / st / PEAK, 4)
     if extra.get("offload"):  # host-bound steps (AdamW on the CPU): a kernel breakdown says little and takes minutes

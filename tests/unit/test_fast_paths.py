@@ -135,6 +135,47 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_flex_fa4_asks_flex_for_flashattention4_kernels(monkeypatch):
+    """model.attn_implementation flex_fa4: the block mask goes to FlexAttention with BACKEND "FLASH" (FlashAttention-4's
+    kernels, GPU only: the stand-in here checks the option and computes with flex's CPU kernels); the CPU's own
+    meta for it is the dense mask; a GPU that cannot run it is a ConfigError, checked before the model is built."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from moetune.errors import ConfigError
+    from moetune.model import attention
+    from moetune.model.attention import AttnMeta, attend, build_attn_meta, check_attn_implementation
+
+    real, seen = flex_module.flex_attention, []
+
+    def stand_in(q, k, v, block_mask=None, enable_gqa=False, kernel_options=None):
+        seen.append(kernel_options)
+        return real(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(flex_module, "flex_attention", stand_in)
+    attention._compiled_flex.cache_clear()
+    try:
+        torch.manual_seed(2)
+        B, H, Hkv, S, D = 1, 4, 2, 128, 16
+        q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+        pos = torch.cat([torch.arange(50), torch.arange(78)]).unsqueeze(0)
+        dense = build_attn_meta(pos, "flex_fa4")
+        assert dense.block_mask is None and dense.dense_mask is not None  # the CPU's path
+        flex = build_attn_meta(pos, "flex")
+        for backend, options in (("FLASH", {"BACKEND": "FLASH"}), ("AUTO", None)):
+            seen.clear()
+            got = attend(q, k, v, AttnMeta(block_mask=flex.block_mask, flex_backend=backend))
+            assert seen == [options]
+            torch.testing.assert_close(got, attend(q, k, v, dense), rtol=1e-5, atol=1e-5)
+    finally:
+        attention._compiled_flex.cache_clear()
+    check_attn_implementation("flex_fa4", "cpu")  # nothing to check off a GPU
+    check_attn_implementation("flex", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ConfigError, match="flex_fa4, but FlashAttention-4 runs on Hopper or newer GPUs"):
+        check_attn_implementation("flex_fa4", "cuda")
+
+
 def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
     """torch.nn.attention.varlen.varlen_attn's contract (FlashAttention-2 varlen: [tokens, heads, D], one sequence per
     cu_seqlens interval, causal for window (-1, 0), GQA by head groups: where the installed torch's varlen_attn takes

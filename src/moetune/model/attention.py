@@ -2,9 +2,10 @@
 
 One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
 position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
-diagonal of each document are computed), or (`varlen`) FlashAttention-2's variable-length kernel over the
-documents of the flattened rows (torch.nn.attention.varlen); SDPA with a dense boolean mask elsewhere (their
-CPU-testable twin).
+diagonal of each document are computed) by torch's Triton kernels or (`flex_fa4`) FlashAttention-4's (flex's
+"FLASH" backend: CuTe DSL kernels for Hopper and Blackwell, with flash-attn-4 installed), or (`varlen`)
+FlashAttention-2's variable-length kernel over the documents of the flattened rows (torch.nn.attention.varlen); SDPA
+with a dense boolean mask elsewhere (their CPU-testable twin).
 Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
 """
 
@@ -18,15 +19,21 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 
+from moetune.errors import ConfigError
+
 # torch 2.13's varlen_attn refuses fewer key/value heads than query heads unless told enable_gqa (2.11 has no such
 # argument: FlashAttention-2 groups the heads either way)
 VARLEN_TAKES_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+# model.attn_implementation -> FlexAttention's BACKEND for packed rows on a GPU ("AUTO": torch's Triton templates)
+FLEX_BACKENDS = {"auto": "AUTO", "flex": "AUTO", "flex_fa4": "FLASH"}
 
 
 @dataclass
 class AttnMeta:
     dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
     block_mask: object | None = None  # FlexAttention BlockMask
+    flex_backend: str = "AUTO"  # FlexAttention's kernels for the block mask (FLEX_BACKENDS)
     cu_seqlens: torch.Tensor | None = None  # varlen path: int32 [documents + 1], their starts in the flattened rows
     max_len: int = 0  # varlen path: a bound on a document's length (the row's: one compiled graph for all batches)
 
@@ -67,10 +74,28 @@ def is_packed(position_ids) -> bool:
 
 
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(backend: str = "AUTO"):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    options = {} if backend == "AUTO" else {"kernel_options": {"BACKEND": backend}}
+    return torch.compile(functools.partial(flex_attention, **options), dynamic=False)
+
+
+def check_attn_implementation(impl: str, device) -> None:
+    """model.attn_implementation flex_fa4 on a GPU that cannot run FlashAttention-4's kernels is a ConfigError naming
+    why (the CPU computes every implementation with the dense mask)."""
+    import importlib.util
+
+    device = torch.device(device)
+    if impl != "flex_fa4" or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        reason = f"FlashAttention-4 runs on Hopper or newer GPUs ({torch.cuda.get_device_name(device)} is not)"
+    elif importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        reason = "FlashAttention-4 is not installed (pip install flash-attn-4)"
+    else:
+        return
+    raise ConfigError(f"model.attn_implementation: flex_fa4, but {reason}")
 
 
 def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
@@ -78,7 +103,8 @@ def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
         return AttnMeta(dense_mask=dense_document_mask(position_ids) if impl == "eager" else None)
     if impl == "varlen" and position_ids.is_cuda:
         return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1])
-    use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
+    # flex_fa4's kernels run on a GPU only: the CPU takes the dense mask, as for varlen
+    use_flex = impl == "flex" or (impl in ("auto", "flex_fa4") and position_ids.is_cuda)
     if not use_flex:
         return AttnMeta(dense_mask=dense_document_mask(position_ids))
     from torch.nn.attention.flex_attention import create_block_mask
@@ -89,7 +115,8 @@ def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
         return (doc[b, q] == doc[b, kv]) & (q >= kv)
 
     B, S = position_ids.shape
-    return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device))
+    return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device),
+                    flex_backend=FLEX_BACKENDS[impl])
 
 
 class KVCache:
@@ -128,7 +155,7 @@ class KVCache:
 def attend(q, k, v, meta: AttnMeta):
     """q [B, Hq, S, D], k/v [B, Hkv, T, D] -> [B, Hq, S, D] (T > S only with a dense mask: a decoding step)."""
     if meta.block_mask is not None:
-        return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
+        return _compiled_flex(meta.flex_backend)(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
     if meta.cu_seqlens is not None:
         return attend_varlen(q, k, v, meta)
     if meta.dense_mask is not None:
