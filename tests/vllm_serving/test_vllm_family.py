@@ -55,7 +55,7 @@ def moetune_logprobs(run, ids):
 
 
 def test_vllm_serves_the_merged_mla_export_with_moetunes_logprobs(run):
-    got = torch.tensor(check("serve", model=str(run / "merged"), ids=IDS, native_rope=True)["logprobs"])
+    got = torch.tensor(check("serve", model=str(run / "merged"), ids=IDS, mla=True)["logprobs"])
     want = moetune_logprobs(run, IDS)
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert (got - want).abs().max().item() <= 1e-4, (got - want).abs().max().item()
@@ -71,12 +71,12 @@ def test_vllm_add_lora_accepts_our_mla_adapter_and_rejects_a_tampered_one(run, t
     k = next(k for k in keys if ".experts.0.down_proj.lora_A" in k)
     keys[k.replace(".experts.0.", ".experts.99.")] = keys.pop(k)  # an expert the model does not have
     save_file(keys, bad / "adapter_model.safetensors")
-    result = check("lora", base=str(run / "base"), rank=RANK, adapters=[str(good), str(bad)], native_rope=True)
+    result = check("lora", base=str(run / "base"), rank=RANK, adapters=[str(good), str(bad)], mla=True)
     assert result[str(good)] is True, result
     assert isinstance(result[str(bad)], str) and "expected target modules" in result[str(bad)], result
 
 
 def test_weight_sync_into_vllm_mla_equals_the_trainers_merged_model(run):
-    before, after, want = sync_into_vllm(run, IDS, native_rope=True)
+    before, after, want = sync_into_vllm(run, IDS, mla=True)
     assert (before - want).abs().max().item() > 1e-3  # the sync changed what vLLM computes...
     assert (after - want).abs().max().item() <= 1e-4, (after - want).abs().max().item()  # ...into the trainer's

@@ -223,7 +223,7 @@ def test_vllm_serves_the_fp8_export_of_glm47_flash_with_moetunes_fp8_logprobs(tm
                          str(merged), "--dtype", "fp8"]) == 0
     out = load_file(str(merged / "model.safetensors"))
     assert out["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].dtype == FP8
-    r = check("serve", model=str(merged), ids=IDS, native_rope=True)
+    r = check("serve", model=str(merged), ids=IDS, mla=True)
     got = torch.tensor(r["logprobs"])
     want = logprobs(moetune.load_model(str(merged), dtype="float32"))
     d = (got - want).abs().max().item()

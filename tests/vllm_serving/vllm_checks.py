@@ -21,13 +21,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large part of the machine
 
 
-def _llm(model, native_rope=False, **kw):
+def _llm(model, mla=False, **kw):
     from vllm import LLM
 
-    if native_rope:
-        # MLA models: vLLM-CPU 0.32's rotary kernel (ops.rotary_embedding, GPT-J style) rotates a 3-D query
-        # [tokens, heads, 64] wrongly (a flat [tokens, heads·64] one right); MLA passes q_pe 3-D. The torch path is right.
+    if mla:
+        # vLLM-CPU 0.32's rotary kernel (ops.rotary_embedding, GPT-J style) rotates a 3-D query [tokens, heads, 64]
+        # wrongly (a flat [tokens, heads·64] one right); MLA passes q_pe 3-D. The torch path is right.
         kw["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+        # on a CPU with AMX tiles vLLM picks its AMX MLA kernels, which take DeepSeek's head sizes only (576 =
+        # kv_lora_rank 512 + rope 64) and fail to load the tests' tiny MLA ("invalid weight input features"): the
+        # reference CPU MLA backend, which any CPU has, serves every size
+        kw["attention_config"] = {"backend": "CPU_MLA"}
     return LLM(model, dtype="float32", max_model_len=256, enforce_eager=True, seed=0, **kw)
 
 
@@ -50,7 +54,7 @@ def greedy(llm, ids, max_tokens):
 
 
 def serve(a):
-    llm = _llm(a["model"], a.get("native_rope", False))
+    llm = _llm(a["model"], a.get("mla", False))
     out = {"logprobs": prompt_logprobs(llm, a["ids"])}
     if a.get("max_tokens"):
         out["tokens"] = greedy(llm, a["ids"], a["max_tokens"])
@@ -60,7 +64,7 @@ def serve(a):
 def lora(a):
     from vllm.lora.request import LoRARequest
 
-    llm = _llm(a["base"], a.get("native_rope", False), enable_lora=True, max_lora_rank=a["rank"], max_loras=1)
+    llm = _llm(a["base"], a.get("mla", False), enable_lora=True, max_lora_rank=a["rank"], max_loras=1)
     results = {}
     for i, path in enumerate(a["adapters"], start=1):
         try:
@@ -71,7 +75,7 @@ def lora(a):
 
 
 def sync(a):
-    llm = _llm(a["base"], a.get("native_rope", False), worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
+    llm = _llm(a["base"], a.get("mla", False), worker_extension_cls="moetune.sync.vllm.MoetuneWorkerExtension")
     before = prompt_logprobs(llm, a["ids"])
     llm.collective_rpc("init_weight_sync", args=(a["address"], 1, a["world_size"]))
     stats = llm.collective_rpc("receive_weights")[0]
