@@ -135,10 +135,18 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_flex_fa4_asks_flex_for_flashattention4_kernels(monkeypatch):
+def _fa4_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("flash_attn", "flash_attn.cute"))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and _fa4_installed() else []))
+def test_flex_fa4_asks_flex_for_flashattention4_kernels(device, monkeypatch):
     """model.attn_implementation flex_fa4: the block mask goes to FlexAttention with BACKEND "FLASH" (FlashAttention-4's
-    kernels, GPU only: the stand-in here checks the option and computes with flex's CPU kernels); the CPU's own
-    meta for it is the dense mask; a GPU that cannot run it is a ConfigError, checked before the model is built."""
+    kernels); output and gradients equal the dense document mask's. On the CPU (no such kernels) a stand-in checks the
+    option and computes with flex's CPU kernels, forward only, and the CPU's own meta for flex_fa4 is the dense mask;
+    on a GPU with flash-attn-4, the kernels themselves in bf16. A GPU that cannot run them is a ConfigError."""
     import torch.nn.attention.flex_attention as flex_module
 
     from moetune.errors import ConfigError
@@ -151,21 +159,37 @@ def test_flex_fa4_asks_flex_for_flashattention4_kernels(monkeypatch):
         seen.append(kernel_options)
         return real(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
-    monkeypatch.setattr(flex_module, "flex_attention", stand_in)
+    cuda = device == "cuda"
+    if not cuda:
+        monkeypatch.setattr(flex_module, "flex_attention", stand_in)
     attention._compiled_flex.cache_clear()
     try:
         torch.manual_seed(2)
-        B, H, Hkv, S, D = 1, 4, 2, 128, 16
-        q, k, v = torch.randn(B, H, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
-        pos = torch.cat([torch.arange(50), torch.arange(78)]).unsqueeze(0)
-        dense = build_attn_meta(pos, "flex_fa4")
-        assert dense.block_mask is None and dense.dense_mask is not None  # the CPU's path
-        flex = build_attn_meta(pos, "flex")
-        for backend, options in (("FLASH", {"BACKEND": "FLASH"}), ("AUTO", None)):
-            seen.clear()
-            got = attend(q, k, v, AttnMeta(block_mask=flex.block_mask, flex_backend=backend))
-            assert seen == [options]
-            torch.testing.assert_close(got, attend(q, k, v, dense), rtol=1e-5, atol=1e-5)
+        B, H, Hkv, S, D = 2, 4, 2, 256, 64
+        dtype = torch.bfloat16 if cuda else torch.float32
+        q, k, v = (torch.randn(B, h, S, D, device=device, dtype=dtype, requires_grad=cuda) for h in (H, Hkv, Hkv))
+        pos = torch.stack([torch.cat([torch.arange(50), torch.arange(206)]),
+                           torch.cat([torch.arange(10), torch.arange(200), torch.arange(46)])]).to(device)
+        dense = AttnMeta(dense_mask=attention.dense_document_mask(pos))
+        if cuda:
+            meta = build_attn_meta(pos, "flex_fa4")
+            assert meta.block_mask is not None and meta.flex_backend == "FLASH"
+            got = attend(q, k, v, meta)
+            grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+            q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            want = attend(q2, k2, v2, dense)
+            want_grads = torch.autograd.grad(want.float().square().sum(), (q2, k2, v2))
+            for a, b in zip((got, *grads), (want, *want_grads)):
+                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        else:
+            fallback = build_attn_meta(pos, "flex_fa4")
+            assert fallback.block_mask is None and fallback.dense_mask is not None  # the CPU's path
+            flex = build_attn_meta(pos, "flex")
+            for backend, options in (("FLASH", {"BACKEND": "FLASH"}), ("AUTO", None)):
+                seen.clear()
+                got = attend(q, k, v, AttnMeta(block_mask=flex.block_mask, flex_backend=backend))
+                assert seen == [options]
+                torch.testing.assert_close(got, attend(q, k, v, dense), rtol=1e-5, atol=1e-5)
     finally:
         attention._compiled_flex.cache_clear()
     check_attn_implementation("flex_fa4", "cpu")  # nothing to check off a GPU
@@ -768,10 +792,10 @@ def test_compiled_swiglu_backward_as_one_kernel_gives_autograds_gradients(monkey
     gradients of h and of the routing weights those of autograd's traced ops ("inductor") on fp32 inputs: equal in
     fp32, within bf16's rounding from bf16 inputs (the kernel computes in fp32 and rounds once). (On an H200 with
     torch 2.11 the fp32 gradients were zero while the forward's output was a no-op `.to` of the product.)"""
-    from moetune.model import experts, grouped_gemm
+    from moetune.model import experts, grouped_gemm_tiles
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(grouped_gemm, "KERNEL_ON_CPU", device == "cpu")
+    monkeypatch.setattr(grouped_gemm_tiles, "KERNEL_ON_CPU", device == "cpu")
     calls = []
     real = experts.weighted_swiglu_bwd
     monkeypatch.setattr(experts, "weighted_swiglu_bwd",
