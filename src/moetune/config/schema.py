@@ -48,7 +48,8 @@ class RunConfig(_Section):
     def _one_folder_name(cls, v):
         # the run directory must stay inside output_dir: no separators, no "." / "..", not absolute
         if v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
-            raise ValueError(f"must be one folder name inside run.output_dir (no '/', '..' or absolute path), got {v!r}")
+            raise ValueError("must be one folder name inside run.output_dir (no '/', '..' or absolute path), "
+                             f"got {v!r}")
         return v
 
 
@@ -143,8 +144,8 @@ class DataConfig(_Section):
     seq_len: int = Field(256, ge=8)
     pack: bool = True
     train_on: Literal["assistant", "all"] = "assistant"
-    # Reasoning (`reasoning_content` or a leading <think>…</think> block) is part of what the assistant writes: trained
-    # by default, as for distilling reasoning traces; false conditions on it without learning to produce it.
+    # Reasoning (`reasoning_content` or a leading <think>…</think> block) is part of what the assistant writes:
+    # trained by default, as for distilling reasoning traces; false conditions on it without learning to produce it.
     train_reasoning: bool = True
     # GLM-4.5's template writes an empty <think></think> into turns without reasoning. Training it teaches the model to
     # skip thinking whenever a data set has no reasoning, so by default it is context, not target.
