@@ -33,11 +33,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from moetune.model import grouped_gemm as gg  # noqa: E402
+from moetune.model import grouped_gemm_tiles  # noqa: E402
+from moetune.model import grouped_gemm_tma as tma  # noqa: E402
 from moetune.model.quant import matmul  # noqa: E402
 from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
 
 DEV = torch.device("cpu" if CPU else "cuda")
-gg.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under the interpreter
+grouped_gemm_tiles.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under the interpreter
 OUT = os.environ.get("OUT", "/tmp")
 SWEEP = os.environ.get("SWEEP", "quick")
 # which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA);
@@ -135,10 +137,10 @@ def run_copies(fp8, shape_res):
     for name, (w8, _) in fp8.items():
         want = w8.transpose(-2, -1).contiguous()
         gbytes = 2 * w8.numel() / 1e9
-        tiles = (gg.K_MAJOR_TILE, 64) if not CPU else (gg.K_MAJOR_TILE,)
-        methods = [("torch", lambda: gg.k_major_copy_reference(w8)),
-                   ("compiled", lambda: compiled_for_eager(gg.k_major_copy_reference)(w8))]
-        methods += [(f"triton_{t}", lambda t=t: gg.k_major_copy(w8, t)) for t in tiles]
+        tiles = (tma.K_MAJOR_TILE, 64) if not CPU else (tma.K_MAJOR_TILE,)
+        methods = [("torch", lambda: tma.k_major_copy_reference(w8)),
+                   ("compiled", lambda: compiled_for_eager(tma.k_major_copy_reference)(w8))]
+        methods += [(f"triton_{t}", lambda t=t: tma.k_major_copy(w8, t)) for t in tiles]
         for method, fn in methods:
             try:
                 same = torch.equal(fn().view(torch.uint8), want.view(torch.uint8))
@@ -270,17 +272,17 @@ TMA_NMAJOR_FP8 = [(128, 256, 128, 3, 8), (128, 128, 128, 3, 8), (256, 128, 128, 
                   (256, 128, 64, 4, 8), (256, 64, 128, 3, 4), (256, 64, 128, 4, 4)]
 if os.environ.get("GG_TMA_CONFIGS") == "fixed":  # the module's launch configs only
     _f = lambda c: [(c["BM"], c["BN"], c["BK"], c["num_stages"], c["num_warps"])]  # noqa: E731
-    TMA_QUICK, TMA_QUICK_FP8, TMA_NMAJOR_FP8 = _f(gg.TMA_CONFIG), _f(gg.TMA_CONFIG_FP8), _f(gg.TMA_CONFIG_FP8_SWAP)
+    TMA_QUICK, TMA_QUICK_FP8, TMA_NMAJOR_FP8 = _f(tma.TMA_CONFIG), _f(tma.TMA_CONFIG_FP8), _f(tma.TMA_CONFIG_FP8_SWAP)
 
 
 def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
-    """The TMA kernel (model/grouped_gemm.py): a bf16 stack (forward, and the input gradient read as stored), and
+    """The TMA kernel (model/grouped_gemm_tma.py): a bf16 stack (forward, and the input gradient read as stored), and
     fp8 × fp8 (forward; the input gradient on a K-major copy of the stack made beforehand, as torch's
     `_scaled_grouped_mm` on the same copy, "torch_fp8_on_copy"; and on the stack as stored, "tma_w8a8_nmajor").
     A sweep of launch configs (GG_TMA_CONFIGS=fixed: the module's own); `ref`, `ref8`: the fp32 products on the bf16
     and on the dequantised fp8 stack."""
     cands = []
-    if "tma" in KINDS and (CPU or gg.tma_supported(a, W, transpose)):
+    if "tma" in KINDS and (CPU or tma.tma_supported(a, W, transpose)):
         cands.append(("tma_bf16", a, W, None, transpose, {}, ref, CPU_TMA if CPU else TMA_QUICK))
     if "tma_w8a8" in KINDS and w8 is not None:
         if transpose:
@@ -294,7 +296,7 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
             # the stack as stored (N-major: Triton transposes each tile on chip), no copy
             cands.append(("tma_w8a8_nmajor", gq, w8, None, False, dict(x_scale=sg), ref8,
                           CPU_TMA if CPU else TMA_NMAJOR_FP8))
-            # the stack's tile moved byte by byte (before grouped_gemm.TMA_SWAP_PAIRS)
+            # the stack's tile moved byte by byte (before grouped_gemm_tma.TMA_SWAP_PAIRS)
             cands.append(("tma_w8a8_nmajor_bytes", gq, w8, None, False, dict(x_scale=sg, pairs=False), ref8,
                           CPU_TMA if CPU else TMA_NMAJOR_FP8))
             if not CPU and hasattr(torch, "_scaled_grouped_mm"):
@@ -314,7 +316,7 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
                 continue
             cfg = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8 if not CPU else 2, num_warps=warps, num_stages=stages)
             tag = f"{BM}x{BN}x{BK}_s{stages}_w{warps}"
-            r = record(f"{kind}[{tag}]", lambda: gg.grouped_gemm_tma(x, w, offs, s, tr, config=cfg, **extra),
+            r = record(f"{kind}[{tag}]", lambda: tma.grouped_gemm_tma(x, w, offs, s, tr, config=cfg, **extra),
                        reference, config=cfg)
             if "ms" in r and r["finite"] and (best is None or r["ms"] < best[1]["ms"]):
                 best = (tag, r)
@@ -360,14 +362,14 @@ for wdt, scale, transpose, swap, prefetch in [
         shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
         async_copies=ttgir.count("async_copy_global_to_local"))
 import re
-from moetune.model import grouped_gemm as gg
-for name, k, stored, pairs in [("fwd tma", gg._grouped_gemm_tma_kernel, False, False),
-                               ("fwd tma_persistent", gg._grouped_gemm_tma_persistent_kernel, False, False),
-                               ("dgrad as stored tma", gg._grouped_gemm_tma_kernel, True, True),
-                               ("dgrad as stored tma_persistent", gg._grouped_gemm_tma_persistent_kernel, True, True),
-                               ("dgrad as stored, bytes, tma_persistent", gg._grouped_gemm_tma_persistent_kernel,
+from moetune.model import grouped_gemm_tma as tma
+for name, k, stored, pairs in [("fwd tma", tma._grouped_gemm_tma_kernel, False, False),
+                               ("fwd tma_persistent", tma._grouped_gemm_tma_persistent_kernel, False, False),
+                               ("dgrad as stored tma", tma._grouped_gemm_tma_kernel, True, True),
+                               ("dgrad as stored tma_persistent", tma._grouped_gemm_tma_persistent_kernel, True, True),
+                               ("dgrad as stored, bytes, tma_persistent", tma._grouped_gemm_tma_persistent_kernel,
                                 True, False)]:
-    cfg = gg.TMA_CONFIG_FP8_SWAP if stored else gg.TMA_CONFIG_FP8
+    cfg = tma.TMA_CONFIG_FP8_SWAP if stored else tma.TMA_CONFIG_FP8
     const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=True, SCALE_B=not stored, DOT_FP32=False, BM=cfg["BM"],
                  BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, SWAP=stored, PAIRS=pairs, l_ptr=None, p_ptr=None,
                  stride_pe=0, stride_pr=0, stride_pn=0, LORA=False, RANK=16,

@@ -199,7 +199,7 @@ for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096"
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_tg"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton"})
     VARIANTS[f"{_base}_gt"] = (_s, _b, _t, _tg, {**_x, "ggemm": "torch"})
-    # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT)
+    # the TMA kernel a program a tile (before grouped_gemm_tma.TMA_PERSISTENT)
     VARIANTS[f"{_base}_tg1"] = (_s, _b, _t, _tg, {**_x, "ggemm": "triton", "tma_persistent": False})
 # the fp8 base's expert stacks through the Triton kernels (model/quant/matmul.py): the input gradient W8A16 from the
 # stack as stored (_gd), and the forward fp8 x fp8 too (_gdf)
@@ -243,9 +243,9 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_experts_4x1024", "ours_fp8_flash
     VARIANTS[f"{_base}_gc"] = (_s, _b, _t, _tg, {**_x, "stored_dgrad_max_rows": 0})
     VARIANTS[f"{_base}_gccg"] = (_s, _b, _t, _tg, {**_x, "stored_dgrad_max_rows": 0,
                                                   "compile_mode": "reduce-overhead"})
-    # the stacks as stored moved byte by byte (before grouped_gemm.TMA_SWAP_PAIRS), with the layers as CUDA graphs
+    # the stacks as stored moved byte by byte (before grouped_gemm_tma.TMA_SWAP_PAIRS), with the layers as CUDA graphs
     VARIANTS[f"{_base}_sbcg"] = (_s, _b, _t, _tg, {**_x, "swap_pairs": False, "compile_mode": "reduce-overhead"})
-    # the TMA kernel a program a tile (before grouped_gemm.TMA_PERSISTENT), without and with the layers as CUDA graphs
+    # the TMA kernel a program a tile (before grouped_gemm_tma.TMA_PERSISTENT), without and with layers as CUDA graphs
     VARIANTS[f"{_base}_t1"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False})
     VARIANTS[f"{_base}_t1cg"] = (_s, _b, _t, _tg, {**_x, "tma_persistent": False, "compile_mode": "reduce-overhead"})
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
@@ -307,7 +307,7 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096_cg", "ours_fp8_
 for _base in ("ours_flash_mlaexperts_1x4096", "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_xl0"] = (_s, _b, _t, _tg, {**_x, "expert_lora_epilogue": False})
-    # LoRA's thin products by torch's grouped GEMMs (_lk0: grouped_gemm.LORA_KERNELS False)
+    # LoRA's thin products by torch's grouped GEMMs (_lk0: grouped_lora_kernels.LORA_KERNELS False)
     VARIANTS[f"{_base}_lk0"] = (_s, _b, _t, _tg, {**_x, "lora_kernels": False})
 # the compiled SwiGLU's backward as Inductor's traced ops (_sw0), before experts.SWIGLU_BACKWARD "kernel"
 for _base in ("ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
@@ -422,13 +422,14 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.DENSE_FP8_MIN_WIDTH = extra.get("dense_fp8_min_width", fp8_matmul.DENSE_FP8_MIN_WIDTH)
     import moetune.model.experts as experts_module
     import moetune.model.glm4_moe as glm4_moe_module
-    import moetune.model.grouped_gemm as grouped_gemm_module
+    import moetune.model.grouped_gemm_tma as grouped_gemm_tma_module
+    import moetune.model.grouped_lora_kernels as grouped_lora_kernels_module
     import moetune.model.lora as lora_module
 
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         experts_module.GROUPED_GEMM = extra["ggemm"]
     if "swap_pairs" in extra:  # an fp8 stack as stored moved as int16 pairs (True, the default) or bytes
-        grouped_gemm_module.TMA_SWAP_PAIRS = extra["swap_pairs"]
+        grouped_gemm_tma_module.TMA_SWAP_PAIRS = extra["swap_pairs"]
     # the twenty-fourth session's (each True by default; False: the form before it): the router's logits on tensor
     # cores, the permutation's sort on narrow keys; and how a LoRA linear adds its product (lora.LORA_LINEAR)
     glm4_moe_module.ROUTER_TENSOR_CORES = extra.get("router_tensor_cores", glm4_moe_module.ROUTER_TENSOR_CORES)
@@ -441,9 +442,9 @@ def build_ours(cfg: dict, targets, extra, device):
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
-    grouped_gemm_module.LORA_KERNELS = extra.get("lora_kernels", grouped_gemm_module.LORA_KERNELS)
+    grouped_lora_kernels_module.LORA_KERNELS = extra.get("lora_kernels", grouped_lora_kernels_module.LORA_KERNELS)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
-        grouped_gemm_module.TMA_PERSISTENT = extra["tma_persistent"]
+        grouped_gemm_tma_module.TMA_PERSISTENT = extra["tma_persistent"]
     if not full:
         apply_lora(model, targets, 16, 32)
     model.attn_implementation = extra.get("attn", "auto")  # model.attn_implementation (packed rows: flex, varlen)

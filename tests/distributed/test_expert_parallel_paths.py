@@ -151,7 +151,8 @@ def _fp8_model(mesh, copies, targets):
 def _fp8_worker(rank, port, targets):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
     from moetune.model.quant import matmul
     from moetune.model.quant.modules import transposed_copy
     from moetune.parallel.mesh import shutdown_distributed
@@ -162,10 +163,10 @@ def _fp8_worker(rank, port, targets):
     # the fp8 tensor-core path as a GPU takes it: the stacks through the TMA kernel (Triton's interpreter here), the
     # linears through torch._scaled_mm (a CPU kernel)
     matmul._fp8_kernels = lambda x, w8, scheme: x.dtype == torch.bfloat16
-    gg.KERNEL_ON_CPU = True
+    tiles.KERNEL_ON_CPU = True
     launches, fused = [], []
-    real = gg.grouped_gemm_tma
-    gg.grouped_gemm_tma = lambda *a, **k: launches.append(a[1].shape) or real(*a, **k)
+    real = tma.grouped_gemm_tma
+    tma.grouped_gemm_tma = lambda *a, **k: launches.append(a[1].shape) or real(*a, **k)
     real_fused = matmul.weighted_swiglu_bwd_fp8
     matmul.weighted_swiglu_bwd_fp8 = lambda *a: fused.append(1) or real_fused(*a)
     ids, labels = _batch(rank)

@@ -790,17 +790,18 @@ def test_the_tma_expert_path_compiled_and_recomputed_gives_the_eager_gradients(m
     the layer recomputed whole (`full`: every op tagged for recompute as it dispatches, the selective-checkpoint
     machinery `selective` uses too), with and without the kept transposed copies: the LoRA gradients of the eager
     run without recompute, bitwise."""
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
     from moetune.model.quant import matmul
     from moetune.model.quant.modules import keep_transposed_copies
     from moetune.parallel.apply import apply_ac
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     assert (matmul.GROUPED_FORWARD, matmul.GROUPED_DGRAD, matmul.TMA_LAUNCH) == ("tma", "tma", "custom_op")
     launches = []
-    real = gg.grouped_gemm_tma
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: launches.append(1) or real(*a, **k))
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma", lambda *a, **k: launches.append(1) or real(*a, **k))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 
     def grads(layer_ac, compiled, copies):
@@ -851,16 +852,17 @@ def test_the_fused_fp8_expert_mlp_on_the_stacks_as_stored_gives_the_gradients_of
     and under "tma" where the groups average at most STORED_DGRAD_MAX_ROWS rows (the tiny step's do); above it "tma"
     makes the copies. The loss and LoRA gradients are the copies' (the same fp8 operands). Eager, and compiled as one
     graph per layer."""
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
     from moetune.model.quant import matmul
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     for name in ("TMA_CONFIG_FP8", "TMA_CONFIG_FP8_SWAP"):
-        monkeypatch.setattr(gg, name, dict(getattr(gg, name), BK=gg._INTERPRETER_CONFIG["BK"]))
+        monkeypatch.setattr(tma, name, dict(getattr(tma, name), BK=tiles._INTERPRETER_CONFIG["BK"]))
     swaps, copies = [], []
-    real, real_copy = gg.grouped_gemm_tma, gg.k_major_copy
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: swaps.append(not a[4]) or real(*a, **k))
+    real, real_copy = tma.grouped_gemm_tma, tma.k_major_copy
+    monkeypatch.setattr(tma, "grouped_gemm_tma", lambda *a, **k: swaps.append(not a[4]) or real(*a, **k))
     # the stacks' copies (eager, the dense weights' input gradients copy their weights by the same kernel)
     monkeypatch.setattr(matmul, "k_major_copy", lambda w: (w.dim() == 3 and copies.append(w.shape)) or real_copy(w))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -891,11 +893,11 @@ def test_the_fused_fp8_expert_mlp_gives_the_gradients_of_its_gemms_one_by_one(mo
     weights' gradient is summed in another order — eager, and compiled as one graph per layer (where the node takes
     the tokens quantised, then gathered, and sums each token's rows itself: experts.fp8_routed_experts)."""
     from moetune.model import experts
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
     from moetune.model.quant import matmul
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     # the GEMM-by-GEMM path's SwiGLU backward as autograd's traced ops, whose arithmetic the fused node's CPU path
     # repeats (the row kernel, on here, keeps silu(gate)·up and its gradients in fp32 where they round to bf16 between
     # ops: 3.8% apart on a layer-0 LoRA gradient)
@@ -929,13 +931,13 @@ def test_dense_operands_quantised_by_the_row_kernel_give_the_traced_quantisation
     quantised by the row kernel as an opaque op (DENSE_QUANT "kernel", forced on the CPU, where the op runs its torch
     reference) give the loss and LoRA gradients of quantize_rows traced into the graph ("inductor"), bitwise: the
     same arithmetic. Eager, and compiled as one graph per layer."""
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
     from moetune.model.quant import matmul
 
     from moetune.model import lora
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     monkeypatch.setattr(lora, "LORA_LINEAR", "addmm")  # LoRA's branch traced both ways (the op: the test below)
     calls = []
     real = matmul.scaled_rows_fp8
@@ -965,13 +967,13 @@ def test_lora_on_fp8_linears_as_one_op_gives_the_traced_forms_loss_and_gradients
     below it: the traced forms themselves (addmm against the product written, then added) differ by 4-8% relative L2
     in these gradients, the op against addmm by 0-6%; under 10% here, where dropping the branch from x's gradient
     gives 24% (layer 0's q). Eager, and compiled as one graph per layer."""
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
     from moetune.model import lora
     from moetune.model.quant import matmul
 
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
     monkeypatch.setattr(matmul, "_dense_kernel_quant", lambda x2: True)
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     calls = []  # the op's own GEMMs, run by its bodies (compiled too: the op is opaque)
     for name in ("fp8_mm", "fp8_mm_dgrad"):
         real = getattr(lora, name)
@@ -1022,9 +1024,9 @@ def test_compiled_layers_with_the_swiglu_backward_kernel_give_the_traced_backwar
     routing weights' gradient dropped fails every case) — with and without LoRA on the experts. (CPU torch cannot
     compile fp32 stacks' grouped GEMMs; tests/unit/test_fast_paths.py checks the op in fp32.)"""
     from moetune.model import experts
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
 
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     calls = []
     real = experts.weighted_swiglu_bwd
     monkeypatch.setattr(experts, "weighted_swiglu_bwd",
@@ -1061,12 +1063,13 @@ def test_expert_lora_in_the_grouped_gemms_epilogue_gives_the_lora_branchs_gradie
     down in every MoE layer, forward and input gradient, and the loss and every LoRA gradient agree to bf16's rounding
     (the epilogue sums base and branch in fp32 and rounds once). Eager, and each layer compiled as one graph."""
     from moetune.model import experts
-    from moetune.model import grouped_gemm as gg
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
 
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     launches = []
-    real = gg.grouped_gemm_tma
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **kw: launches.append(kw.get("lora") is not None)
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma", lambda *a, **kw: launches.append(kw.get("lora") is not None)
                         or real(*a, **kw))
     ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(0))
 

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from moetune.model import grouped_gemm as gg
+from moetune.model import grouped_gemm_tiles as tiles
+from moetune.model import grouped_gemm_tma as tma
+from moetune.model import grouped_lora_kernels as lora_kernels
 from moetune.model.grouped_gemm import grouped_gemm, grouped_mm_frozen, grouped_mm_reference
 from moetune.model.quant.fp8 import quantize_rows
 
@@ -43,7 +46,7 @@ def _close(got, want):
 def test_kernel_matches_reference(transpose, fp8, swap):
     rows, offs, w, scale = _case(fp8)
     x = torch.randn(rows, IN if transpose else OUT).bfloat16()
-    config = dict(gg._INTERPRETER_CONFIG, SWAP=swap)
+    config = dict(tiles._INTERPRETER_CONFIG, SWAP=swap)
     y = grouped_gemm(x, w, offs, scale, transpose=transpose, config=config)
     want = grouped_mm_reference(x, w, offs, scale, transpose=transpose)
     assert y.shape == want.shape == (rows, OUT if transpose else IN) and y.dtype == torch.bfloat16
@@ -74,7 +77,7 @@ def test_no_rows_and_a_single_nonempty_expert(counts):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_autograd_gives_the_input_gradient_of_the_reference(fp8, monkeypatch):
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     rows, offs, w, scale = _case(fp8, seed=1)
     x = torch.randn(rows, IN).bfloat16().requires_grad_()
     y = grouped_mm_frozen(x, w, offs, scale)
@@ -132,7 +135,7 @@ def test_w8a8_forward_matches_the_scaled_reference(pad):
     kernel equals the reference that dequantises both operands (products of two e4m3 values are exact in fp32)."""
     rows, offs, w8, scale = _case(fp8=True, pad=pad, seed=3)
     x8, sx = quantize_rows(torch.randn(rows, IN))
-    y = grouped_gemm(x8, w8, offs, scale, transpose=True, config=gg._INTERPRETER_CONFIG, x_scale=sx)
+    y = grouped_gemm(x8, w8, offs, scale, transpose=True, config=tiles._INTERPRETER_CONFIG, x_scale=sx)
     want = grouped_mm_reference(x8.float() * sx, w8, offs, scale)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, OUT)
     _close(y, want)
@@ -149,7 +152,7 @@ def test_w8a8_input_gradient_matches_the_scaled_reference(pad, swap, prefetch):
     with SWAP; PREFETCH loads the next weight tile ahead."""
     rows, offs, w8, _ = _case(fp8=True, pad=pad, seed=5)
     g8, sg = quantize_rows(torch.randn(rows, OUT))
-    config = dict(gg._INTERPRETER_CONFIG, SWAP=swap, PREFETCH=prefetch)
+    config = dict(tiles._INTERPRETER_CONFIG, SWAP=swap, PREFETCH=prefetch)
     dx = grouped_gemm(g8, w8, offs, None, transpose=False, config=config, x_scale=sg)
     want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
     assert dx.dtype == torch.bfloat16 and dx.shape == (rows, IN)
@@ -169,13 +172,13 @@ def test_fp8_grouped_linear_through_the_triton_kernels(switch, monkeypatch):
     from moetune.model.quant import matmul
     from moetune.model.quant.fp8 import scheme_named
 
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
     monkeypatch.setattr(matmul, "_fp8_kernels", lambda *a: True)
     monkeypatch.setattr(matmul, switch[0], switch[1])
     calls = []
     real = gg.grouped_gemm
     monkeypatch.setattr(gg, "grouped_gemm", lambda *a, **k: calls.append(k.get("x_scale") is not None) or real(
-        *a, **dict(k, config=gg._INTERPRETER_CONFIG)))
+        *a, **dict(k, config=tiles._INTERPRETER_CONFIG)))
     rows, offs, w8, scale = _case(fp8=True, pad=0, seed=4)
     x = torch.randn(rows, IN).bfloat16().requires_grad_()
     g = torch.randn(rows, OUT).bfloat16()
@@ -224,10 +227,10 @@ def _tma_gpu_case(pad: int):
 def tma_on_cpu(monkeypatch):
     if torch.cuda.is_available():  # the tests' GPU twins: the module's own configs
         return
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
-    monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tma, "TMA_CONFIG", dict(tma.TMA_CONFIG, BK=tiles._INTERPRETER_CONFIG["BK"]))
     for name in ("TMA_CONFIG_FP8", "TMA_CONFIG_FP8_SWAP"):
-        monkeypatch.setattr(gg, name, dict(getattr(gg, name), BK=gg._INTERPRETER_CONFIG["BK"]))
+        monkeypatch.setattr(tma, name, dict(getattr(tma, name), BK=tiles._INTERPRETER_CONFIG["BK"]))
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
@@ -241,7 +244,7 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     SWAP). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not
     stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
     ones among them). On a GPU (its twin) with the GPU's launch configs and groups sized for its tiles, else under the interpreter."""
-    monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
+    monkeypatch.setattr(tma, "TMA_PERSISTENT", persistent)
     if torch.cuda.is_available():
         rows, offs, w = _tma_gpu_case(pad)
     else:
@@ -251,22 +254,22 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
         transpose = case.endswith("forward")
         wb = w.bfloat16()
         x = torch.randn(rows, n_in if transpose else n_out, device=w.device).bfloat16()
-        assert gg.tma_supported(x, wb, transpose)
-        y = gg.grouped_gemm_tma(x, wb, offs, None, transpose)
+        assert tma.tma_supported(x, wb, transpose)
+        y = tma.grouped_gemm_tma(x, wb, offs, None, transpose)
         want = grouped_mm_reference(x, wb, offs, None, transpose)
     elif case == "fp8_forward":
         w8, scale = quantize_rows(w)
         x8, sx = quantize_rows(torch.randn(rows, n_in, device=w.device))
-        assert gg.tma_supported(x8, w8, True)
-        y = gg.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx)
+        assert tma.tma_supported(x8, w8, True)
+        y = tma.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx)
         want = grouped_mm_reference(x8.float() * sx, w8, offs, scale)
     else:
         w8, _ = quantize_rows(w)
         g8, sg = quantize_rows(torch.randn(rows, n_out, device=w.device))
         as_stored = case.endswith("as_stored")
         operand = w8 if as_stored else w8.transpose(-2, -1).contiguous()
-        assert gg.tma_supported(g8, operand, not as_stored)
-        y = gg.grouped_gemm_tma(g8, operand, offs, None, not as_stored, x_scale=sg)
+        assert tma.tma_supported(g8, operand, not as_stored)
+        y = tma.grouped_gemm_tma(g8, operand, offs, None, not as_stored, x_scale=sg)
         want = grouped_mm_reference(g8.float() * sg, w8, offs, None, transpose=False)
     assert y.shape == want.shape and y.dtype == torch.bfloat16
     _close(y, want)
@@ -277,17 +280,17 @@ def test_tma_refuses_what_it_cannot_load(tma_on_cpu, monkeypatch):
     """Rows that are not 16-byte aligned, a stride-0 gradient, and an N-major K that a K tile would cross."""
     _, offs, w = _tma_case(fp8=False, pad=0, seed=1)
     wb = w.bfloat16()
-    assert gg.tma_supported(torch.randn(4, TMA_IN).bfloat16(), wb, True)
-    assert not gg.tma_supported(torch.randn(4, TMA_IN + 4).bfloat16()[:, :TMA_IN], wb, True)  # 72-byte row stride
-    assert not gg.tma_supported(torch.randn(1, TMA_OUT).bfloat16().expand(4, TMA_OUT), wb, False)
+    assert tma.tma_supported(torch.randn(4, TMA_IN).bfloat16(), wb, True)
+    assert not tma.tma_supported(torch.randn(4, TMA_IN + 4).bfloat16()[:, :TMA_IN], wb, True)  # 72-byte row stride
+    assert not tma.tma_supported(torch.randn(1, TMA_OUT).bfloat16().expand(4, TMA_OUT), wb, False)
     w40 = torch.randn(E, 40, TMA_IN).bfloat16()
-    assert gg.tma_supported(torch.randn(4, TMA_IN).bfloat16(), w40, True)
-    assert not gg.tma_supported(torch.randn(4, 40).bfloat16(), w40, False)  # 40 % BK != 0
+    assert tma.tma_supported(torch.randn(4, TMA_IN).bfloat16(), w40, True)
+    assert not tma.tma_supported(torch.randn(4, 40).bfloat16(), w40, False)  # 40 % BK != 0
     # fp8 rows: 16-byte aligned at 48
-    monkeypatch.setattr(gg, "TMA_CONFIG_FP8_SWAP", dict(gg.TMA_CONFIG_FP8_SWAP, BK=32))
+    monkeypatch.setattr(tma, "TMA_CONFIG_FP8_SWAP", dict(tma.TMA_CONFIG_FP8_SWAP, BK=32))
     for out, takes in [(48, False), (64, True)]:  # an fp8 stack as stored: `out` a multiple of its launch's BK
         g8 = torch.randn(4, out).to(torch.float8_e4m3fn)
-        assert gg.tma_supported(g8, torch.randn(E, out, TMA_IN).to(torch.float8_e4m3fn), False) == takes
+        assert tma.tma_supported(g8, torch.randn(E, out, TMA_IN).to(torch.float8_e4m3fn), False) == takes
 
 
 @pytest.mark.parametrize("dgrad,max_rows,stored", [("tma", 0, False), ("tma", 9, False), ("tma", 10, True),
@@ -305,10 +308,10 @@ def test_fp8_grouped_input_gradient_through_the_tma_kernel(dgrad, max_rows, stor
     monkeypatch.setattr(matmul, "STORED_DGRAD_MAX_ROWS", max_rows)
     monkeypatch.setattr(matmul, "_gmm_fwd", lambda x, w8, scale, offs: grouped_mm_reference(x, w8, offs, scale))
     calls = []
-    real = gg.grouped_gemm_tma
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append((a[1].shape, a[4])) or real(*a, **k))
-    copies = _LaunchSpy(gg._k_major_copy_kernel)
-    monkeypatch.setattr(gg, "_k_major_copy_kernel", copies)
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma", lambda *a, **k: calls.append((a[1].shape, a[4])) or real(*a, **k))
+    copies = _LaunchSpy(tma._k_major_copy_kernel)
+    monkeypatch.setattr(tma, "_k_major_copy_kernel", copies)
     rows, offs, w = _tma_case(fp8=True, pad=2, seed=4)
     w8, scale = quantize_rows(w)
     x = torch.randn(rows, TMA_IN).bfloat16().requires_grad_()
@@ -331,8 +334,8 @@ def test_bf16_expert_stacks_through_the_tma_kernel_equal_torchs(stack, tma_on_cp
     from moetune.model import experts
 
     calls = []
-    real = gg.grouped_gemm_tma
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     rows, offs, w = _tma_case(fp8=False, pad=0, seed=5)
     w = w.bfloat16().requires_grad_(stack == "trainable_base")
     x = torch.randn(rows, TMA_IN).bfloat16()
@@ -366,9 +369,9 @@ def test_tma_triton_op_equals_the_direct_launch(tma_on_cpu):
     g8, sg = quantize_rows(torch.randn(rows, TMA_OUT))
     copy = w8.transpose(-2, -1).contiguous()
     assert torch.equal(torch.ops.moetune.grouped_mm_tma(x8, w8, offs, scale, sx, True),
-                       gg.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx))
+                       tma.grouped_gemm_tma(x8, w8, offs, scale, True, x_scale=sx))
     assert torch.equal(torch.ops.moetune.grouped_mm_tma(g8, copy, offs, None, sg, True),
-                       gg.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg))
+                       tma.grouped_gemm_tma(g8, copy, offs, None, True, x_scale=sg))
 
 
 class _LaunchSpy:
@@ -387,16 +390,16 @@ class _LaunchSpy:
 def test_k_major_copy_kernel_equals_torchs_transpose(shape, dtype, monkeypatch):
     """The input gradient's K-major copy of an fp8 stack by the copy kernel: byte for byte torch's transpose, for
     tiles that run past both edges, one matrix, and 2-byte elements."""
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
-    spy = _LaunchSpy(gg._k_major_copy_kernel)
-    monkeypatch.setattr(gg, "_k_major_copy_kernel", spy)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
+    spy = _LaunchSpy(tma._k_major_copy_kernel)
+    monkeypatch.setattr(tma, "_k_major_copy_kernel", spy)
     w = (torch.randn(shape) * 3).to(dtype)
-    got = gg.k_major_copy(w)
+    got = tma.k_major_copy(w)
     want = w.transpose(-2, -1).contiguous()
     assert len(spy.grids) == 1 and got.shape == want.shape and got.is_contiguous()
     bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
     assert torch.equal(got.view(bits), want.view(bits))
-    assert gg.k_major_copy(w[..., :0]).shape == (*shape[:-2], 0, shape[-2])  # nothing to copy: no launch
+    assert tma.k_major_copy(w[..., :0]).shape == (*shape[:-2], 0, shape[-2])  # nothing to copy: no launch
     assert len(spy.grids) == 1
 
 
@@ -410,12 +413,12 @@ def test_lora_in_the_tma_epilogue_gives_the_lora_branch_and_its_gradients(rank, 
     expert, fails the comparison). On a GPU with its launch config (its twin), else under the interpreter."""
     cuda = torch.cuda.is_available()
     if not cuda:
-        monkeypatch.setattr(gg, "KERNEL_ON_CPU", True)
-        monkeypatch.setattr(gg, "TMA_CONFIG", dict(gg.TMA_CONFIG, BK=gg._INTERPRETER_CONFIG["BK"]))
+        monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
+        monkeypatch.setattr(tma, "TMA_CONFIG", dict(tma.TMA_CONFIG, BK=tiles._INTERPRETER_CONFIG["BK"]))
     n_out, n_in = (192, 128) if cuda else (TMA_OUT, TMA_IN)  # the GPU's K tiles are 64 deep
     counts = [0, 300, 7, 129, 0, 64] if cuda else COUNTS
     device = "cuda" if cuda else "cpu"
-    monkeypatch.setattr(gg, "TMA_PERSISTENT", persistent)
+    monkeypatch.setattr(tma, "TMA_PERSISTENT", persistent)
     torch.manual_seed(5)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
     rows = sum(counts) + 3
@@ -426,8 +429,8 @@ def test_lora_in_the_tma_epilogue_gives_the_lora_branch_and_its_gradients(rank, 
     weights = torch.randn(rows, n_out, device=device)
     assert gg.lora_epilogue_fits(x, wb, rank)
     launches = []
-    real = gg.grouped_gemm_tma
-    monkeypatch.setattr(gg, "grouped_gemm_tma", lambda *a, **kw: launches.append(kw.get("lora") is not None)
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma", lambda *a, **kw: launches.append(kw.get("lora") is not None)
                         or real(*a, **kw))
     xi, Ai, Bi = (t.clone().requires_grad_() for t in (x, A, B))
     y = gg.grouped_mm_frozen_lora(xi, wb, offs, Ai, Bi, 2.0)
@@ -496,7 +499,7 @@ def test_lora_thin_kernels_equal_torchs_grouped_products(rank, operand, monkeypa
     mid-tile, padding rows zero, W as LoRA's Aᵀ (a transposed view) or B as stored, a scale applied; the kernels run
     (on a GPU its twin, else under the interpreter)."""
     cuda = torch.cuda.is_available()
-    monkeypatch.setattr(gg, "KERNEL_ON_CPU", not cuda)
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", not cuda)
     device = "cuda" if cuda else "cpu"
     counts = [0, 300, 7, 129, 0, 64] if cuda else COUNTS
     offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
@@ -510,12 +513,12 @@ def test_lora_thin_kernels_equal_torchs_grouped_products(rank, operand, monkeypa
     q = torch.randn(rows, rank, generator=g).bfloat16().to(device)
     launches = []
     for name in ("_lora_rows_kernel", "_ragged_outer_kernel"):
-        real = getattr(gg, name)
-        monkeypatch.setattr(gg, name, type("K", (), {"__getitem__": lambda self, grid, real=real, name=name:
-                                                      launches.append(name) or real[grid]})())
-    y = gg.lora_rows(x, w, offs, 0.5)
-    outer_wide = gg.ragged_outer(x, q, offs, 2.0)  # [E, K, r]: B's gradient's shape
-    outer_rank = gg.ragged_outer(q, x, offs)  # [E, r, K]: A's
+        real = getattr(lora_kernels, name)
+        monkeypatch.setattr(lora_kernels, name, type("K", (), {"__getitem__": lambda self, grid, real=real, name=name:
+                                                                launches.append(name) or real[grid]})())
+    y = lora_kernels.lora_rows(x, w, offs, 0.5)
+    outer_wide = lora_kernels.ragged_outer(x, q, offs, 2.0)  # [E, K, r]: B's gradient's shape
+    outer_rank = lora_kernels.ragged_outer(q, x, offs)  # [E, r, K]: A's
     assert launches == ["_lora_rows_kernel", "_ragged_outer_kernel", "_ragged_outer_kernel"]
     want_y = torch.zeros(rows, rank, device=device)
     want_outer = torch.zeros(E, K, rank, device=device)

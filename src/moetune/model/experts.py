@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moetune.model import grouped_gemm
+from moetune.model import grouped_gemm_tiles
 from moetune.model.grouped_gemm import grouped_mm_frozen, grouped_mm_frozen_lora, kernel_supported, lora_epilogue_fits
 from moetune.model.kernels import gather_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
@@ -61,7 +61,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, ba
         return fp8_grouped_linear(x, local_tensor(weight.q), local_tensor(weight.scale), offs, weight.scheme,
                                   weight.transposed)
     weight = local_tensor(weight)
-    if (base and GROUPED_GEMM == "triton" and (x.is_cuda or grouped_gemm.KERNEL_ON_CPU)
+    if (base and GROUPED_GEMM == "triton" and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)
             and not weight.requires_grad and kernel_supported(x, weight, None)):
         return grouped_mm_frozen(x, weight, offs)
     if weight.dtype != x.dtype:
@@ -174,7 +174,7 @@ def weighted_swiglu(h: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
     traced (Inductor fuses it with its neighbours) and the backward one opaque kernel (SWIGLU_BACKWARD); in eager mode
     (the expert-parallel exchange is a graph break) one Triton kernel each way on CUDA (model/kernels.py)."""
     if torch.compiler.is_compiling() and not (SWIGLU_BACKWARD == "kernel"
-                                              and (h.is_cuda or grouped_gemm.KERNEL_ON_CPU)):
+                                              and (h.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
         return weighted_swiglu_fwd_torch(h, row_weights)
     return _WeightedSwiGLU.apply(h, row_weights)
 

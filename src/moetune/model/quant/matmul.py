@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.model import grouped_gemm
-from moetune.model.grouped_gemm import (grouped_gemm_tma, grouped_mm_fp8, grouped_mm_fp8_dgrad, k_major_copy,
-                                        k_major_copy_reference, kernel_supported, kernel_supported_w8a8, tma_supported)
+from moetune.model import grouped_gemm_tiles
+from moetune.model.grouped_gemm import grouped_mm_fp8, grouped_mm_fp8_dgrad, kernel_supported, kernel_supported_w8a8
+from moetune.model.grouped_gemm_tma import grouped_gemm_tma, k_major_copy, k_major_copy_reference, tma_supported
 from moetune.model.kernels import (SCALED_ROWS_MAX, compiled_for_eager, gather_sum, gathered_rows_fp8, scaled_rows_fp8,
                                    scaled_rows_fp8_torch, weighted_swiglu_bwd_fp8, weighted_swiglu_fp8)
 from moetune.model.quant.fp8 import FP8, Fp8Scheme, quantize_rows
@@ -54,12 +54,12 @@ FAST_ACCUM_FORWARD, FAST_ACCUM_DGRAD = True, True
 # The input gradient through fp8 tensor cores quantises dy per row as well ("fp8"), or runs in bf16 on the weight
 # dequantised just in time ("dequant": only the weight's own rounding, no gradient quantisation).
 DGRAD = "fp8"
-# The expert stacks' grouped GEMMs on the fp8 tensor-core path (model/grouped_gemm.py has the Triton kernels):
+# The expert stacks' grouped GEMMs on the fp8 tensor-core path (model/grouped_gemm*.py have the Triton kernels):
 # forward "scaled_mm" (torch._scaled_grouped_mm) or "triton" (fp8 × fp8, the same numerics); input gradient "fp8"
 # (dy with the scales folded in, quantised per row, × a K-major copy of the stack through _scaled_grouped_mm) or
 # "w8a16" (the Triton kernel reads the stack as stored and converts it to bf16 in registers: no copy, no
 # quantisation of the gradient) or "w8a8" (fp8 × fp8 on the stack as stored: the "fp8" numerics without the copy; on
-# Hopper the TMA kernel's transposed product, model/grouped_gemm.py's SWAP, where its K tiles fit the stack's `out`).
+# Hopper the TMA kernel's transposed product, grouped_gemm_tma.py's SWAP, where its K tiles fit the stack's `out`).
 # "tma": the Triton TMA kernel (fp8 × fp8, Hopper) for the forward, and for the input gradient on the K-major copy
 # or the stack as stored (STORED_DGRAD_MAX_ROWS; the "fp8" numerics either way), where it takes the operands; torch's
 # kernels elsewhere.
@@ -98,7 +98,7 @@ def _quantized(fn, *args):
     return fn(*args)
 
 
-# How the input gradient copies a stack K-major where no copy is kept: "triton" (model/grouped_gemm.py's copy
+# How the input gradient copies a stack K-major where no copy is kept: "triton" (model/grouped_gemm_tma.py's copy
 # kernel, launched directly) or "compiled" (Inductor's transpose compiled on its own, called through Dynamo).
 K_MAJOR_COPY = "triton"
 
@@ -200,7 +200,7 @@ def fp8_mm(x2, w8, scale, bias):
     return y + bias.to(y.dtype) if bias is not None and not fused_bias else y
 
 
-# LoRA's branch on an fp8 weight added by the fp8 GEMM that makes y (model/grouped_gemm.py's TMA kernel as one group,
+# LoRA's branch on an fp8 weight added by the fp8 GEMM that makes y (grouped_gemm_tma.py's TMA kernel as one group,
 # s·(x·Aᵀ)·Bᵀ one more MMA in its epilogue) instead of cuBLAS's fp8 GEMM and an in-place add that reads and writes y
 # again (GLM-4.7-Flash's kv_b: 43 µs for the GEMM, 59 for the add, one H200), where lora.py's op says (outputs much
 # wider than their inputs). Flash LoRA on MLA, fp8 base, harness with CUDA graphs: 19,257 tokens/s against 19,140
@@ -212,7 +212,7 @@ def fp8_mm_lora_fits(x2, w8, rank: int, bias) -> bool:
     """Whether `fp8_mm_lora` takes this product: FP8_LORA_EPILOGUE, no bias, a rank the epilogue's MMA takes, and
     the TMA kernel's operands (fp8 rows as x2's, the weight as a one-expert stack)."""
     return (FP8_LORA_EPILOGUE and bias is None and rank in (16, 32, 64)
-            and (x2.is_cuda or grouped_gemm.KERNEL_ON_CPU)
+            and (x2.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)
             and x2.shape[-1] <= SCALED_ROWS_MAX
             and tma_supported(x2.new_empty(0, x2.shape[-1], dtype=FP8), w8.unsqueeze(0), True))
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.model.grouped_gemm import k_major_copy
+from moetune.model.grouped_gemm_tma import k_major_copy
 from moetune.model.quant.fp8 import FP8, Fp8Scheme
 from moetune.model.quant.matmul import fp8_linear
 from moetune.names import ATTENTION_TARGETS, MLA_ATTENTION_TARGETS
