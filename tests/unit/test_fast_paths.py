@@ -136,9 +136,9 @@ def test_flex_attention_document_mask_matches_dense_mask():
 
 
 def _fa4_installed() -> bool:
-    import importlib.util
+    from moetune.model.attention import flash_attention_4_installed
 
-    return all(importlib.util.find_spec(name) is not None for name in ("flash_attn", "flash_attn.cute"))
+    return flash_attention_4_installed()
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and _fa4_installed() else []))

@@ -81,17 +81,24 @@ def _compiled_flex(backend: str = "AUTO"):
     return torch.compile(functools.partial(flex_attention, **options), dynamic=False)
 
 
-def check_attn_implementation(impl: str, device) -> None:
-    """model.attn_implementation flex_fa4 on a GPU that cannot run FlashAttention-4's kernels is a ConfigError naming
-    why (the CPU computes every implementation with the dense mask)."""
+def flash_attention_4_installed() -> bool:
     import importlib.util
 
+    try:  # flash_attn may be FlashAttention-2's package, whose import can fail on its own extension
+        return all(importlib.util.find_spec(name) is not None for name in ("flash_attn", "flash_attn.cute"))
+    except ImportError:
+        return False
+
+
+def check_attn_implementation(impl: str, device) -> None:
+    """model.attn_implementation flex_fa4 on a GPU that cannot run FlashAttention-4's kernels is a ConfigError naming
+    why (off a GPU there is nothing to check: the CPU computes flex_fa4 with the dense mask)."""
     device = torch.device(device)
     if impl != "flex_fa4" or device.type != "cuda":
         return
     if torch.cuda.get_device_capability(device)[0] < 9:
         reason = f"FlashAttention-4 runs on Hopper or newer GPUs ({torch.cuda.get_device_name(device)} is not)"
-    elif importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+    elif not flash_attention_4_installed():
         reason = "FlashAttention-4 is not installed (pip install flash-attn-4)"
     else:
         return

@@ -8,7 +8,6 @@ import logging
 import torch
 
 from moetune.errors import ConfigError
-from moetune.model.attention import check_attn_implementation
 from moetune.model.config import model_config_for  # noqa: F401  (re-exported: inspect.py imports it from here)
 from moetune.model.glm4_moe import Glm4MoeForCausalLM
 from moetune.model.hf_io import (as_dtype, build_model, cast_model, checkpoint_reader, fill_seeded, init_weights,
@@ -45,7 +44,6 @@ def setup_model(cfg, dist: Dist, layout: Layout) -> Glm4MoeForCausalLM:
         moe.compute_aux_loss = cfg.train.aux_loss_coef > 0
         moe.track_router_entropy = cfg.logging.expert_stats_every > 0
     model.attn_implementation = cfg.model.attn_implementation
-    check_attn_implementation(cfg.model.attn_implementation, dist.device)
     if cfg.train.cuda_graphs:
         check_cuda_graphs(layout, cfg.train.compile, dist.device)
     # an fp8 base is gathered by FSDP as stored (fp8 weights, fp32 scales): a param_dtype would cast it to bf16

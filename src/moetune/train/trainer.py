@@ -42,6 +42,7 @@ import torch
 from moetune.config import Config, config_hash, config_to_yaml
 from moetune.errors import ConfigError, DataError, NumericalFault, RunDirInUse
 from moetune.model.adapter_io import gather_lora_state, save_adapter
+from moetune.model.attention import check_attn_implementation
 from moetune.model.lora import ExpertLoRA, LoRALinear, format_trainable_table
 from moetune.model.random_base import base_recipe
 from moetune.names import IGNORE_INDEX
@@ -129,6 +130,7 @@ class Trainer:
         try:
             plan = plan_resume(cfg, dist.world_size, dist.dp_size)  # files only: nothing built yet
             check_trackers(cfg)  # a missing tracker package fails now, not after minutes of model building
+            check_attn_implementation(cfg.model.attn_implementation, dist.device)  # so does a missing FA4
             self.data = setup_data(cfg, dist) if with_data else None
             check_recorded_steps(cfg, plan.trainer_state.get("step", 0) if plan is not None else 0)
             self.model = model = setup_model(cfg, dist, self.layout)
