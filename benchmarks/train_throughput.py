@@ -649,8 +649,12 @@ class GraphRecordings:
                 return status, logger
             return f
 
-        for cls, name, wrap in ((trees.CUDAGraphTreeManager, "record_function", counting),
-                                (trees.CUDAGraphNode, "check_invariants", noting)):
+        for cls_name, name, wrap in (("CUDAGraphTreeManager", "record_function", counting),
+                                     ("CUDAGraphNode", "check_invariants", noting)):
+            cls = getattr(trees, cls_name, None)
+            if cls is None or not hasattr(cls, name):  # another torch: the numbers without the count, not an error
+                self.reasons.append(f"not counted: this torch has no {cls_name}.{name}")
+                continue
             self._saved.append((cls, name, getattr(cls, name)))
             setattr(cls, name, wrap(getattr(cls, name)))
         return self
