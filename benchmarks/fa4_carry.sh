@@ -36,7 +36,9 @@ case ${1:-} in
     # the wheels first: pip --target --upgrade replaces a top-level folder that exists (nvidia_cutlass_dsl/, which
     # the libraries' archive fills too), so the archive is unpacked into what the wheels left
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FA4_SITE" .fa4b/*.whl
-    cat $PARTS/libs.tar.xz.part* | xz -d | tar -C "$FA4_SITE" -xf -
+    # Python's lzma and tarfile: the device image need not have the xz tool
+    cat $PARTS/libs.tar.xz.part* | $PY -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz')\
+.extractall('$FA4_SITE')"
     # the DSL's own packages sit in a folder its .pth file puts on the path in a site-packages install
     PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-} $PY -c \
       "import flash_attn.cute.interface, cutlass; print('FA4 ready:', flash_attn.cute.interface.__file__)" ;;
