@@ -186,10 +186,13 @@ def test_flex_fa4_asks_flex_for_flashattention4_kernels(device, monkeypatch):
             assert fallback.block_mask is None and fallback.dense_mask is not None  # the CPU's path
             flex = build_attn_meta(pos, "flex")
             for backend, options in (("FLASH", {"BACKEND": "FLASH"}), ("AUTO", None)):
-                seen.clear()
-                got = attend(q, k, v, AttnMeta(block_mask=flex.block_mask, flex_backend=backend))
-                assert seen == [options]
-                torch.testing.assert_close(got, attend(q, k, v, dense), rtol=1e-5, atol=1e-5)
+                meta = AttnMeta(block_mask=flex.block_mask, flex_backend=backend)
+                # called as it is, and inside a compiled region as the model's compiled layers call it
+                for call in (attend, torch.compile(attend, dynamic=False)):
+                    seen.clear()
+                    got = call(q, k, v, meta)
+                    assert seen == [options]
+                    torch.testing.assert_close(got, attend(q, k, v, dense), rtol=1e-5, atol=1e-5)
     finally:
         attention._compiled_flex.cache_clear()
     check_attn_implementation("flex_fa4", "cpu")  # nothing to check off a GPU
