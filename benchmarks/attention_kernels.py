@@ -126,7 +126,8 @@ def backends(name, B, H, KV, S, docs):
         return out
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from moetune.model.attention import attend, build_attn_meta, dense_document_mask, document_ids, document_starts
+    from moetune.model.attention import (attend, build_attn_meta, dense_document_mask, document_ids, document_starts,
+                                         flash_attention_4_installed)
 
     pos = position_ids(B, docs)
     doc = document_ids(pos)
@@ -164,8 +165,8 @@ def backends(name, B, H, KV, S, docs):
     meta = build_attn_meta(pos, "varlen")
     model_attend = torch.compile(attend, dynamic=False)
     out["model_varlen"] = lambda q, k, v: model_attend(q, k, v, meta)
-    if out.keys() & {"fa4", "fa4_varlen"}:  # FlashAttention-4 installed: FlexAttention on its kernels, as the model
-        fa4_meta = build_attn_meta(pos, "flex_fa4")  # calls it (model.attn_implementation flex_fa4)
+    if flash_attention_4_installed():  # FlexAttention on its kernels, as the model calls it (flex_fa4)
+        fa4_meta = build_attn_meta(pos, "flex_fa4")
         out["model_flex_fa4"] = lambda q, k, v: model_attend(q, k, v, fa4_meta)
 
     # FlexAttention on the attention modules' layout (the projections write [B, S, heads, D]; attend() gets

@@ -425,6 +425,7 @@ def build_ours(cfg: dict, targets, extra, device):
     import moetune.model.grouped_gemm_tma as grouped_gemm_tma_module
     import moetune.model.grouped_lora_kernels as grouped_lora_kernels_module
     import moetune.model.lora as lora_module
+    import moetune.model.mla as mla_module
 
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         experts_module.GROUPED_GEMM = extra["ggemm"]
@@ -436,8 +437,6 @@ def build_ours(cfg: dict, targets, extra, device):
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
-    import moetune.model.mla as mla_module
-
     mla_module.ROPE_IN_PLACE = extra.get("rope_in_place", mla_module.ROPE_IN_PLACE)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)

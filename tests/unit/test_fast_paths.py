@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moetune.model.attention import flash_attention_4_installed
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.experts import grouped_linear, permute, unpermute
 
@@ -135,13 +136,8 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _fa4_installed() -> bool:
-    from moetune.model.attention import flash_attention_4_installed
-
-    return flash_attention_4_installed()
-
-
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and _fa4_installed() else []))
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and flash_attention_4_installed()
+                                              else []))
 def test_flex_fa4_asks_flex_for_flashattention4_kernels(device, monkeypatch):
     """model.attn_implementation flex_fa4: the block mask goes to FlexAttention with BACKEND "FLASH" (FlashAttention-4's
     kernels); output and gradients equal the dense document mask's. On the CPU (no such kernels) a stand-in checks the
