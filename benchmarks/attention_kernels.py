@@ -14,7 +14,7 @@ FlexAttention (compiled; with Inductor's autotuning; and on the model's layout: 
 varlen kernel (with the documents' bound at the row's length, what the compiled model passes, and at the longest
 document; and through the model's path), SDPA with the dense mask; with equal documents also cuDNN on the documents
 as a batch (the bound a ragged kernel would have to match). Both: FlashAttention-4 (`flash-attn-4`) where installed
-(packed rows: its varlen entry point, and FlexAttention on its kernels through the model's path, `model_flex_fa4`).
+(packed rows: its varlen entry point, and through the model's path, `model_varlen_fa4`).
 cuDNN's own ragged layout (aten._cudnn_attention_forward with cumulative lengths) was measured on 2026-12-02 and
 dropped: 50-90 ms a call and wrong query gradients in torch 2.11. Every backend's output and query gradient are
 compared with the dense document mask in fp32 (`err_out`, `err_dq`: relative L2; NaN fails).
@@ -165,9 +165,9 @@ def backends(name, B, H, KV, S, docs):
     meta = build_attn_meta(pos, "varlen")
     model_attend = torch.compile(attend, dynamic=False)
     out["model_varlen"] = lambda q, k, v: model_attend(q, k, v, meta)
-    if flash_attention_4_installed():  # FlexAttention on its kernels, as the model calls it (flex_fa4)
-        fa4_meta = build_attn_meta(pos, "flex_fa4")
-        out["model_flex_fa4"] = lambda q, k, v: model_attend(q, k, v, fa4_meta)
+    if flash_attention_4_installed():  # its varlen kernels as the model calls them (varlen_fa4: the custom op)
+        fa4_meta = build_attn_meta(pos, "varlen_fa4")
+        out["model_varlen_fa4"] = lambda q, k, v: model_attend(q, k, v, fa4_meta)
 
     # FlexAttention on the attention modules' layout (the projections write [B, S, heads, D]; attend() gets
     # transposed views and the output is transposed back for o_proj): the copies into that layout are paid by both

@@ -2,9 +2,7 @@
 GLM-4.7-Flash's MLA projections and Air's attention (4,096 tokens, rank 16), each way of adding LoRA's branch:
 - bf16 base: added in place onto y (cuBLAS's beta = 1) against along the GEMM's reduction (lora.LORA_ALONG_K);
 - fp8 base (row scales, operands by the row kernel): cuBLAS's fp8 GEMM + the in-place add against the TMA kernel
-  with the branch in its epilogue (quant.matmul.FP8_LORA_EPILOGUE), and against the bf16 op on the weight dequantised
-  just in time inside the op (quant.matmul.DENSE_FP8_MIN_WIDTH's path for narrow weights; the dequantisations, forward
-  and backward, timed with it).
+  with the branch in its epilogue (quant.matmul.FP8_LORA_EPILOGUE).
 Forward alone and forward + backward, GPU ms per call (the kernels' durations summed by torch.profiler), and the
 output's and x's gradient's error against the other form's. Results to $OUT/lora_linear_kernels.json.
 
@@ -77,9 +75,7 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
     A = (torch.randn(RANK, n_in, device=device, generator=g) / n_in ** 0.5).bfloat16().requires_grad_()
     B = (torch.randn(n_out, RANK, device=device, generator=g) / RANK).bfloat16().requires_grad_()
     grad = torch.randn(ROWS, n_out, device=device, generator=g).bfloat16()
-    lora.LORA_ALONG_K = (not fp8 and setting == "along_k") or setting == "dequant"
-    # "dequant": the op dequantises the weight inside itself, as for a weight narrower than DENSE_FP8_MIN_WIDTH
-    matmul.DENSE_FP8_MIN_WIDTH = 1 << 30 if setting == "dequant" else 0
+    lora.LORA_ALONG_K = setting == "along_k"
     if fp8:
         w8, scale = quantize_rows(w)
         matmul.FP8_LORA_EPILOGUE = setting == "epilogue"
@@ -98,10 +94,9 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
     y = forward()
     step()
     return dict(shape=name, n_in=n_in, n_out=n_out, base="fp8" if fp8 else "bf16", setting=setting,
-                along_k=(lora.LORA_ALONG_K and lora._wide_output(ROWS, w, A)
-                         if not fp8 or setting == "dequant" else None),
+                along_k=lora.LORA_ALONG_K and lora._wide_output(ROWS, w, A) if not fp8 else None,
                 epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) and lora._wide_output(ROWS, w, A)
-                if fp8 and setting != "dequant" else None,
+                if fp8 else None,
                 forward_ms=timed(forward, repeats), step_ms=timed(step, repeats),
                 y=y, grads=(x.grad.clone(), A.grad.clone(), B.grad.clone()))
 
@@ -113,16 +108,12 @@ def main():
         lora._wide_output = lambda *a: True
     results = []
     for name, (n_in, n_out) in SHAPES.items():
-        # the CPU rehearsal: torch's own fp8 GEMM (no TMA kernel there)
-        pairs = [(False, ("in_place", "along_k")), (True, ("in_place", "dequant") if CPU else ("in_place", "epilogue",
-                                                                                                "dequant"))]
-        for fp8, settings in pairs:
-            first, *others = [case(name, n_in, n_out, fp8, s, 20) for s in settings]
-            for r in (first, *others):  # each against the first form (the first against the second)
-                other = others[0] if r is first else first
-                r.update(y_err_vs_other=rel_err(r["y"], other["y"]),
-                         dx_err_vs_other=rel_err(r["grads"][0], other["grads"][0]))
-            for r in (first, *others):
+        # the CPU rehearsal: torch's own fp8 GEMM, and no TMA kernel (the epilogue form adds its branch in place there)
+        for fp8, settings in ((False, ("in_place", "along_k")), (True, ("in_place", "epilogue"))):
+            a, b = (case(name, n_in, n_out, fp8, s, 20) for s in settings)
+            y_err, dx_err = rel_err(b["y"], a["y"]), rel_err(b["grads"][0], a["grads"][0])
+            for r in (a, b):
+                r.update(y_err_vs_other=y_err, dx_err_vs_other=dx_err)
                 r.pop("y"), r.pop("grads")
                 results.append(r)
                 print(json.dumps(r), flush=True)

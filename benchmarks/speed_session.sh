@@ -33,7 +33,7 @@ OUT=${OUT:-/tmp/speed_session}
 mkdir -p "$OUT" "$OUT/v2"
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site
-# FlashAttention-4, where benchmarks/fa4_carry.sh installed it (model.attn_implementation flex_fa4, the `_fa4` rows)
+# FlashAttention-4, where benchmarks/fa4_carry.sh installed it (model.attn_implementation varlen_fa4, the `_fa4` rows)
 FA4_SITE=${FA4_SITE:-/tmp/fa4_site}
 [ -d "$FA4_SITE/flash_attn" ] && export PYTHONPATH=$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}

@@ -279,21 +279,6 @@ for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_m
 for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_le0"] = (_s, _b, _t, _tg, {**_x, "fp8_lora_epilogue": False})
-# an fp8 base's narrow dense weights as bf16 GEMMs on the weight dequantised just in time (_nd:
-# quant.matmul.DENSE_FP8_MIN_WIDTH 768: Flash's q_a, kv_a, q_b and kv_b; o_proj, the shared expert and Air's
-# projections stay fp8)
-for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_nd"] = (_s, _b, _t, _tg, {**_x, "dense_fp8_min_width": 768})
-# MLA's query RoPE rotated in place in q_b's output where the layers are compiled (_rip: mla.ROPE_IN_PLACE), and with
-# the narrow fp8 weights dequantised (_ndrip)
-for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_fp8_flash_mla_1x4096_cg",
-              "ours_flash_mlaexperts_1x4096_cg"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_rip"] = (_s, _b, _t, _tg, {**_x, "rope_in_place": True})
-VARIANTS["ours_fp8_flash_mla_1x4096_cg_ndrip"] = (*VARIANTS["ours_fp8_flash_mla_1x4096_cg"][:4],
-                                                  {**VARIANTS["ours_fp8_flash_mla_1x4096_cg"][4],
-                                                   "rope_in_place": True, "dense_fp8_min_width": 768})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
 # by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
 # as CUDA graphs, the _cg rows)
@@ -328,13 +313,12 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_fp8_fla
               "ours_fp8_ep8rank_qkvo_1x4096_packed_tto", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_nf"] = (_s, _b, _t, _tg, {**_x, "fused_expert_mlp": False})
-# packed rows through FlexAttention on FlashAttention-4's kernels (model.attn_implementation flex_fa4: flex's "FLASH"
-# backend; flash-attn-4 installed, benchmarks/fa4_carry.sh) instead of its Triton ones, each against its row
-for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_cg", "ours_flash_mla_1x4096_demo",
-              "ours_flash_mla_1x4096_demo_cg", "ours_flash_mla_1x4096_packed", "trainer_flash_mla_1x4096_demo",
-              "trainer_flash_mla_1x4096_demo_cg", "ours_fp8_ep8rank_qkvo_1x4096_packed"):
+# packed rows through FlashAttention-4's variable-length kernels (model.attn_implementation varlen_fa4; flash-attn-4
+# installed, benchmarks/fa4_carry.sh) instead of FlexAttention's document mask, each against its row
+for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_cg", "ours_flash_mla_1x4096_packed",
+              "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_fa4"] = (_s, _b, _t, _tg, {**_x, "attn": "flex_fa4"})
+    VARIANTS[f"{_base}_fa4"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen_fa4"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -419,13 +403,11 @@ def build_ours(cfg: dict, targets, extra, device):
         fp8_matmul.FUSED_EXPERT_MLP = extra.get("fused_expert_mlp", fp8_matmul.FUSED_EXPERT_MLP)
         fp8_matmul.DENSE_QUANT = extra.get("dense_quant", fp8_matmul.DENSE_QUANT)
         fp8_matmul.FP8_LORA_EPILOGUE = extra.get("fp8_lora_epilogue", fp8_matmul.FP8_LORA_EPILOGUE)
-        fp8_matmul.DENSE_FP8_MIN_WIDTH = extra.get("dense_fp8_min_width", fp8_matmul.DENSE_FP8_MIN_WIDTH)
     import moetune.model.experts as experts_module
     import moetune.model.glm4_moe as glm4_moe_module
     import moetune.model.grouped_gemm_tma as grouped_gemm_tma_module
     import moetune.model.grouped_lora_kernels as grouped_lora_kernels_module
     import moetune.model.lora as lora_module
-    import moetune.model.mla as mla_module
 
     if extra.get("ggemm"):  # a candidate setting, measured against the default
         experts_module.GROUPED_GEMM = extra["ggemm"]
@@ -437,7 +419,6 @@ def build_ours(cfg: dict, targets, extra, device):
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
-    mla_module.ROPE_IN_PLACE = extra.get("rope_in_place", mla_module.ROPE_IN_PLACE)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
@@ -642,7 +623,10 @@ class GraphRecordings:
                 status, logger = check(node, *args, **kwargs)
                 if status != trees.CheckInvariantStatus.SUCCESS and len(self.reasons) < 4:
                     try:
-                        self.reasons.append(f"{status}: {logger()}"[:600])
+                        # the reason's first line and its innermost frames (the stack trace ends where the input
+                        # was used)
+                        text = f"{status}: {logger()}"
+                        self.reasons.append(text if len(text) <= 1200 else f"{text[:300]} ... {text[-900:]}")
                     except Exception as e:  # the reason's text is a nice-to-have
                         self.reasons.append(f"{status} ({type(e).__name__} formatting it)")
                 return status, logger

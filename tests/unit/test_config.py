@@ -132,7 +132,7 @@ def test_list_element_path(tmp_path):
     ("--parallel.ep=0", "'parallel.ep'"),
     ("--finetune.train_router=true", "finetune.mode: full"),
     ("--model.attn_implementation=varlen", "set model.dtype: bfloat16 (it is float32)"),
-    ("--model.attn_implementation=flex_fa4", "flex_fa4 (FlashAttention-4) computes in bf16 only"),
+    ("--model.attn_implementation=varlen_fa4", "varlen_fa4 (FlashAttention-4) computes in bf16 only"),
     ("--model.config=glm45air", "did you mean 'glm45-air'?"),
     ("--logging.report_to=[tensorbord]", "'logging.report_to[0]'"),
 ])

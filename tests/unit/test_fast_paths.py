@@ -136,67 +136,106 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _reference_fa4_kernels(calls):
+    """Stand-ins for FlashAttention-4's forward and backward entry points with their contract (flattened rows,
+    cumulative document starts, lse [heads, T]): each document causal in fp32, the backward written out (a custom
+    op's body runs below autograd)."""
+    def documents(cu_seqlens):
+        bounds = cu_seqlens.tolist()
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def document(q, k, v, a, b):
+        """One document's heads-first fp32 q, k and v (k, v repeated per query head), and its probabilities."""
+        qd, kd, vd = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
+        kd, vd = (t.repeat_interleave(qd.shape[0] // t.shape[0], 0) for t in (kd, vd))
+        scores = (qd @ kd.transpose(1, 2)) / qd.shape[-1] ** 0.5
+        scores = scores.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), float("-inf"))
+        return qd, kd, vd, scores
+
+    def attention(q, k, v, cu_seqlens):
+        outs, lses = [], []
+        for a, b in documents(cu_seqlens):
+            _, _, vd, scores = document(q, k, v, a, b)
+            outs.append((scores.softmax(-1) @ vd).transpose(0, 1))
+            lses.append(scores.logsumexp(-1))
+        return torch.cat(outs).to(q.dtype), torch.cat(lses, 1)
+
+    def gradients(q, k, v, dout, cu_seqlens):
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        group = q.shape[1] // k.shape[1]
+        for a, b in documents(cu_seqlens):
+            qd, kd, vd, scores = document(q, k, v, a, b)
+            p, do = scores.softmax(-1), dout[a:b].transpose(0, 1).float()
+            dp = do @ vd.transpose(1, 2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / qd.shape[-1] ** 0.5
+            dq[a:b] = (ds @ kd).transpose(0, 1)
+            dk[a:b] = (ds.transpose(1, 2) @ qd).unflatten(0, (-1, group)).sum(1).transpose(0, 1)
+            dv[a:b] = (p.transpose(1, 2) @ do).unflatten(0, (-1, group)).sum(1).transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_lse):
+        calls.append(("forward", cu_seqlens_q.tolist(), max_seqlen_q, causal, return_lse))
+        assert cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q and cu_seqlens_q.dtype == torch.int32
+        out, lse = attention(q, k, v, cu_seqlens_q)
+        return out, lse, None, None, None
+
+    def backward(q, k, v, out, dout, lse, *, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        calls.append(("backward", cu_seqlens_q.tolist(), max_seqlen_q, causal, None))
+        want_out, want_lse = attention(q, k, v, cu_seqlens_q)
+        torch.testing.assert_close(out, want_out)  # the forward's own output and lse come back
+        torch.testing.assert_close(lse, want_lse)
+        return gradients(q, k, v, dout, cu_seqlens_q)
+
+    return forward, backward
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and flash_attention_4_installed()
                                               else []))
-def test_flex_fa4_asks_flex_for_flashattention4_kernels(device, monkeypatch):
-    """model.attn_implementation flex_fa4: the block mask goes to FlexAttention with BACKEND "FLASH" (FlashAttention-4's
-    kernels); output and gradients equal the dense document mask's. On the CPU (no such kernels) a stand-in checks the
-    option and computes with flex's CPU kernels, forward only, and the CPU's own meta for flex_fa4 is the dense mask;
-    on a GPU with flash-attn-4, the kernels themselves in bf16. A GPU that cannot run them is a ConfigError."""
-    import torch.nn.attention.flex_attention as flex_module
-
+def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch):
+    """model.attn_implementation varlen_fa4: packed rows go to FlashAttention-4's variable-length kernels (through the
+    moetune::fa4_varlen custom op, eager and inside a compiled region as the model's compiled layers call it) with
+    the padded document starts; output and gradients equal the dense document mask's. On the CPU stand-ins with the
+    kernels' contract record the calls, and the CPU's own meta for varlen_fa4 is the dense mask; on a GPU with
+    flash-attn-4, the kernels themselves in bf16. A GPU that cannot run them is a ConfigError."""
     from moetune.errors import ConfigError
     from moetune.model import attention
     from moetune.model.attention import AttnMeta, attend, build_attn_meta, check_attn_implementation
 
-    real, seen = flex_module.flex_attention, []
-
-    def stand_in(q, k, v, block_mask=None, enable_gqa=False, kernel_options=None):
-        seen.append(kernel_options)
-        return real(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-
-    cuda = device == "cuda"
+    cuda, calls = device == "cuda", []
     if not cuda:
-        monkeypatch.setattr(flex_module, "flex_attention", stand_in)
-    attention._compiled_flex.cache_clear()
-    try:
-        torch.manual_seed(2)
-        B, H, Hkv, S, D = 2, 4, 2, 256, 64
-        dtype = torch.bfloat16 if cuda else torch.float32
-        q, k, v = (torch.randn(B, h, S, D, device=device, dtype=dtype, requires_grad=cuda) for h in (H, Hkv, Hkv))
-        pos = torch.stack([torch.cat([torch.arange(50), torch.arange(206)]),
-                           torch.cat([torch.arange(10), torch.arange(200), torch.arange(46)])]).to(device)
-        dense = AttnMeta(dense_mask=attention.dense_document_mask(pos))
-        if cuda:
-            meta = build_attn_meta(pos, "flex_fa4")
-            assert meta.block_mask is not None and meta.flex_backend == "FLASH"
-            got = attend(q, k, v, meta)
-            grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-            q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            want = attend(q2, k2, v2, dense)
-            want_grads = torch.autograd.grad(want.float().square().sum(), (q2, k2, v2))
-            for a, b in zip((got, *grads), (want, *want_grads)):
-                torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
-        else:
-            fallback = build_attn_meta(pos, "flex_fa4")
-            assert fallback.block_mask is None and fallback.dense_mask is not None  # the CPU's path
-            flex = build_attn_meta(pos, "flex")
-            for backend, options in (("FLASH", {"BACKEND": "FLASH"}), ("AUTO", None)):
-                meta = AttnMeta(block_mask=flex.block_mask, flex_backend=backend)
-                # called as it is, and inside a compiled region as the model's compiled layers call it
-                for call in (attend, torch.compile(attend, dynamic=False)):
-                    seen.clear()
-                    got = call(q, k, v, meta)
-                    assert seen == [options]
-                    torch.testing.assert_close(got, attend(q, k, v, dense), rtol=1e-5, atol=1e-5)
-    finally:
-        attention._compiled_flex.cache_clear()
-    check_attn_implementation("flex_fa4", "cpu")  # nothing to check off a GPU
+        monkeypatch.setattr(attention, "fa4_kernels", lambda: _reference_fa4_kernels(calls))
+    torch.manual_seed(2)
+    B, H, Hkv, S, D = 2, 4, 2, 256, 64
+    dtype = torch.bfloat16 if cuda else torch.float32
+    pos = torch.stack([torch.cat([torch.arange(50), torch.arange(206)]),
+                       torch.cat([torch.arange(10), torch.arange(200), torch.arange(46)])]).to(device)
+    dense = AttnMeta(dense_mask=attention.dense_document_mask(pos))
+    if cuda:
+        meta = build_attn_meta(pos, "varlen_fa4")
+    else:
+        assert build_attn_meta(pos, "varlen_fa4").dense_mask is not None  # the CPU's path
+        meta = AttnMeta(cu_seqlens=attention.padded_document_starts(pos), max_len=S, varlen_kernel="fa4")
+    assert meta.varlen_kernel == "fa4" and meta.max_len == S
+    tol = {"rtol": 2e-2, "atol": 2e-2} if cuda else {"rtol": 1e-4, "atol": 1e-5}
+    for call in (attend, torch.compile(attend, dynamic=False, fullgraph=True)):
+        calls.clear()
+        q, k, v = (torch.randn(B, h, S, D, device=device, dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv))
+        got = call(q, k, v, meta)
+        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+        q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        want = attend(q2, k2, v2, dense)
+        want_grads = torch.autograd.grad(want.float().square().sum(), (q2, k2, v2))
+        for a, b in zip((got, *grads), (want, *want_grads)):
+            torch.testing.assert_close(a, b, **tol)
+        if not cuda:  # the starts of [50, 206 | 10, 200, 46], padded with empty documents to 8
+            starts = [0, 50, 256, 266, 466, 512, 512, 512, 512]
+            assert calls == [("forward", starts, S, True, True), ("backward", starts, S, True, None)]
+    check_attn_implementation("varlen_fa4", "cpu")  # nothing to check off a GPU
     check_attn_implementation("flex", "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
-    with pytest.raises(ConfigError, match="flex_fa4, but FlashAttention-4 runs on Hopper or newer GPUs"):
-        check_attn_implementation("flex_fa4", "cuda")
+    with pytest.raises(ConfigError, match="varlen_fa4, but FlashAttention-4 runs on Hopper or newer GPUs"):
+        check_attn_implementation("varlen_fa4", "cuda")
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
@@ -706,59 +745,6 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
     assert not dropped._one_op(x)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_narrow_fp8_weight_runs_bf16_gemms_on_its_weight_dequantised(bias, monkeypatch):
-    """quant.matmul.DENSE_FP8_MIN_WIDTH: where the fp8 tensor cores would run (forced on the CPU), a dense fp8 weight
-    whose in or out width is at most it runs no fp8 GEMM: a LoRA linear on it runs the LoRA op (whatever quantises the
-    fp8 operands elsewhere), which dequantises the weight inside each op, so that autograd keeps the fp8 weight, not a
-    bf16 copy; a plain fp8 linear takes the dequantising path; both give the dequantised weight's product and
-    gradients (fp32 reference, bf16 rounding). Wider weights, and every weight at the default 0, keep the fp8
-    GEMMs."""
-    from moetune.model import lora
-    from moetune.model.quant import matmul
-    from moetune.model.quant.modules import frozen_linear, weight_scale
-
-    monkeypatch.setattr(matmul, "_fp8_kernels", lambda x, w8, scheme: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")  # the fp8 op would not run here: the narrow one does
-    fp8_gemms = []
-    for module, name in ((lora, "fp8_mm"), (lora, "fp8_mm_dgrad"), (matmul, "fp8_mm"), (matmul, "fp8_mm_dgrad")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=real, **k: fp8_gemms.append(1) or _f(*a, **k))
-    layer = _fp8_lora_layer(torch.device("cpu"), bias, n_in=64, n_out=96)
-    x = torch.randn(40, 64, dtype=torch.bfloat16)
-    assert not layer._one_op(x)  # the default: fp8 GEMMs, traced (Inductor's quantisations)
-    monkeypatch.setattr(matmul, "DENSE_FP8_MIN_WIDTH", 64)
-    assert layer._one_op(x) and not layer._one_op(x.float())
-    w = layer.quant.dequantize(layer.weight, weight_scale(layer), torch.float32)
-    b = None if layer.bias is None else layer.bias.float()
-    xi = x.clone().requires_grad_()
-    saved = []
-    with _SeenOps() as ops:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.shape, t.dtype)) or t, lambda t: t):
-            y = layer(xi)
-        y.float().square().sum().backward()
-    assert {"moetune.lora_linear", "moetune.lora_linear_bwd"} <= ops.seen and not fp8_gemms
-    assert (layer.weight.shape, layer.weight.dtype) in saved and (layer.weight.shape, torch.bfloat16) not in saved
-    xr, A, B = x.float().requires_grad_(), layer.lora_A.detach().clone(), layer.lora_B.detach().clone()
-    A.requires_grad_(), B.requires_grad_()
-    yr = F.linear(xr, w, b) + layer.scaling * (xr @ A.t()) @ B.t()
-    yr.square().sum().backward()
-    for got, want in ((y, yr), (xi.grad, xr.grad), (layer.lora_A.grad, A.grad), (layer.lora_B.grad, B.grad)):
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    # a plain fp8 linear (no LoRA) on the same narrow weight: the dequantising path
-    xi = x.clone().requires_grad_()
-    y = frozen_linear(layer, xi)
-    y.float().square().sum().backward()
-    assert not fp8_gemms
-    xr = x.float().requires_grad_()
-    F.linear(xr, w, b).square().sum().backward()
-    torch.testing.assert_close(y.float(), F.linear(x.float(), w, b), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(xi.grad.float(), xr.grad, rtol=2e-2, atol=2e-2 * xr.grad.abs().max().item())
-    monkeypatch.setattr(matmul, "DENSE_FP8_MIN_WIDTH", 63)  # now wider than the rule: fp8 GEMMs again
-    frozen_linear(layer, x.clone().requires_grad_()).float().sum().backward()
-    assert len(fp8_gemms) == 2
-
-
 @pytest.mark.parametrize("scaled", [False, True])
 def test_scaled_rows_fp8_kernel_equals_the_torch_reference(scaled):
     """Rows (times a weight's row scales: a dense input gradient's operand) quantised per row in one pass, against
@@ -884,10 +870,9 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
 
 def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
     """benchmarks/lora_linear_kernels.py's CPU rehearsal runs against today's op and reports what the GPU run's table
-    rests on: the wide shape takes LoRA's branch along K and the narrow one in place (a bf16 weight, and an fp8 one
-    dequantised just in time), the bf16 forms' outputs within bf16's rounding of each other, the fp8 product and the
-    dequantised weight's within the activation's fp8 rounding (finite: a NaN fails the comparison); EVERY_SHAPE=1
-    takes it along K on both."""
+    rests on: the wide shape takes a bf16 weight's LoRA branch along K and the narrow one in place, the bf16 forms'
+    outputs within bf16's rounding of each other, the fp8 forms' (torch's fp8 GEMM either way on the CPU) finite and
+    equal (a NaN fails the comparison); EVERY_SHAPE=1 takes it along K on both."""
     import json
     import os
     import subprocess
@@ -900,73 +885,11 @@ def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
         p = subprocess.run([sys.executable, str(bench)], env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
         rows = json.loads((tmp_path / "lora_linear_kernels.json").read_text())["results"]
-        for setting in ("along_k", "dequant"):
-            along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == setting}
-            assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}, setting
+        along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == "along_k"}
+        assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}
         assert {(r["base"], r["setting"]) for r in rows} == {("bf16", "in_place"), ("bf16", "along_k"),
-                                                             ("fp8", "in_place"), ("fp8", "dequant")}
+                                                             ("fp8", "in_place"), ("fp8", "epilogue")}
         for r in rows:
             tol = 1e-2 if r["base"] == "bf16" else 5e-2
             assert r["y_err_vs_other"] < tol and r["dx_err_vs_other"] < tol, r
         assert not any(r["along_k"] for r in rows if r["setting"] == "in_place")
-
-
-def _tiny_mla(interleave: bool):
-    """GLM-4.7-Flash's tiny shape (tests/family_models.py) in bf16 with LoRA on its MLA projections, B nonzero."""
-    from family_models import TINY_MLA
-
-    from moetune.model.build import build_model
-    from moetune.model.config import ModelConfig
-    from moetune.model.hf_io import cast_model, init_weights
-    from moetune.model.lora import apply_lora
-    from moetune.train.setup import init_lora
-
-    cfg = dict(TINY_MLA, model_type="glm4_moe_lite", rope_interleave=interleave, num_hidden_layers=2)
-    model = build_model(ModelConfig.from_hf_dict(cfg), "cpu")
-    cast_model(model, torch.bfloat16)  # torch's grouped GEMM traces in bf16 only
-    init_weights(model, 0.05, seed=0)
-    apply_lora(model, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], 4, 8)
-    init_lora(model, seed=0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
-    return model
-
-
-@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
-def test_mla_query_rope_rotated_in_place_when_compiled_gives_the_concatenations_numbers(interleave, monkeypatch):
-    """mla.ROPE_IN_PLACE: compiled, the query's RoPE slice is rotated in place in q_b's output: each layer's
-    traced graph holds one concatenation fewer (q's), and the tiny Flash model's loss and every LoRA gradient (LoRA on
-    MLA, the one op each way) are the concatenation's; eager, where autograd forbids the in-place write into an op's
-    output views, it keeps the concatenation."""
-    from moetune.model import mla
-
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for in_place, compiled in ((False, False), (True, False), (False, True), (True, True)):
-        monkeypatch.setattr(mla, "ROPE_IN_PLACE", in_place)
-        model = _tiny_mla(interleave)
-        cats = []
-        if compiled:
-            from torch._dynamo.backends.debugging import aot_eager
-
-            def backend(gm, example_inputs):  # traced as Inductor would (functionalised), run op by op
-                cats.append(sum(n.target in (torch.cat, torch.concat) for n in gm.graph.nodes))
-                return aot_eager(gm, example_inputs)
-
-            torch._dynamo.reset()
-            for layer in model.model.layers:
-                layer.compile(fullgraph=True, backend=backend, dynamic=False)
-        loss = model(ids, labels=torch.roll(ids, -1, 1))
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results[in_place, compiled] = loss.detach(), grads, cats
-    assert len(results[True, True][2]) == len(results[False, True][2]) == 2  # the dense layer's graph, the MoE one's
-    assert [a - b for a, b in zip(results[False, True][2], results[True, True][2])] == [1, 1]
-    for compiled in (False, True):
-        (base_loss, base_grads, _), (loss, grads, _) = results[False, compiled], results[True, compiled]
-        assert base_grads and all(g.abs().sum() > 0 for g in base_grads.values())
-        torch.testing.assert_close(loss, base_loss, rtol=0, atol=0)
-        for n in base_grads:  # the same products in the same order: equal
-            torch.testing.assert_close(grads[n], base_grads[n], rtol=0, atol=0, msg=f"compiled={compiled} {n}")

@@ -63,7 +63,7 @@ class ModelSection(_Section):
     # store the frozen base in fp8 e4m3 (LoRA only): "fp8" one scale per output row, "fp8_block" one per 128×128
     # block. An FP8 checkpoint (compressed-tensors or `quant_method: fp8`) is read as stored without this key.
     quantize: Optional[Literal["fp8", "fp8_block"]] = None
-    attn_implementation: Literal["auto", "sdpa", "flex", "flex_fa4", "varlen", "eager"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "flex", "varlen", "varlen_fa4", "eager"] = "auto"
     # random init when there is no checkpoint. 0.1 is the demo's: at 0.02 the tiny model's frozen random lm_head
     # cannot produce logits large enough for the loss to fall far (proxies for speed set 0.02, as HF's init)
     init_std: float = Field(0.1, gt=0)
@@ -335,7 +335,7 @@ class Config(_Section):
     def _cross_field_checks(self):
         if self.finetune.train_router and self.finetune.mode != "full":
             raise ValueError("finetune.train_router only applies to finetune.mode: full")
-        kernel = {"varlen": "FlashAttention-2", "flex_fa4": "FlashAttention-4"}.get(self.model.attn_implementation)
+        kernel = {"varlen": "FlashAttention-2", "varlen_fa4": "FlashAttention-4"}.get(self.model.attn_implementation)
         if kernel and self.model.dtype != "bfloat16":
             raise ValueError(f"model.attn_implementation: {self.model.attn_implementation} ({kernel}) computes in "
                              f"bf16 only: set model.dtype: bfloat16 (it is {self.model.dtype})")

@@ -2,10 +2,9 @@
 
 One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
 position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
-diagonal of each document are computed) by torch's Triton kernels or (`flex_fa4`) FlashAttention-4's (flex's
-"FLASH" backend: CuTe DSL kernels for Hopper and Blackwell, with flash-attn-4 installed), or (`varlen`)
-FlashAttention-2's variable-length kernel over the documents of the flattened rows (torch.nn.attention.varlen); SDPA
-with a dense boolean mask elsewhere (their CPU-testable twin).
+diagonal of each document are computed), or a variable-length kernel over the documents of the flattened rows:
+(`varlen`) FlashAttention-2's (torch.nn.attention.varlen) or (`varlen_fa4`) FlashAttention-4's (CuTe DSL kernels for
+Hopper and Blackwell, with flash-attn-4 installed); SDPA with a dense boolean mask elsewhere (their CPU-testable twin).
 Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
 """
 
@@ -25,17 +24,17 @@ from moetune.errors import ConfigError
 # argument: FlashAttention-2 groups the heads either way)
 VARLEN_TAKES_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
-# model.attn_implementation -> FlexAttention's BACKEND for packed rows on a GPU ("AUTO": torch's Triton templates)
-FLEX_BACKENDS = {"auto": "AUTO", "flex": "AUTO", "flex_fa4": "FLASH"}
+# model.attn_implementation -> the variable-length kernel for packed rows on a GPU
+VARLEN_KERNELS = {"varlen": "fa2", "varlen_fa4": "fa4"}
 
 
 @dataclass
 class AttnMeta:
     dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
     block_mask: object | None = None  # FlexAttention BlockMask
-    flex_backend: str = "AUTO"  # FlexAttention's kernels for the block mask (FLEX_BACKENDS)
     cu_seqlens: torch.Tensor | None = None  # varlen path: int32 [documents + 1], their starts in the flattened rows
     max_len: int = 0  # varlen path: a bound on a document's length (the row's: one compiled graph for all batches)
+    varlen_kernel: str = "fa2"  # varlen path: FlashAttention-2's kernel or FlashAttention-4's (VARLEN_KERNELS)
 
 
 def document_ids(position_ids):
@@ -74,11 +73,10 @@ def is_packed(position_ids) -> bool:
 
 
 @functools.cache
-def _compiled_flex(backend: str = "AUTO"):
+def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    options = {} if backend == "AUTO" else {"kernel_options": {"BACKEND": backend}}
-    return torch.compile(functools.partial(flex_attention, **options), dynamic=False)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def flash_attention_4_installed() -> bool:
@@ -91,10 +89,10 @@ def flash_attention_4_installed() -> bool:
 
 
 def check_attn_implementation(impl: str, device) -> None:
-    """model.attn_implementation flex_fa4 on a GPU that cannot run FlashAttention-4's kernels is a ConfigError naming
-    why (off a GPU there is nothing to check: the CPU computes flex_fa4 with the dense mask)."""
+    """model.attn_implementation varlen_fa4 on a GPU that cannot run FlashAttention-4's kernels is a ConfigError naming
+    why (off a GPU there is nothing to check: the CPU computes varlen_fa4 with the dense mask)."""
     device = torch.device(device)
-    if impl != "flex_fa4" or device.type != "cuda":
+    if impl != "varlen_fa4" or device.type != "cuda":
         return
     if torch.cuda.get_device_capability(device)[0] < 9:
         reason = f"FlashAttention-4 runs on Hopper or newer GPUs ({torch.cuda.get_device_name(device)} is not)"
@@ -102,16 +100,18 @@ def check_attn_implementation(impl: str, device) -> None:
         reason = "FlashAttention-4 is not installed (pip install flash-attn-4)"
     else:
         return
-    raise ConfigError(f"model.attn_implementation: flex_fa4, but {reason}")
+    raise ConfigError(f"model.attn_implementation: varlen_fa4, but {reason}")
 
 
 def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
     if impl == "eager" or not is_packed(position_ids):
         return AttnMeta(dense_mask=dense_document_mask(position_ids) if impl == "eager" else None)
-    if impl == "varlen" and position_ids.is_cuda:
-        return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1])
-    # flex_fa4's kernels run on a GPU only: the CPU takes the dense mask, as for varlen
-    use_flex = impl == "flex" or (impl in ("auto", "flex_fa4") and position_ids.is_cuda)
+    if impl in VARLEN_KERNELS:  # their kernels run on a GPU only: the CPU takes the dense mask
+        if not position_ids.is_cuda:
+            return AttnMeta(dense_mask=dense_document_mask(position_ids))
+        return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1],
+                        varlen_kernel=VARLEN_KERNELS[impl])
+    use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
     if not use_flex:
         return AttnMeta(dense_mask=dense_document_mask(position_ids))
     from torch.nn.attention.flex_attention import create_block_mask
@@ -122,8 +122,7 @@ def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
         return (doc[b, q] == doc[b, kv]) & (q >= kv)
 
     B, S = position_ids.shape
-    return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device),
-                    flex_backend=FLEX_BACKENDS[impl])
+    return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device))
 
 
 class KVCache:
@@ -162,7 +161,7 @@ class KVCache:
 def attend(q, k, v, meta: AttnMeta):
     """q [B, Hq, S, D], k/v [B, Hkv, T, D] -> [B, Hq, S, D] (T > S only with a dense mask: a decoding step)."""
     if meta.block_mask is not None:
-        return _compiled_flex(meta.flex_backend)(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
+        return _compiled_flex()(q, k, v, block_mask=meta.block_mask, enable_gqa=True)
     if meta.cu_seqlens is not None:
         return attend_varlen(q, k, v, meta)
     if meta.dense_mask is not None:
@@ -171,15 +170,73 @@ def attend(q, k, v, meta: AttnMeta):
 
 
 def attend_varlen(q, k, v, meta: AttnMeta):
-    """Document-causal attention over packed rows by FlashAttention-2's variable-length kernel: the rows flattened
-    to [B·S, heads, D] (the layout the projections wrote: the transposes undo the callers'), one causal sequence per
-    document. GQA as the kernel takes it: fewer key/value heads, each shared by a group of query heads."""
+    """Document-causal attention over packed rows by a variable-length kernel (FlashAttention-2's or -4's): the rows
+    flattened to [B·S, heads, D] (the layout the projections wrote: the transposes undo the callers'), one causal
+    sequence per document. GQA as the kernels take it: fewer key/value heads, each shared by a group of query heads."""
     B, Hq, S, _ = q.shape
 
     def flat(t):
         return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
 
-    gqa = {"enable_gqa": True} if VARLEN_TAKES_GQA and k.shape[1] != Hq else {}
-    o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
-                    window_size=(-1, 0), **gqa)
+    if meta.varlen_kernel == "fa4":
+        o = torch.ops.moetune.fa4_varlen(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.max_len)[0]
+    else:
+        gqa = {"enable_gqa": True} if VARLEN_TAKES_GQA and k.shape[1] != Hq else {}
+        o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
+                        window_size=(-1, 0), **gqa)
     return o.view(B, S, Hq, -1).transpose(1, 2)
+
+
+def fa4_kernels():
+    """FlashAttention-4's forward and backward entry points (flash_attn.cute.interface; tests replace this with
+    reference stand-ins on the CPU)."""
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    return _flash_attn_fwd, _flash_attn_bwd
+
+
+# FlashAttention-4's own autograd.Function is opaque to torch.compile; as custom ops the compiled layers call its
+# kernels as they call any extern kernel, and a shape function lets Inductor plan around them.
+@torch.library.custom_op("moetune::fa4_varlen", mutates_args=())
+def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+               max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens int32 [documents + 1] -> (out [T, Hq, Dv], lse fp32 [Hq, T]):
+    causal attention within each document."""
+    forward, _ = fa4_kernels()
+    out, lse = forward(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len,
+                       max_seqlen_k=max_len, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+@fa4_varlen.register_fake
+def _(q, k, v, cu_seqlens, max_len):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("moetune::fa4_varlen_backward", mutates_args=())
+def fa4_varlen_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, cu_seqlens: torch.Tensor,
+                        max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, backward = fa4_kernels()
+    dq, dk, dv = backward(q, k, v, out, grad.contiguous(), lse, causal=True, cu_seqlens_q=cu_seqlens,
+                          cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)[:3]
+    return dq, dk, dv
+
+
+@fa4_varlen_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, max_len):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens, ctx.max_len = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+
+
+def _fa4_varlen_grad(ctx, grad, _grad_lse):  # lse is an output for the backward's sake only: no gradient flows in
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = torch.ops.moetune.fa4_varlen_backward(grad, q, k, v, out, lse, cu_seqlens, ctx.max_len)
+    return dq, dk, dv, None, None
+
+
+fa4_varlen.register_autograd(_fa4_varlen_grad, setup_context=_fa4_varlen_setup)

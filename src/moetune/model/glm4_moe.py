@@ -353,7 +353,7 @@ class Glm4MoeForCausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg, self.attention_cls)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.attn_implementation = "auto"  # model.attn_implementation: auto, sdpa, flex, flex_fa4, varlen, eager
+        self.attn_implementation = "auto"  # model.attn_implementation: auto, sdpa, flex, varlen, varlen_fa4, eager
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
 
     def forward(self, input_ids, position_ids=None, labels=None, cache: KVCache | None = None, per_token=False):

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.model.experts import grouped_linear
-from moetune.model.quant.fp8 import ROWWISE
-from moetune.model.quant.matmul import (dense_dequantised_for_speed, fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op, fp8_mm_lora,
-                                        fp8_mm_lora_fits, narrow_dense)
+from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op, fp8_mm_lora, fp8_mm_lora_fits
 from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy, weight_scale
 from moetune.model.recompute import register_product
 
@@ -92,24 +90,14 @@ def _grads_along_k(g, weight, lora_A, lora_B, scaling):
     return torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A), grad_h
 
 
-def _dequantised_if_narrow(weight, scale, transposed, dtype):
-    """An fp8 weight narrower than quant.matmul.DENSE_FP8_MIN_WIDTH as the bf16-like weight the op then takes (no
-    scale, no transposed copy); anything else as given."""
-    if scale is not None and narrow_dense(weight):
-        return ROWWISE.dequantize(weight, scale, dtype), None, None
-    return weight, scale, transposed
-
-
 # One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
 # [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y and LoRA's branch is added in
 # place, or made inside that GEMM where the output is wide (above). It returns x·Aᵀ besides y, to save for the
-# backward. An fp8 weight narrower than quant.matmul.DENSE_FP8_MIN_WIDTH is dequantised inside each op and takes the
-# bf16 path: autograd then keeps the fp8 weight, not a bf16 copy, for the backward.
+# backward.
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
 def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                     transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    weight, scale, _ = _dequantised_if_narrow(weight, scale, transposed, x.dtype)
     x2 = x.reshape(-1, x.shape[-1])
     h = torch.mm(x2, lora_A.t())  # what B's gradient needs
     wide = _wide_output(x2.shape[0], weight, lora_A)
@@ -133,7 +121,6 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
                         scale: torch.Tensor | None, transposed: torch.Tensor | None, lora_A: torch.Tensor,
                         lora_B: torch.Tensor, scaling: float,
                         input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    weight, scale, transposed = _dequantised_if_narrow(weight, scale, transposed, grad.dtype)
     g = grad.reshape(-1, grad.shape[-1])
     if scale is not None:
         g = g.contiguous()  # the fp8 GEMM's operand is quantised row by row
@@ -223,8 +210,7 @@ class LoRALinear(nn.Module):
                 map(is_dtensor, (self.weight, self.lora_A, self.lora_B))):
             return False
         if self.quant is not None:
-            return (dense_dequantised_for_speed(x, self.weight, self.quant)
-                    or fp8_mm_in_one_op(x, self.weight, self.quant))
+            return fp8_mm_in_one_op(x, self.weight, self.quant)
         return x.dtype == self.weight.dtype
 
     def extra_repr(self):

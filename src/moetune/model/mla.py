@@ -37,13 +37,6 @@ def apply_rope_interleaved(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-# Compiled, the query's RoPE slice is rotated in place in q_b's output (Inductor writes only that slice) instead of a new
-# q concatenated from both slices, a pass over all of q (GLM-4.7-Flash: 45.7 µs a layer forward on one H200, the
-# twenty-seventh session's trace). Eager autograd forbids writing in place into the views an op returns: there q is
-# concatenated. A candidate (harness rows `_rip`), not yet measured.
-ROPE_IN_PLACE = False
-
-
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -73,22 +66,17 @@ class MLAttention(nn.Module):
         else:
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
-        q = q.view(B, S, self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = q.view(B, S, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)
         rotate = apply_rope_interleaved if self.interleave else apply_rope
-        if ROPE_IN_PLACE and torch.compiler.is_compiling():
-            q_rope = q[..., self.nope:]
-            q_rope.copy_(rotate(q_rope, cos, sin))
-        else:
-            q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-            q = torch.cat((q_nope, rotate(q_rope, cos, sin)), dim=-1)
-        k_rope = rotate(k_rope.view(B, S, 1, self.rope), cos, sin)
+        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.view(B, S, 1, self.rope), cos, sin)
         if cache is not None:
             kv_latent, k_rope = cache.extend(self, kv_latent, k_rope)
         T = kv_latent.shape[1]  # keys: S, or every cached position
         kv = self.kv_b_proj(kv_latent).view(B, T, self.n_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, T, self.n_heads, self.rope)), dim=-1)
         attn, topk = self.select_keys(x, q_latent, cos, sin, attn, topk, cache)
         o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn)

@@ -161,34 +161,6 @@ def _quantized_operand(x2):
     return _scaled_rows_fp8(x2, None) if _dense_kernel_quant(x2) else _quantized(quantize_rows, x2)
 
 
-# Where a dense fp8 GEMM does not pay for its quantisations: at GLM-4.7-Flash's narrow MLA projections (q_a 2,048 ->
-# 768, kv_a 2,048 -> 576, q_b 768 -> 5,120, kv_b 512 -> 8,960) the fp8 GEMM saves less than quantising its activation
-# forward and its gradient backward cost (one H200, 4,096 rows, LoRA r16, forward + backward: kv_b 0.229 ms against
-# 0.203 for bf16, kv_a 0.087 against 0.073; only o_proj, 5,120 -> 2,048, is faster in fp8; BENCHMARKS.md,
-# twenty-eighth session). A dense fp8 weight whose in or out width is at most DENSE_FP8_MIN_WIDTH runs bf16 GEMMs on
-# the weight dequantised just in time instead, as the CPU does (a LoRA linear's op dequantises it inside itself: a
-# bf16 copy made outside would be saved for the backward); 0: every dense fp8 weight on fp8 tensor cores. A candidate
-# (harness rows `_nd`), not yet measured end to end.
-DENSE_FP8_MIN_WIDTH = 0
-
-
-def narrow_dense(w8: torch.Tensor) -> bool:
-    """Whether a dense fp8 weight is at most DENSE_FP8_MIN_WIDTH wide on either side."""
-    return min(w8.shape[-2:]) <= DENSE_FP8_MIN_WIDTH
-
-
-def dense_in_fp8(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
-    """Whether a dense product through this frozen fp8 weight runs on fp8 tensor cores (else on the weight
-    dequantised just in time)."""
-    return _fp8_kernels(x, w8, scheme) and not narrow_dense(w8)
-
-
-def dense_dequantised_for_speed(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bool:
-    """Whether this fp8 weight could run on fp8 tensor cores here but is narrower than DENSE_FP8_MIN_WIDTH: a LoRA
-    linear on it runs the LoRA op all the same, which dequantises it just in time (lora.lora_linear)."""
-    return _fp8_kernels(x, w8, scheme) and narrow_dense(w8)
-
-
 def fp8_mm(x2, w8, scale, bias):
     """x2 [M, in] · dequant(w8 [out, in], scale)ᵀ (+ bias) on fp8 tensor cores, x2 quantised per row here."""
     xq, sx = _quantized_operand(x2)
@@ -252,7 +224,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(w8, scale, transposed)
         ctx.scheme = scheme
         x2 = x.reshape(-1, x.shape[-1])
-        if dense_in_fp8(x2, w8, scheme):
+        if _fp8_kernels(x2, w8, scheme):
             y = fp8_mm(x2, w8, scale, bias)
         else:
             y = F.linear(x2, scheme.dequantize(w8, scale, x.dtype), None if bias is None else bias.to(x.dtype))
@@ -264,7 +236,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1]).contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            if DGRAD == "fp8" and dense_in_fp8(g2, w8, ctx.scheme):
+            if DGRAD == "fp8" and _fp8_kernels(g2, w8, ctx.scheme):
                 dx = fp8_mm_dgrad(g2, w8, scale, transposed=transposed)
             else:
                 dx = g2 @ ctx.scheme.dequantize(w8, scale, g.dtype)
@@ -278,7 +250,7 @@ def fp8_mm_in_one_op(x: torch.Tensor, w8: torch.Tensor, scheme: Fp8Scheme) -> bo
     path, forward and input gradient, with the operands quantised by the row kernel (DENSE_QUANT's "kernel", where
     the layers replay as CUDA graphs). Under Inductor's quantisations, fused into the kernels that produce the
     operands, the traced form keeps that fusion."""
-    return DGRAD == "fp8" and dense_in_fp8(x, w8, scheme) and _dense_kernel_quant(x)
+    return DGRAD == "fp8" and _fp8_kernels(x, w8, scheme) and _dense_kernel_quant(x)
 
 
 def fp8_linear(x, w8, scale, scheme: Fp8Scheme, bias=None, transposed=None):
