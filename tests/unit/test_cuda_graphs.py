@@ -71,6 +71,56 @@ def test_each_forward_is_one_cuda_graph_step(monkeypatch):
     assert len(marks) == 2
 
 
+@pytest.mark.parametrize("impl", ["flex", "eager"])
+def test_the_layers_per_step_inputs_keep_their_addresses_under_graphs(monkeypatch, impl):
+    """CUDA graph trees replay a layer's backward with the tensors its forward saved at the addresses the recording
+    saw; RoPE's cos/sin and the document mask are made anew each step, so under graphs the model copies them into
+    buffers kept across steps (else the backward re-records every step). Two steps of different packed documents:
+    every tensor the layers receive besides x sits where it sat, holding this step's values (the loss equals the
+    unstaged model's); without graphs nothing is staged."""
+    from moetune.model.hf_io import init_weights
+    from moetune.model.step_inputs import StepInputs, unstaged
+
+    model = build_model(ModelConfig.from_hf_dict(BUILTIN["tiny"]), "cpu")
+    init_weights(model)
+    model.attn_implementation = impl
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer, "compile", lambda **kw: None)
+    parallelize(model, make_layout(1, n_layers=len(model.model.layers)), None, compile=True,
+                param_dtype=torch.float32, cuda_graphs=True)
+    assert isinstance(model.step_inputs, StepInputs)
+    seen = []
+    real = type(model.model.layers[0]).forward
+    monkeypatch.setattr(type(model.model.layers[0]), "forward",
+                        lambda self, x, cos, sin, attn, *a, **k: seen.append((cos, sin, attn)) or real(
+                            self, x, cos, sin, attn, *a, **k))
+
+    def tensors(cos, sin, attn):
+        mask = attn.block_mask
+        parts = {"cos": cos, "sin": sin, "dense_mask": attn.dense_mask}
+        if mask is not None:
+            parts.update({n: getattr(mask, n) for n in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices")})
+            parts["document_ids"] = next(c.cell_contents for c in mask.mask_mod.__closure__
+                                         if isinstance(c.cell_contents, torch.Tensor))
+        return {k: v for k, v in parts.items() if v is not None}
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+    staged, addresses, kept = model.step_inputs, [], []
+    for docs in ((8, 16), (12, 5, 7)):
+        pos = torch.cat([torch.arange(n) for n in docs])[None]
+        seen.clear()
+        with torch.no_grad():
+            model.step_inputs = staged
+            loss = model(ids, position_ids=pos, labels=ids)
+            assert all(s[0] is seen[0][0] and s[2] is seen[0][2] for s in seen)  # one set for every layer
+            kept.append(tensors(*seen[0]))  # alive: a tensor made anew cannot take a kept one's address
+            addresses.append({k: v.data_ptr() for k, v in kept[-1].items()})
+            model.step_inputs = unstaged
+            assert torch.equal(model(ids, position_ids=pos, labels=ids), loss)
+            assert seen[-1][0].data_ptr() != addresses[-1]["cos"]  # unstaged: made anew
+    assert addresses[0] == addresses[1] and len(addresses[0]) == (7 if impl == "flex" else 3)
+
+
 def test_gradients_accumulate_into_buffers_that_outlive_the_step(tmp_path, monkeypatch):
     """Under CUDA graphs a replay overwrites the buffers its outputs live in, so the trainer never lets autograd take
     a layer's weight gradient over as .grad: each trainable parameter has its gradient before the first backward,

@@ -19,10 +19,16 @@ import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 
 from moetune.errors import ConfigError
+from moetune.model.step_inputs import unstaged
 
 # torch 2.13's varlen_attn refuses fewer key/value heads than query heads unless told enable_gqa (2.11 has no such
 # argument: FlashAttention-2 groups the heads either way)
 VARLEN_TAKES_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+# a BlockMask's tensors (torch.nn.attention.flex_attention.BlockMask._TENSOR_ATTRS; those a version lacks are skipped)
+BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                      "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
+                      "dq_kv_order")
 
 # model.attn_implementation -> the variable-length kernel for packed rows on a GPU
 VARLEN_KERNELS = {"varlen": "fa2", "varlen_fa4": "fa4"}
@@ -103,26 +109,32 @@ def check_attn_implementation(impl: str, device) -> None:
     raise ConfigError(f"model.attn_implementation: varlen_fa4, but {reason}")
 
 
-def build_attn_meta(position_ids, impl: str = "auto") -> AttnMeta:
+def build_attn_meta(position_ids, impl: str = "auto", stage=unstaged) -> AttnMeta:
+    """stage(name, tensor): where the mask's tensors live (step_inputs.StepInputs: buffers that keep their addresses
+    from step to step, for layers replayed as CUDA graphs)."""
     if impl == "eager" or not is_packed(position_ids):
-        return AttnMeta(dense_mask=dense_document_mask(position_ids) if impl == "eager" else None)
+        return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)) if impl == "eager" else None)
     if impl in VARLEN_KERNELS:  # their kernels run on a GPU only: the CPU takes the dense mask
         if not position_ids.is_cuda:
-            return AttnMeta(dense_mask=dense_document_mask(position_ids))
-        return AttnMeta(cu_seqlens=padded_document_starts(position_ids), max_len=position_ids.shape[-1],
-                        varlen_kernel=VARLEN_KERNELS[impl])
+            return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)))
+        return AttnMeta(cu_seqlens=stage("cu_seqlens", padded_document_starts(position_ids)),
+                        max_len=position_ids.shape[-1], varlen_kernel=VARLEN_KERNELS[impl])
     use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
     if not use_flex:
-        return AttnMeta(dense_mask=dense_document_mask(position_ids))
+        return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)))
     from torch.nn.attention.flex_attention import create_block_mask
 
-    doc = document_ids(position_ids)
+    doc = stage("document_ids", document_ids(position_ids))  # what the mask function reads, forward and backward
 
     def doc_causal(b, h, q, kv):
         return (doc[b, q] == doc[b, kv]) & (q >= kv)
 
     B, S = position_ids.shape
-    return AttnMeta(block_mask=create_block_mask(doc_causal, B, None, S, S, device=position_ids.device))
+    mask = create_block_mask(doc_causal, B, None, S, S, device=position_ids.device)
+    for name in BLOCK_MASK_TENSORS:
+        if getattr(mask, name, None) is not None:
+            setattr(mask, name, stage(f"block_mask.{name}", getattr(mask, name)))
+    return AttnMeta(block_mask=mask)
 
 
 class KVCache:

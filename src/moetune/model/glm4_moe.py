@@ -21,6 +21,7 @@ from torch import nn
 from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
+from moetune.model.step_inputs import unstaged
 from moetune.names import LOSS_CHUNK_TOKENS
 from moetune.model.experts import (experts_forward, fp8_routed_experts, fuses_fp8_mlp, permute, permute_rows,
                                    unpermute)
@@ -355,6 +356,8 @@ class Glm4MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.attn_implementation = "auto"  # model.attn_implementation: auto, sdpa, flex, varlen, varlen_fa4, eager
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS  # per lm_head+CE chunk: logits never exist for the whole batch
+        # where the layers' per-step inputs live: step_inputs.StepInputs where they replay as CUDA graphs
+        self.step_inputs = unstaged
 
     def forward(self, input_ids, position_ids=None, labels=None, cache: KVCache | None = None, per_token=False):
         """labels None: logits [B, S, V]. labels given (already shifted, -100 = ignore): the summed fp32
@@ -369,6 +372,7 @@ class Glm4MoeForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta, x.dtype)
         if cache is None:
+            cos, sin = self.step_inputs("cos", cos), self.step_inputs("sin", sin)
             x = self.run_layers(x, cos, sin, self.attn_meta(position_ids))
         else:
             x = self.run_layers(x, cos, sin, cache.attn_meta(B, S, x.device), cache)[:, -1:]
@@ -382,7 +386,7 @@ class Glm4MoeForCausalLM(nn.Module):
         return linear_cross_entropy(h, w, targets, self.loss_chunk_tokens)
 
     def attn_meta(self, position_ids) -> AttnMeta:
-        return build_attn_meta(position_ids, self.attn_implementation)
+        return build_attn_meta(position_ids, self.attn_implementation, self.step_inputs)
 
     def run_layers(self, x, cos, sin, attn, cache: KVCache | None = None):
         # One forward is one step for CUDA graph trees (layers compiled with mode "reduce-overhead"): every layer's

@@ -94,4 +94,4 @@ class GlmMoeDsaForCausalLM(Glm4MoeForCausalLM):
     def attn_meta(self, position_ids) -> AttnMeta:
         # Sparse attention needs the mask as a tensor (causal and document boundaries, then ∩ top-k).
         sparse = position_ids.shape[-1] > self.config.index_topk
-        return build_attn_meta(position_ids, "eager" if sparse else self.attn_implementation)
+        return build_attn_meta(position_ids, "eager" if sparse else self.attn_implementation, self.step_inputs)

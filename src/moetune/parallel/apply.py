@@ -86,8 +86,11 @@ def apply_compile(model, backend: str = "inductor", mode: str | None = None) -> 
     dense operands are then quantised by the one-pass row kernel, whose launches the graphs replay (quant.matmul's
     DENSE_QUANT "auto")."""
     from moetune.model.quant import matmul
+    from moetune.model.step_inputs import StepInputs, unstaged
 
     matmul.REPLAYED_AS_CUDA_GRAPHS = mode == "reduce-overhead"
+    # the graphs' backward takes the inputs its forward saved at the addresses its recording saw
+    model.step_inputs = StepInputs() if mode == "reduce-overhead" else unstaged
     for layer in model.model.layers:
         layer.compile(dynamic=False, backend=backend, **({"mode": mode} if mode else {}))
 
