@@ -236,6 +236,20 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ConfigError, match="varlen_fa4, but FlashAttention-4 runs on Hopper or newer GPUs"):
         check_attn_implementation("varlen_fa4", "cuda")
+    # a Hopper GPU with flash-attn-4 installed: its private entry points must take what the op passes
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention, "flash_attention_4_installed", lambda: True)
+    monkeypatch.setattr(attention, "fa4_kernels", lambda: _reference_fa4_kernels([]))
+    check_attn_implementation("varlen_fa4", "cuda")
+    forward, backward = _reference_fa4_kernels([])
+
+    def older_forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        return forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, causal=causal, return_lse=True)
+
+    monkeypatch.setattr(attention, "fa4_kernels", lambda: (older_forward, backward))
+    with pytest.raises(ConfigError, match=r"entry points lack older_forward\(return_lse=\)"):
+        check_attn_implementation("varlen_fa4", "cuda")
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):

@@ -104,6 +104,9 @@ def check_attn_implementation(impl: str, device) -> None:
         reason = f"FlashAttention-4 runs on Hopper or newer GPUs ({torch.cuda.get_device_name(device)} is not)"
     elif not flash_attention_4_installed():
         reason = "FlashAttention-4 is not installed (pip install flash-attn-4)"
+    elif missing := fa4_arguments_missing():
+        reason = (f"the installed flash-attn-4's entry points lack {', '.join(missing)} "
+                  f"(moetune calls them as flash-attn-4 4.0.0b40 defines them)")
     else:
         return
     raise ConfigError(f"model.attn_implementation: varlen_fa4, but {reason}")
@@ -197,6 +200,24 @@ def attend_varlen(q, k, v, meta: AttnMeta):
         o = varlen_attn(flat(q), flat(k), flat(v), meta.cu_seqlens, meta.cu_seqlens, meta.max_len, meta.max_len,
                         window_size=(-1, 0), **gqa)
     return o.view(B, S, Hq, -1).transpose(1, 2)
+
+
+# what moetune::fa4_varlen passes FlashAttention-4's forward and backward entry points (private functions: their
+# signatures are checked before a run rather than trusted)
+FA4_ARGUMENTS = (("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal", "return_lse"),
+                 ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal"))
+
+
+def fa4_arguments_missing() -> list[str]:
+    try:
+        kernels = fa4_kernels()
+    except ImportError as e:  # installed, but its CuTe DSL or CUDA libraries do not load
+        return [f"an import that works ({e})"]
+    missing = []
+    for fn, names in zip(kernels, FA4_ARGUMENTS):
+        params = inspect.signature(fn).parameters
+        missing += [f"{fn.__name__}({name}=)" for name in names if name not in params]
+    return missing
 
 
 def fa4_kernels():
