@@ -104,9 +104,8 @@ def check_attn_implementation(impl: str, device) -> None:
         reason = f"FlashAttention-4 runs on Hopper or newer GPUs ({torch.cuda.get_device_name(device)} is not)"
     elif not flash_attention_4_installed():
         reason = "FlashAttention-4 is not installed (pip install flash-attn-4)"
-    elif missing := fa4_arguments_missing():
-        reason = (f"the installed flash-attn-4's entry points lack {', '.join(missing)} "
-                  f"(moetune calls them as flash-attn-4 4.0.0b40 defines them)")
+    elif problem := fa4_incompatibility():
+        reason = problem
     else:
         return
     raise ConfigError(f"model.attn_implementation: varlen_fa4, but {reason}")
@@ -208,16 +207,18 @@ FA4_ARGUMENTS = (("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"
                  ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal"))
 
 
-def fa4_arguments_missing() -> list[str]:
+def fa4_incompatibility() -> str:
+    """Why the installed flash-attn-4 cannot serve moetune::fa4_varlen, or "" where it can."""
     try:
         kernels = fa4_kernels()
     except ImportError as e:  # installed, but its CuTe DSL or CUDA libraries do not load
-        return [f"an import that works ({e})"]
+        return f"flash-attn-4 does not import ({e})"
     missing = []
     for fn, names in zip(kernels, FA4_ARGUMENTS):
         params = inspect.signature(fn).parameters
         missing += [f"{fn.__name__}({name}=)" for name in names if name not in params]
-    return missing
+    return (f"the installed flash-attn-4's entry points lack {', '.join(missing)} (moetune calls them as flash-attn-4 "
+            f"4.0.0b40 defines them)") if missing else ""
 
 
 def fa4_kernels():
