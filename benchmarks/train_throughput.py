@@ -319,6 +319,12 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packe
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_fa4"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen_fa4"})
+# the document mask made by create_block_mask under torch.compile (_cbm: attention.COMPILED_BLOCK_MASK) instead of
+# eagerly at the start of each step, each against its row
+for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_cg", "ours_flash_mla_1x4096_demo_cg",
+              "trainer_flash_mla_1x4096_demo_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_cbm"] = (_s, _b, _t, _tg, {**_x, "compiled_block_mask": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -709,6 +715,10 @@ def worker(name: str) -> dict:
 
             cfg = dict(BUILTIN[extra["model"]])
     docs = min(extra.get("docs", 1), S // 8)  # the dry run's short rows keep documents of 8 tokens
+    if "compiled_block_mask" in extra:  # any stack of ours: the model's own switch, read as each step builds its mask
+        import moetune.model.attention as attention_module
+
+        attention_module.COMPILED_BLOCK_MASK = extra["compiled_block_mask"]
     if stack == "hf":
         from hf_reference import build_hf, hf_step_fn
 

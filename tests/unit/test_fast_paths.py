@@ -136,6 +136,31 @@ def test_flex_attention_document_mask_matches_dense_mask():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_block_mask_is_the_eager_one(monkeypatch):
+    """attention.COMPILED_BLOCK_MASK: the document mask's blocks by create_block_mask under torch.compile equal the
+    eager ones for any documents, compiled once for a row length (the documents are data: no recompile per batch)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from moetune.model import attention
+    from moetune.model.attention import build_attn_meta
+
+    attention._compiled_create_block_mask.cache_clear()
+    torch._dynamo.reset()
+    frames = []
+    for docs in ((128, 128, 128, 128), (100, 300, 112), (512,), (8,) * 64):
+        pos = torch.cat([torch.arange(n) for n in docs])[None]
+        monkeypatch.setattr(attention, "COMPILED_BLOCK_MASK", False)
+        want = build_attn_meta(pos, "flex").block_mask
+        monkeypatch.setattr(attention, "COMPILED_BLOCK_MASK", True)
+        got = build_attn_meta(pos, "flex").block_mask
+        frames.append(dynamo_utils.counters["stats"]["unique_graphs"])
+        for name in attention.BLOCK_MASK_TENSORS:
+            a, b = getattr(got, name, None), getattr(want, name, None)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (docs, name)
+    assert frames[0] >= 1 and len(set(frames)) == 1, frames
+    attention._compiled_create_block_mask.cache_clear()
+
+
 def _reference_fa4_kernels(calls):
     """Stand-ins for FlashAttention-4's forward and backward entry points with their contract (flattened rows,
     cumulative document starts, lse [heads, T]): each document causal in fp32, the backward written out (a custom

@@ -30,6 +30,11 @@ BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full
                       "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
                       "dq_kv_order")
 
+# The document mask's blocks by create_block_mask under torch.compile (a few kernels) instead of its eager vmap over
+# the mask function, hundreds of small launches issued while the GPU waits at the start of each step (~12 ms of the
+# idle GPU on one EP-8 rank of Air in the seventh session's trace). A candidate (harness rows `_cbm`), not yet measured.
+COMPILED_BLOCK_MASK = False
+
 # model.attn_implementation -> the variable-length kernel for packed rows on a GPU
 VARLEN_KERNELS = {"varlen": "fa2", "varlen_fa4": "fa4"}
 
@@ -76,6 +81,13 @@ def padded_document_starts(position_ids) -> torch.Tensor:
 def is_packed(position_ids) -> bool:
     # One host sync per step; a row holding one document needs only the causal kernel.
     return bool((position_ids[:, 1:] == 0).any())
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)
 
 
 @functools.cache
@@ -132,7 +144,8 @@ def build_attn_meta(position_ids, impl: str = "auto", stage=unstaged) -> AttnMet
         return (doc[b, q] == doc[b, kv]) & (q >= kv)
 
     B, S = position_ids.shape
-    mask = create_block_mask(doc_causal, B, None, S, S, device=position_ids.device)
+    make = _compiled_create_block_mask() if COMPILED_BLOCK_MASK else create_block_mask
+    mask = make(doc_causal, B, None, S, S, device=position_ids.device)
     for name in BLOCK_MASK_TENSORS:
         if getattr(mask, name, None) is not None:
             setattr(mask, name, stage(f"block_mask.{name}", getattr(mask, name)))
