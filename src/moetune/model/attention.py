@@ -224,7 +224,7 @@ def fa4_incompatibility() -> str:
     """Why the installed flash-attn-4 cannot serve moetune::fa4_varlen, or "" where it can."""
     try:
         kernels = fa4_kernels()
-    except ImportError as e:  # installed, but its CuTe DSL or CUDA libraries do not load
+    except (ImportError, OSError, RuntimeError) as e:  # installed, but its CuTe DSL or CUDA libraries do not load
         return f"flash-attn-4 does not import ({e})"
     missing = []
     for fn, names in zip(kernels, FA4_ARGUMENTS):
