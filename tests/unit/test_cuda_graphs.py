@@ -119,6 +119,13 @@ def test_the_layers_per_step_inputs_keep_their_addresses_under_graphs(monkeypatc
             assert torch.equal(model(ids, position_ids=pos, labels=ids), loss)
             assert seen[-1][0].data_ptr() != addresses[-1]["cos"]  # unstaged: made anew
     assert addresses[0] == addresses[1] and len(addresses[0]) == (7 if impl == "flex" else 3)
+    # a batch of another length between two steps (an evaluation's) leaves the step's buffers where they were
+    model.step_inputs = staged
+    with torch.no_grad():
+        model(ids[:, :16], position_ids=torch.cat([torch.arange(6), torch.arange(10)])[None], labels=ids[:, :16])
+        seen.clear()
+        model(ids, position_ids=pos, labels=ids)
+    assert {k: v.data_ptr() for k, v in tensors(*seen[0]).items()} == addresses[0]
 
 
 def test_gradients_accumulate_into_buffers_that_outlive_the_step(tmp_path, monkeypatch):

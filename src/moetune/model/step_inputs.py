@@ -18,17 +18,18 @@ def unstaged(name: str, t):
 
 
 class StepInputs:
-    """stage(name, t) -> t's values in the buffer kept for `name` (made on first use, remade when the shape, dtype or
-    device changes). Tensors that require gradients pass as they are: autograd would link the buffer to one step's
-    graph."""
+    """stage(name, t) -> t's values in the buffer kept for `name` and t's shape, dtype and device (made on first use):
+    batches of another shape (an evaluation's) get buffers of their own, so the training step's stay where its graphs
+    saw them. Tensors that require gradients pass as they are: autograd would link the buffer to one step's graph."""
 
     def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, name: str, t):
         if t is None or t.requires_grad:
             return t
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
-            buf = self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        key = (name, tuple(t.shape), t.dtype, t.device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         return buf.copy_(t)
