@@ -313,10 +313,12 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_fp8_fla
               "ours_fp8_ep8rank_qkvo_1x4096_packed_tto", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_nf"] = (_s, _b, _t, _tg, {**_x, "fused_expert_mlp": False})
-# packed rows through FlashAttention-4's variable-length kernels (model.attn_implementation varlen_fa4; flash-attn-4
-# installed, benchmarks/fa4_carry.sh) instead of FlexAttention's document mask, each against its row
+# every row through FlashAttention-4's variable-length kernels (model.attn_implementation varlen_fa4; flash-attn-4
+# installed, benchmarks/fa4_carry.sh) instead of FlexAttention's document mask (packed rows) or SDPA's causal kernel
+# (rows of one document), each against its row
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_cg", "ours_flash_mla_1x4096_packed",
-              "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
+              "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch", "ours_qkvo_4x1024",
+              "ours_qkvo_4x1024_cg", "ours_experts_4x1024", "ours_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_fa4"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen_fa4"})
 # the document mask made by create_block_mask under torch.compile (_cbm: attention.COMPILED_BLOCK_MASK) instead of

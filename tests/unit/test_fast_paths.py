@@ -217,14 +217,15 @@ def _reference_fa4_kernels(calls):
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() and flash_attention_4_installed()
                                               else []))
 def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch):
-    """model.attn_implementation varlen_fa4: packed rows go to FlashAttention-4's variable-length kernels (through the
-    moetune::fa4_varlen custom op, eager and inside a compiled region as the model's compiled layers call it) with
-    the padded document starts; output and gradients equal the dense document mask's. On the CPU stand-ins with the
-    kernels' contract record the calls, and the CPU's own meta for varlen_fa4 is the dense mask; on a GPU with
+    """model.attn_implementation varlen_fa4: packed rows, and rows of one document each, go to FlashAttention-4's
+    variable-length kernels (through the moetune::fa4_varlen custom op, eager and inside a compiled region as the
+    model's compiled layers call it) with the padded document starts; output and gradients equal the dense document
+    mask's. On the CPU stand-ins with the kernels' contract record the calls, and the CPU's own meta for varlen_fa4 is
+    the dense mask or SDPA's causal kernel; on a GPU with
     flash-attn-4, the kernels themselves in bf16. A GPU that cannot run them is a ConfigError."""
     from moetune.errors import ConfigError
     from moetune.model import attention
-    from moetune.model.attention import AttnMeta, attend, build_attn_meta, check_attn_implementation
+    from moetune.model.attention import check_attn_implementation
 
     cuda, calls = device == "cuda", []
     if not cuda:
@@ -232,29 +233,12 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
     torch.manual_seed(2)
     B, H, Hkv, S, D = 2, 4, 2, 256, 64
     dtype = torch.bfloat16 if cuda else torch.float32
-    pos = torch.stack([torch.cat([torch.arange(50), torch.arange(206)]),
-                       torch.cat([torch.arange(10), torch.arange(200), torch.arange(46)])]).to(device)
-    dense = AttnMeta(dense_mask=attention.dense_document_mask(pos))
-    if cuda:
-        meta = build_attn_meta(pos, "varlen_fa4")
-    else:
-        assert build_attn_meta(pos, "varlen_fa4").dense_mask is not None  # the CPU's path
-        meta = AttnMeta(cu_seqlens=attention.padded_document_starts(pos), max_len=S, varlen_kernel="fa4")
-    assert meta.varlen_kernel == "fa4" and meta.max_len == S
-    tol = {"rtol": 2e-2, "atol": 2e-2} if cuda else {"rtol": 1e-4, "atol": 1e-5}
-    for call in (attend, torch.compile(attend, dynamic=False, fullgraph=True)):
-        calls.clear()
-        q, k, v = (torch.randn(B, h, S, D, device=device, dtype=dtype, requires_grad=True) for h in (H, Hkv, Hkv))
-        got = call(q, k, v, meta)
-        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
-        q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        want = attend(q2, k2, v2, dense)
-        want_grads = torch.autograd.grad(want.float().square().sum(), (q2, k2, v2))
-        for a, b in zip((got, *grads), (want, *want_grads)):
-            torch.testing.assert_close(a, b, **tol)
-        if not cuda:  # the starts of [50, 206 | 10, 200, 46], padded with empty documents to 8
-            starts = [0, 50, 256, 266, 466, 512, 512, 512, 512]
-            assert calls == [("forward", starts, S, True, True), ("backward", starts, S, True, None)]
+    packed = torch.stack([torch.cat([torch.arange(50), torch.arange(206)]),
+                          torch.cat([torch.arange(10), torch.arange(200), torch.arange(46)])]).to(device)
+    # rows of one document each go to FlashAttention-4 too (on the GPU; the CPU takes SDPA's causal kernel)
+    for pos, starts in ((packed, [0, 50, 256, 266, 466, 512, 512, 512, 512]),
+                        (torch.arange(S, device=device).expand(B, S), [0, 256, 512, 512, 512, 512, 512, 512, 512])):
+        _check_varlen_fa4(pos, starts, cuda, calls, B, H, Hkv, S, D, dtype)
     check_attn_implementation("varlen_fa4", "cpu")  # nothing to check off a GPU
     check_attn_implementation("flex", "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -275,6 +259,36 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
     monkeypatch.setattr(attention, "fa4_kernels", lambda: (older_forward, backward))
     with pytest.raises(ConfigError, match=r"entry points lack older_forward\(return_lse=\)"):
         check_attn_implementation("varlen_fa4", "cuda")
+
+
+def _check_varlen_fa4(pos, starts, cuda, calls, B, H, Hkv, S, D, dtype):
+    """varlen_fa4 on rows `pos`: the kernels get the padded document starts `starts`; output and gradients equal the
+    dense document mask's, eager and compiled."""
+    from moetune.model import attention
+    from moetune.model.attention import AttnMeta, attend, build_attn_meta
+
+    dense = AttnMeta(dense_mask=attention.dense_document_mask(pos))
+    if cuda:
+        meta = build_attn_meta(pos, "varlen_fa4")
+    else:
+        cpu_meta = build_attn_meta(pos, "varlen_fa4")  # the CPU's path: the dense mask, or SDPA's causal kernel
+        assert cpu_meta.cu_seqlens is None and cpu_meta.block_mask is None
+        meta = attention.varlen_meta(pos, "varlen_fa4")
+    assert meta.varlen_kernel == "fa4" and meta.max_len == S and meta.cu_seqlens.tolist() == starts
+    tol = {"rtol": 2e-2, "atol": 2e-2} if cuda else {"rtol": 1e-4, "atol": 1e-5}
+    for call in (attend, torch.compile(attend, dynamic=False, fullgraph=True)):
+        calls.clear()
+        q, k, v = (torch.randn(B, h, S, D, device=pos.device, dtype=dtype, requires_grad=True)
+                   for h in (H, Hkv, Hkv))
+        got = call(q, k, v, meta)
+        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+        q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        want = attend(q2, k2, v2, dense)
+        want_grads = torch.autograd.grad(want.float().square().sum(), (q2, k2, v2))
+        for a, b in zip((got, *grads), (want, *want_grads)):
+            torch.testing.assert_close(a, b, **tol)
+        if not cuda:
+            assert calls == [("forward", starts, S, True, True), ("backward", starts, S, True, None)]
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):

@@ -1,6 +1,6 @@
 """Causal attention with document boundaries, by the best kernel the device has.
 
-One document per row: SDPA's causal kernel (flash on GPU). Packed rows (several documents, found where
+One document per row: SDPA's causal kernel (flash on GPU; FlashAttention-4's under `varlen_fa4`). Packed rows (several documents, found where
 position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
 diagonal of each document are computed), or a variable-length kernel over the documents of the flattened rows:
 (`varlen`) FlashAttention-2's (torch.nn.attention.varlen) or (`varlen_fa4`) FlashAttention-4's (CuTe DSL kernels for
@@ -37,6 +37,11 @@ COMPILED_BLOCK_MASK = False
 
 # model.attn_implementation -> the variable-length kernel for packed rows on a GPU
 VARLEN_KERNELS = {"varlen": "fa2", "varlen_fa4": "fa4"}
+# Where rows of one document each also go to the variable-length kernel rather than SDPA's causal kernel:
+# FlashAttention-4's varlen kernel on Air's GQA heads (4 documents of 1,024) took 1.190 ms forward + backward a layer
+# against cuDNN's 1.364 on them as a batch (thirty-first session); FlashAttention-2's varlen kernel was twice its own
+# batched kernel's time on such rows (tenth session), so `varlen` keeps SDPA for them.
+ONE_DOCUMENT_KERNELS = ("varlen_fa4",)
 
 
 @dataclass
@@ -83,6 +88,12 @@ def is_packed(position_ids) -> bool:
     return bool((position_ids[:, 1:] == 0).any())
 
 
+def varlen_meta(position_ids, impl: str, stage=unstaged) -> AttnMeta:
+    """The rows flattened for `impl`'s variable-length kernel: each document (a row of one document is one) causal."""
+    return AttnMeta(cu_seqlens=stage("cu_seqlens", padded_document_starts(position_ids)),
+                    max_len=position_ids.shape[-1], varlen_kernel=VARLEN_KERNELS[impl])
+
+
 @functools.cache
 def _compiled_create_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
@@ -126,13 +137,14 @@ def check_attn_implementation(impl: str, device) -> None:
 def build_attn_meta(position_ids, impl: str = "auto", stage=unstaged) -> AttnMeta:
     """stage(name, tensor): where the mask's tensors live (step_inputs.StepInputs: buffers that keep their addresses
     from step to step, for layers replayed as CUDA graphs)."""
+    if impl in ONE_DOCUMENT_KERNELS and position_ids.is_cuda:  # every row, one document or several
+        return varlen_meta(position_ids, impl, stage)
     if impl == "eager" or not is_packed(position_ids):
         return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)) if impl == "eager" else None)
     if impl in VARLEN_KERNELS:  # their kernels run on a GPU only: the CPU takes the dense mask
         if not position_ids.is_cuda:
             return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)))
-        return AttnMeta(cu_seqlens=stage("cu_seqlens", padded_document_starts(position_ids)),
-                        max_len=position_ids.shape[-1], varlen_kernel=VARLEN_KERNELS[impl])
+        return varlen_meta(position_ids, impl, stage)
     use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
     if not use_flex:
         return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)))
