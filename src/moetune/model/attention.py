@@ -32,8 +32,9 @@ BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full
 
 # The document mask's blocks by create_block_mask under torch.compile (a few kernels) instead of its eager vmap over
 # the mask function, hundreds of small launches issued while the GPU waits at the start of each step (~12 ms of the
-# idle GPU on one EP-8 rank of Air in the seventh session's trace). A candidate (harness rows `_cbm`), not yet measured.
-COMPILED_BLOCK_MASK = False
+# idle GPU on one EP-8 rank of Air in the seventh session's trace). GLM-4.7-Flash through `moetune train` on packed
+# demo rows: 20,707 tokens/s against 19,751 eager, the same losses (thirty-second session; harness rows `_ebm` eager).
+COMPILED_BLOCK_MASK = True
 
 # model.attn_implementation -> the variable-length kernel for packed rows on a GPU
 VARLEN_KERNELS = {"varlen": "fa2", "varlen_fa4": "fa4"}
