@@ -3,7 +3,7 @@
 #   STAGES="attention trace variants" bash benchmarks/speed_session.sh
 # attention: benchmarks/attention_kernels.py (every attention kernel on Flash's MLA and Air's GQA shapes)
 # trace:     one profiled step of each of $TRACE_VARIANT (default GLM-4.7-Flash's; Chrome trace + top kernels) and
-#            its idle gaps (trace_gaps.py); TRACE_LIMIT bounds the stage (120 s)
+#            its idle gaps (trace_gaps.py); TRACE_LIMIT bounds the stage (120 s); TRACE_STEPS consecutive steps (1)
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # perm:      benchmarks/permutation_kernels.py (the MoE permutation's gathers and sums, each way of writing them)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
@@ -54,7 +54,7 @@ for stage in ${STAGES:-attention trace variants}; do
   case $stage in
     attention) run attention ${ATTN_LIMIT:-120} python3 benchmarks/attention_kernels.py ;;
     trace) mkdir -p "$OUT/trace"
-      run trace ${TRACE_LIMIT:-120} env BENCH_TRACE="$OUT/trace" BENCH_KERNELS=1 python3 benchmarks/train_throughput.py --timeout 110 \
+      run trace ${TRACE_LIMIT:-120} env BENCH_TRACE="$OUT/trace" BENCH_KERNELS=1 BENCH_PROFILE_STEPS=${TRACE_STEPS:-1} python3 benchmarks/train_throughput.py --timeout 110 \
         --variants ${TRACE_VARIANT:-ours_flash_mla_1x4096}
       grep KERNEL "$LOGS/trace.log" > "$OUT/trace_kernels.txt"
       for t in "$OUT"/trace/*.json; do python3 benchmarks/trace_gaps.py "$t" ${TRACE_CALLS:+--calls "$TRACE_CALLS"} \

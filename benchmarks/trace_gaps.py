@@ -28,6 +28,18 @@ def load(path):
         return json.load(f)["traceEvents"]
 
 
+def union(intervals) -> float:
+    """Total length covered by (start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            total += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -53,6 +65,12 @@ def main():
     span = end - start
     print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms; "
           f"{len(gaps)} gaps >= {a.min_us:.0f} us total {sum(e - s for s, e in gaps) / 1e3:.1f} ms")
+    # several profiled steps (train_throughput.py's BENCH_PROFILE_STEPS): each one's host time and the GPU's work in it
+    for step in sorted((e for e in cpu if e["name"].startswith("profiled step ")), key=lambda e: e["ts"]):
+        t0, t1 = step["ts"], step["ts"] + step["dur"]
+        inside = [(max(s, t0), min(e, t1)) for s, e in gpu if e > t0 and s < t1]
+        print(f"  {step['name']}: host {step['dur'] / 1e3:.1f} ms, GPU busy {union(inside) / 1e3:.1f} ms, "
+              f"first kernel after {(min(s for s, _ in inside) - t0) / 1e3 if inside else 0:.1f} ms")
 
     def covering(events, t):
         return [e for e in events if e["ts"] <= t < e["ts"] + e["dur"]]

@@ -661,8 +661,14 @@ def breakdown(step, batch):
     torch.cuda.synchronize()
     trace = os.environ.get("BENCH_TRACE")  # a folder: also record the host's ops, and write a Chrome trace there
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    # BENCH_PROFILE_STEPS consecutive steps, each ended as the timed ones are (a step that differs from the next one,
+    # e.g. timed steps alternating by ~10 ms, shows in the trace); the breakdown is a step's mean
+    steps = int(os.environ.get("BENCH_PROFILE_STEPS", "1"))
     with profile(activities=activities) as prof:
-        step(*batch)
+        for i in range(steps):
+            with torch.profiler.record_function(f"profiled step {i + 1}"):  # trace_gaps.py reads each step apart
+                step(*batch)
+                torch.cuda.current_stream().synchronize()
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(os.path.join(trace, f"trace_{os.environ.get('BENCH_VARIANT', 'step')}.json"))
@@ -676,8 +682,8 @@ def breakdown(step, batch):
         if not t:
             continue
         b = bucket(e.key)
-        totals[b] = totals.get(b, 0.0) + t / 1e3
-        kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + t / 1e3
+        totals[b] = totals.get(b, 0.0) + t / 1e3 / steps
+        kernels[e.key[:90]] = kernels.get(e.key[:90], 0.0) + t / 1e3 / steps
     if os.environ.get("BENCH_KERNELS"):
         for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:40]:
             print(f"KERNEL {v:8.2f} ms  {k}", flush=True)
