@@ -158,7 +158,7 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_fp8_ep8rank_qkvo_1x4096_p
 # ("sdpa": cudnn | flash | efficient), torch.compile with CUDA graphs ("compile_mode": reduce-overhead)
 for _base in ("ours_qkvo_4x1024", "ours_experts_4x1024", "ours_flash_mla_1x4096", "ours_flash_mlaexperts_1x4096",
               "ours_ep8rank_qkvo_1x4096", "ours_flash_mla_1x4096_demo", "ours_experts_4x1024_ac",
-              "ours_ep8rank_qkvo_1x4096_packed"):
+              "ours_ep8rank_qkvo_1x4096_packed", "ours_flash_mla_1x4096_packed"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cudnn"] = (_s, _b, _t, _tg, {**_x, "sdpa": "cudnn"})
     VARIANTS[f"{_base}_fa2"] = (_s, _b, _t, _tg, {**_x, "sdpa": "flash"})
@@ -318,7 +318,8 @@ for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_qkvo_4x1024_ttkm", "ours_fp8_fla
 # (rows of one document), each against its row
 for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_cg", "ours_flash_mla_1x4096_packed",
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packed_dispatch", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_experts_4x1024", "ours_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024"):
+              "ours_qkvo_4x1024_cg", "ours_experts_4x1024", "ours_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024",
+              "ours_flash_mla_1x4096_packed_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_fa4"] = (_s, _b, _t, _tg, {**_x, "attn": "varlen_fa4"})
 # the document mask made eagerly at the start of each step (_ebm), before create_block_mask under torch.compile
