@@ -221,8 +221,8 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
     variable-length kernels (through the moetune::fa4_varlen custom op, eager and inside a compiled region as the
     model's compiled layers call it) with the padded document starts; output and gradients equal the dense document
     mask's. On the CPU stand-ins with the kernels' contract record the calls, and the CPU's own meta for varlen_fa4 is
-    the dense mask or SDPA's causal kernel; on a GPU with
-    flash-attn-4, the kernels themselves in bf16. A GPU that cannot run them is a ConfigError."""
+    the dense mask or SDPA's causal kernel; on a GPU with flash-attn-4, the kernels themselves in bf16. A GPU that
+    cannot run them is a ConfigError."""
     from moetune.errors import ConfigError
     from moetune.model import attention
     from moetune.model.attention import check_attn_implementation

@@ -1,8 +1,9 @@
 """Causal attention with document boundaries, by the best kernel the device has.
 
-One document per row: SDPA's causal kernel (flash on GPU; FlashAttention-4's under `varlen_fa4`). Packed rows (several documents, found where
-position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA (only the blocks on the
-diagonal of each document are computed), or a variable-length kernel over the documents of the flattened rows:
+One document per row: SDPA's causal kernel (flash on GPU; FlashAttention-4's under `varlen_fa4`). Packed rows
+(several documents, found where position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA
+(only the blocks on the diagonal of each document are computed), or a variable-length kernel over the documents of
+the flattened rows:
 (`varlen`) FlashAttention-2's (torch.nn.attention.varlen) or (`varlen_fa4`) FlashAttention-4's (CuTe DSL kernels for
 Hopper and Blackwell, with flash-attn-4 installed); SDPA with a dense boolean mask elsewhere (their CPU-testable twin).
 Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
@@ -32,16 +33,17 @@ BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full
 
 # The document mask's blocks by create_block_mask under torch.compile (a few kernels) instead of its eager vmap over
 # the mask function, hundreds of small launches issued while the GPU waits at the start of each step (~12 ms of the
-# idle GPU on one EP-8 rank of Air in the seventh session's trace). GLM-4.7-Flash through `moetune train` on packed
-# demo rows: 20,707 tokens/s against 19,751 eager, the same losses (thirty-second session; harness rows `_ebm` eager).
+# idle GPU on one EP-8 rank of Air in the seventh session's trace). GLM-4.7-Flash through the trainer's step on packed
+# demo rows: 20,707 tokens/s against 19,751 eager, one EP-8 rank of Air +0.7%, the same losses (thirty-second session;
+# harness rows `_ebm`: the eager mask).
 COMPILED_BLOCK_MASK = True
 
 # model.attn_implementation -> the variable-length kernel for packed rows on a GPU
 VARLEN_KERNELS = {"varlen": "fa2", "varlen_fa4": "fa4"}
-# Where rows of one document each also go to the variable-length kernel rather than SDPA's causal kernel:
-# FlashAttention-4's varlen kernel on Air's GQA heads (4 documents of 1,024) took 1.190 ms forward + backward a layer
-# against cuDNN's 1.364 on them as a batch (thirty-first session); FlashAttention-2's varlen kernel was twice its own
-# batched kernel's time on such rows (tenth session), so `varlen` keeps SDPA for them.
+# Where rows of one document each also go to the variable-length kernel rather than SDPA's causal kernel, so that the
+# option means one kernel for every row: FlashAttention-4's costs nothing there (AIR-8's 4 × 1,024 rows −0.9% / +0.6%
+# with CUDA graphs, GLM-4.7-Flash's one 4,096 row +1.6%, against cuDNN; thirty-second session). FlashAttention-2's
+# varlen kernel took twice its own batched kernel's time on such rows (tenth session): `varlen` keeps SDPA for them.
 ONE_DOCUMENT_KERNELS = ("varlen_fa4",)
 
 
