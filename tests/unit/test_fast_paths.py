@@ -273,7 +273,12 @@ def _check_varlen_fa4(pos, starts, cuda, calls, B, H, Hkv, S, D, dtype):
     else:
         cpu_meta = build_attn_meta(pos, "varlen_fa4")  # the CPU's path: the dense mask, or SDPA's causal kernel
         assert cpu_meta.cu_seqlens is None and cpu_meta.block_mask is None
-        meta = attention.varlen_meta(pos, "varlen_fa4")
+        with pytest.MonkeyPatch.context() as m:  # as on a GPU: the rows' meta for the kernels, whatever their documents
+            m.setattr(attention, "varlen_kernels_run", lambda position_ids: True)
+            meta = build_attn_meta(pos, "varlen_fa4")
+            fa2 = build_attn_meta(pos, "varlen")  # FlashAttention-2's varlen leaves rows of one document to SDPA
+        assert (fa2.cu_seqlens is None) == (not attention.is_packed(pos))
+        assert fa2.dense_mask is None and fa2.block_mask is None
     assert meta.varlen_kernel == "fa4" and meta.max_len == S and meta.cu_seqlens.tolist() == starts
     tol = {"rtol": 2e-2, "atol": 2e-2} if cuda else {"rtol": 1e-4, "atol": 1e-5}
     for call in (attend, torch.compile(attend, dynamic=False, fullgraph=True)):

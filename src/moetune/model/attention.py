@@ -91,6 +91,11 @@ def is_packed(position_ids) -> bool:
     return bool((position_ids[:, 1:] == 0).any())
 
 
+def varlen_kernels_run(position_ids) -> bool:
+    """Whether the variable-length kernels run where these rows are (a GPU; the CPU tests stand in for one here)."""
+    return position_ids.is_cuda
+
+
 def varlen_meta(position_ids, impl: str, stage=unstaged) -> AttnMeta:
     """The rows flattened for `impl`'s variable-length kernel: each document (a row of one document is one) causal."""
     return AttnMeta(cu_seqlens=stage("cu_seqlens", padded_document_starts(position_ids)),
@@ -140,12 +145,13 @@ def check_attn_implementation(impl: str, device) -> None:
 def build_attn_meta(position_ids, impl: str = "auto", stage=unstaged) -> AttnMeta:
     """stage(name, tensor): where the mask's tensors live (step_inputs.StepInputs: buffers that keep their addresses
     from step to step, for layers replayed as CUDA graphs)."""
-    if impl in ONE_DOCUMENT_KERNELS and position_ids.is_cuda:  # every row, one document or several
+    varlen_runs = varlen_kernels_run(position_ids)
+    if impl in ONE_DOCUMENT_KERNELS and varlen_runs:  # every row, one document or several
         return varlen_meta(position_ids, impl, stage)
     if impl == "eager" or not is_packed(position_ids):
         return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)) if impl == "eager" else None)
     if impl in VARLEN_KERNELS:  # their kernels run on a GPU only: the CPU takes the dense mask
-        if not position_ids.is_cuda:
+        if not varlen_runs:
             return AttnMeta(dense_mask=stage("dense_mask", dense_document_mask(position_ids)))
         return varlen_meta(position_ids, impl, stage)
     use_flex = impl == "flex" or (impl == "auto" and position_ids.is_cuda)
