@@ -45,6 +45,13 @@ CASES = {
     "air_gqa_1x4096_packed": (1, 96, 8, 4096, 128, 128, [1024] * 4),
     "air_gqa_1x4096_mixed": (1, 96, 8, 4096, 128, 128, [1536, 512, 1280, 768]),
     "air_gqa_1x4096_16docs": (1, 96, 8, 4096, 128, 128, [256] * 16),
+    # where FlexAttention and FlashAttention-4's varlen kernel cross on Flash's heads (FA4 ahead at 1,024 tokens a
+    # document, behind at 32: thirty-first session), for what `auto` could pick from a batch's documents
+    "flash_mla_1x4096_64docs": (1, 20, 20, 4096, 256, 256, [64] * 64),
+    "flash_mla_1x4096_32docs": (1, 20, 20, 4096, 256, 256, [128] * 32),
+    "flash_mla_1x4096_16docs": (1, 20, 20, 4096, 256, 256, [256] * 16),
+    "flash_mla_1x4096_8docs": (1, 20, 20, 4096, 256, 256, [512] * 8),
+    "air_gqa_1x4096_64docs": (1, 96, 8, 4096, 128, 128, [64] * 64),
 }
 if CPU:
     CASES = {k: (b, max(h // 10, 2), max(kv // 10, 1) if kv != h else max(h // 10, 2), 128, d // 8, dv // 8,
