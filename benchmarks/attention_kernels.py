@@ -133,8 +133,8 @@ def backends(name, B, H, KV, S, docs):
         return out
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from moetune.model.attention import (attend, build_attn_meta, dense_document_mask, document_ids, document_starts,
-                                         flash_attention_4_installed)
+    from moetune.model.attention import attend, build_attn_meta, dense_document_mask, document_ids, document_starts
+    from moetune.model.flash_attention_4 import flash_attention_4_installed
 
     pos = position_ids(B, docs)
     doc = document_ids(pos)

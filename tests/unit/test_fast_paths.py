@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moetune.model.attention import flash_attention_4_installed
+from moetune.model.flash_attention_4 import flash_attention_4_installed
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.experts import grouped_linear, permute, unpermute
 
@@ -224,12 +224,12 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
     the dense mask or SDPA's causal kernel; on a GPU with flash-attn-4, the kernels themselves in bf16. A GPU that
     cannot run them is a ConfigError."""
     from moetune.errors import ConfigError
-    from moetune.model import attention
+    from moetune.model import flash_attention_4
     from moetune.model.attention import check_attn_implementation
 
     cuda, calls = device == "cuda", []
     if not cuda:
-        monkeypatch.setattr(attention, "fa4_kernels", lambda: _reference_fa4_kernels(calls))
+        monkeypatch.setattr(flash_attention_4, "fa4_kernels", lambda: _reference_fa4_kernels(calls))
     torch.manual_seed(2)
     B, H, Hkv, S, D = 2, 4, 2, 256, 64
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -247,8 +247,8 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
         check_attn_implementation("varlen_fa4", "cuda")
     # a Hopper GPU with flash-attn-4 installed: its private entry points must take what the op passes
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(attention, "flash_attention_4_installed", lambda: True)
-    monkeypatch.setattr(attention, "fa4_kernels", lambda: _reference_fa4_kernels([]))
+    monkeypatch.setattr(flash_attention_4, "flash_attention_4_installed", lambda: True)
+    monkeypatch.setattr(flash_attention_4, "fa4_kernels", lambda: _reference_fa4_kernels([]))
     check_attn_implementation("varlen_fa4", "cuda")
     forward, backward = _reference_fa4_kernels([])
 
@@ -256,7 +256,7 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
         return forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, causal=causal, return_lse=True)
 
-    monkeypatch.setattr(attention, "fa4_kernels", lambda: (older_forward, backward))
+    monkeypatch.setattr(flash_attention_4, "fa4_kernels", lambda: (older_forward, backward))
     with pytest.raises(ConfigError, match=r"entry points lack older_forward\(return_lse=\)"):
         check_attn_implementation("varlen_fa4", "cuda")
 
