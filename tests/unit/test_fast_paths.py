@@ -245,8 +245,11 @@ def test_varlen_fa4_runs_flashattention4_over_the_documents(device, monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ConfigError, match="varlen_fa4, but FlashAttention-4 runs on Hopper or newer GPUs"):
         check_attn_implementation("varlen_fa4", "cuda")
-    # a Hopper GPU with flash-attn-4 installed: its private entry points must take what the op passes
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flash_attention_4, "flash_attention_4_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r'varlen_fa4, but FlashAttention-4 is not installed \(pip install "moetune'):
+        check_attn_implementation("varlen_fa4", "cuda")
+    # a Hopper GPU with flash-attn-4 installed: its private entry points must take what the op passes
     monkeypatch.setattr(flash_attention_4, "flash_attention_4_installed", lambda: True)
     monkeypatch.setattr(flash_attention_4, "fa4_kernels", lambda: _reference_fa4_kernels([]))
     check_attn_implementation("varlen_fa4", "cuda")

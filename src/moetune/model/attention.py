@@ -126,7 +126,7 @@ def check_attn_implementation(impl: str, device) -> None:
     if torch.cuda.get_device_capability(device)[0] < 9:
         reason = f"FlashAttention-4 runs on Hopper or newer GPUs ({torch.cuda.get_device_name(device)} is not)"
     elif not fa4.flash_attention_4_installed():
-        reason = "FlashAttention-4 is not installed (pip install flash-attn-4)"
+        reason = 'FlashAttention-4 is not installed (pip install "moetune[fa4]")'
     elif problem := fa4.fa4_incompatibility():
         reason = problem
     else:
