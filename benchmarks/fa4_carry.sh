@@ -6,8 +6,8 @@
 #   device, call 1:  carry [".fa4a"]:         bash benchmarks/fa4_carry.sh stash
 #   device, call 2:  carry [".whl", ".fa4b"]: bash benchmarks/fa4_carry.sh install && STAGES=... bash \
 #                    benchmarks/speed_session.sh   (speed_session.sh puts $FA4_SITE on the path where it exists)
-# The versions are the ones the twenty-first session ran (flash-attn-4 4.0.0b40) and whose entry points torch 2.11's
-# FlexAttention "FLASH" backend calls (_flash_attn_fwd / _flash_attn_bwd with block-sparse tensors).
+# The versions are pyproject.toml's `fa4` extra (keep them equal): the ones the twenty-first session ran (flash-attn-4
+# 4.0.0b40), whose private entry points moetune::fa4_varlen calls (model/flash_attention_4.py).
 set -euo pipefail
 FA4_SITE=${FA4_SITE:-/tmp/fa4_site}
 PARTS=/tmp/fa4_parts
