@@ -3,9 +3,9 @@
 One document per row: SDPA's causal kernel (flash on GPU; FlashAttention-4's under `varlen_fa4`). Packed rows
 (several documents, found where position_ids restart at 0): FlexAttention with a document-causal block mask on CUDA
 (only the blocks on the diagonal of each document are computed), or a variable-length kernel over the documents of
-the flattened rows:
-(`varlen`) FlashAttention-2's (torch.nn.attention.varlen) or (`varlen_fa4`) FlashAttention-4's (CuTe DSL kernels for
-Hopper and Blackwell, with flash-attn-4 installed); SDPA with a dense boolean mask elsewhere (their CPU-testable twin).
+the flattened rows: (`varlen`) FlashAttention-2's (torch.nn.attention.varlen) or (`varlen_fa4`) FlashAttention-4's
+(CuTe DSL kernels for Hopper and Blackwell, with flash-attn-4 installed: model/flash_attention_4.py); SDPA with a dense
+boolean mask elsewhere (their CPU-testable twin).
 Decoding (KVCache): the new positions attend to every cached one, and causally among themselves.
 """
 
