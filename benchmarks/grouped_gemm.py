@@ -43,7 +43,8 @@ grouped_gemm_tiles.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under t
 OUT = os.environ.get("OUT", "/tmp")
 SWEEP = os.environ.get("SWEEP", "quick")
 # which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA);
-# tma_persistent: the TMA kinds asked for, again through the persistent kernel; copy: the K-major copies of the stacks
+# tma_persistent: the TMA kinds asked for, again through the persistent kernel; copy: the K-major copies of the stacks;
+# tma_rows: A's rows gathered in the kernel's loads against the gather written out first (run_rows)
 KINDS = os.environ.get("GG_KINDS", "bf16,fp8,w8a8,tma,tma_w8a8,copy").split(",")
 
 SHAPES = {  # experts here, all experts (routing), hidden, moe_intermediate, tokens, top-k
@@ -222,6 +223,8 @@ def run_shape(name, p, results):
             aq, sa = matmul._gmm_dgrad_operand(a, s8, offs)
             kinds.append(("w8a8", (w8, None, ref8)))
         run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8)
+        if "tma_rows" in KINDS and op in ("gate_up_fwd", "down_dgrad"):
+            run_rows(res, record, a, W, offs, transpose, p["k"])
         for kind, (w, s, reference) in [k for k in kinds if k[0] in KINDS]:
             best = None
             w8a8 = dict(x_scale=sa) if kind == "w8a8" else {}
@@ -245,7 +248,7 @@ def run_shape(name, p, results):
                   "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
                   "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor",
                   "tma_w8a8_nmajor_bytes", "tma_bf16_persistent", "tma_w8a8_persistent", "tma_w8a8_nmajor_persistent",
-                  "tma_w8a8_nmajor_bytes_persistent"):
+                  "tma_w8a8_nmajor_bytes_persistent", "tma_bf16_rows", "tma_bf16_gather_then_gemm", "gather_only"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -324,6 +327,25 @@ def run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8):
             res["methods"][kind] = dict(best[1], best_config=best[0])
 
 
+def run_rows(res, record, a, W, offs, transpose, k):
+    """The permutation's gather inside the TMA kernel's loads (`a_rows`, experts.GATHER_IN_GEMM: gate_up's forward
+    reads the tokens, down's input gradient the tokens' gradient) against the gather written out and then the kernel
+    (as the model runs it without), and the gather alone: the module's launch config, persistent. Each of R/k tokens
+    is read by ~k rows at random, as a top-k routing reads them."""
+    if not (CPU or tma.tma_supported(a, W, transpose)):
+        return
+    tokens = max(1, a.shape[0] // k)
+    idx = torch.randint(0, tokens, (a.shape[0],), generator=torch.Generator().manual_seed(1)).to(DEV)
+    src = a[:tokens].contiguous()
+    reference = gg.grouped_mm_reference(src[idx].float(), W, offs, None, transpose)
+    cfg = dict(tma.TMA_CONFIG) if not CPU else None
+    record("tma_bf16_rows", lambda: tma.grouped_gemm_tma(src, W, offs, None, transpose, config=cfg, persistent=True,
+                                                         a_rows=idx), reference)
+    record("tma_bf16_gather_then_gemm", lambda: tma.grouped_gemm_tma(src[idx], W, offs, None, transpose, config=cfg,
+                                                                     persistent=True), reference)
+    record("gather_only", lambda: src[idx], src[idx])
+
+
 # ------------------------------------------------------------------------------------------------ CPU: sm_90 compile
 def compile_check() -> dict:
     """Compile the kernel for sm_90 without a GPU (this Triton's NVIDIA backend and ptxas): that it lowers to wgmma
@@ -363,19 +385,25 @@ for wdt, scale, transpose, swap, prefetch in [
         async_copies=ttgir.count("async_copy_global_to_local"))
 import re
 from moetune.model import grouped_gemm_tma as tma
-for name, k, stored, pairs in [("fwd tma", tma._grouped_gemm_tma_kernel, False, False),
-                               ("fwd tma_persistent", tma._grouped_gemm_tma_persistent_kernel, False, False),
-                               ("dgrad as stored tma", tma._grouped_gemm_tma_kernel, True, True),
-                               ("dgrad as stored tma_persistent", tma._grouped_gemm_tma_persistent_kernel, True, True),
-                               ("dgrad as stored, bytes, tma_persistent", tma._grouped_gemm_tma_persistent_kernel,
-                                True, False)]:
-    cfg = tma.TMA_CONFIG_FP8_SWAP if stored else tma.TMA_CONFIG_FP8
-    const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=True, SCALE_B=not stored, DOT_FP32=False, BM=cfg["BM"],
-                 BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, SWAP=stored, PAIRS=pairs, l_ptr=None, p_ptr=None,
-                 stride_pe=0, stride_pr=0, stride_pn=0, LORA=False, RANK=16,
-                 **({"FLATTEN": True} if "persistent" in name else {}))
-    ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*i16" if pairs else "*fp8e4nv", "c_ptr": "*bf16", "scale_ptr": "*fp32",
-            "ascale_ptr": "*fp32", "offs_ptr": "*i32"}
+P = tma._grouped_gemm_tma_persistent_kernel
+for name, k, stored, pairs, rows in [("fp8 fwd tma", tma._grouped_gemm_tma_kernel, False, False, False),
+                                     ("fp8 fwd tma_persistent", P, False, False, False),
+                                     ("fp8 dgrad as stored tma", tma._grouped_gemm_tma_kernel, True, True, False),
+                                     ("fp8 dgrad as stored tma_persistent", P, True, True, False),
+                                     ("fp8 dgrad as stored, bytes, tma_persistent", P, True, False, False),
+                                     ("bf16 fwd tma_persistent", P, False, False, False),
+                                     ("bf16 fwd rows tma_persistent", P, False, False, True),
+                                     ("bf16 dgrad tma_persistent", P, True, False, False),
+                                     ("bf16 dgrad rows tma_persistent", P, True, False, True)]:
+    fp8 = name.startswith("fp8")
+    cfg = (tma.TMA_CONFIG_FP8_SWAP if stored else tma.TMA_CONFIG_FP8) if fp8 else tma.TMA_CONFIG
+    const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=fp8, SCALE_B=fp8 and not stored, DOT_FP32=False,
+                 BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, SWAP=stored and fp8, PAIRS=pairs, l_ptr=None,
+                 p_ptr=None, stride_pe=0, stride_pr=0, stride_pn=0, LORA=False, RANK=16, A_ROWS=rows,
+                 **({} if rows else {"rows_ptr": None}), **({"FLATTEN": True} if "persistent" in name else {}))
+    dt = "*fp8e4nv" if fp8 else "*bf16"
+    ptrs = {"a_ptr": dt, "b_ptr": "*i16" if pairs else dt, "c_ptr": "*bf16", "scale_ptr": "*fp32",
+            "ascale_ptr": "*fp32", "offs_ptr": "*i32", **({"rows_ptr": "*i64"} if rows else {})}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
     div16 = [n for n in k.arg_names if n in ptrs or n in ("N", "K", "stride_am", "stride_cm", "stride_se")]
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
@@ -386,8 +414,9 @@ for name, k, stored, pairs in [("fwd tma", tma._grouped_gemm_tma_kernel, False, 
     # a persistent loop that Triton flattened runs one loop of unit step over tiles × K tiles (the K loop's step is
     # BK); the stack as stored (SWAP): its tile the MMA's A operand from registers ("tensor"), the MMAs asynchronous
     # (a wait that leaves one in flight) and no byte-wise transpose written back to shared memory
-    out[f"fp8 {name}"] = dict(shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
+    out[name] = dict(shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
                               tma_loads=ttgir.count("async_tma_copy_global_to_local"),
+                              async_copies=ttgir.count("async_copy_global_to_local"),
                               loop_steps=re.findall(r"scf\.for %\S+ = \S+ to \S+ step (%\S+)", ttgir),
                               a_operand=sorted(set(re.findall(r"warp_group_dot %\S+, %\S+, %\S+ \{[^}]*\} : "
                                                               r"(tensor|!ttg\.memdesc)", ttgir))),

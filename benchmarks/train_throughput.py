@@ -328,6 +328,12 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packe
               "trainer_flash_mla_1x4096_demo_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_ebm"] = (_s, _b, _t, _tg, {**_x, "compiled_block_mask": False})
+# the permutation's gathers inside the grouped GEMMs' loads (experts.GATHER_IN_GEMM: frozen bf16 stacks without expert
+# LoRA, the local path; the dispatcher's expansion of received rows is not wired to it), each against its row
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
+              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_gp"] = (_s, _b, _t, _tg, {**_x, "gather_in_gemm": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -431,6 +437,7 @@ def build_ours(cfg: dict, targets, extra, device):
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
+    experts_module.GATHER_IN_GEMM = extra.get("gather_in_gemm", experts_module.GATHER_IN_GEMM)
     grouped_lora_kernels_module.LORA_KERNELS = extra.get("lora_kernels", grouped_lora_kernels_module.LORA_KERNELS)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         grouped_gemm_tma_module.TMA_PERSISTENT = extra["tma_persistent"]

@@ -235,14 +235,15 @@ def tma_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
 @pytest.mark.parametrize("pad", [0, 3])
-@pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "fp8_forward", "fp8_dgrad_on_k_major_copy",
-                                  "fp8_dgrad_as_stored"])
+@pytest.mark.parametrize("case", ["bf16_forward", "bf16_dgrad", "bf16_forward_rows", "bf16_dgrad_rows", "fp8_forward",
+                                  "fp8_dgrad_on_k_major_copy", "fp8_dgrad_as_stored"])
 def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeypatch):
     """The TMA kernel on every operand form it takes: a bf16 stack forward (K-major) and input gradient (read as
     stored, N-major), an fp8 stack's forward (row scales of both operands) and its input gradient (the weight's
     scales folded into the fp8 gradient rows) on a K-major copy and on the stack as stored (the transposed product,
-    SWAP). Groups end mid-tile and are empty; padding rows get zeros; the rows a tile reads past its group are not
-    stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
+    SWAP). `_rows`: A's rows gathered from another matrix in the kernel's loads (`a_rows`: rows of it repeated and
+    out of order, as a permutation by expert reads its tokens). Groups end mid-tile and are empty; padding rows get
+    zeros; the rows a tile reads past its group are not stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
     ones among them). On a GPU (its twin) with the GPU's launch configs and groups sized for its tiles, else under the interpreter."""
     monkeypatch.setattr(tma, "TMA_PERSISTENT", persistent)
     if torch.cuda.is_available():
@@ -251,11 +252,18 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
         rows, offs, w = _tma_case(fp8="fp8" in case, pad=pad, seed=11)
     n_out, n_in = w.shape[1:]
     if case.startswith("bf16"):
-        transpose = case.endswith("forward")
+        transpose = "forward" in case
         wb = w.bfloat16()
-        x = torch.randn(rows, n_in if transpose else n_out, device=w.device).bfloat16()
+        tokens = rows // 3 + 2 if case.endswith("_rows") else rows
+        x = torch.randn(tokens, n_in if transpose else n_out, device=w.device).bfloat16()
         assert tma.tma_supported(x, wb, transpose)
-        y = tma.grouped_gemm_tma(x, wb, offs, None, transpose)
+        if case.endswith("_rows"):
+            a_rows = torch.randint(0, tokens, (rows,), device=w.device)
+            assert a_rows.unique().numel() < rows  # rows repeated
+            y = tma.grouped_gemm_tma(x, wb, offs, None, transpose, a_rows=a_rows)
+            x = x[a_rows]
+        else:
+            y = tma.grouped_gemm_tma(x, wb, offs, None, transpose)
         want = grouped_mm_reference(x, wb, offs, None, transpose)
     elif case == "fp8_forward":
         w8, scale = quantize_rows(w)
@@ -357,6 +365,51 @@ def test_bf16_expert_stacks_through_the_tma_kernel_equal_torchs(stack, tma_on_cp
     _close(got[1], want[1])
     if stack == "trainable_base":
         assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, tma_on_cpu, monkeypatch):
+    """experts.GATHER_IN_GEMM: frozen bf16 stacks without expert LoRA read the permuted rows from the tokens (gate_up's
+    forward) and from the tokens' gradient (down's input gradient) in the TMA kernel's loads. The layer's output and
+    the gradients of the tokens and of the routing weights are those of the gathers written out, bit for bit; the
+    two products run with `a_rows`; stacks it does not take (expert LoRA, a trainable stack) keep the gathers."""
+    from moetune.model import experts
+
+    launches = []
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma",
+                        lambda *a, **k: launches.append((a[4], k.get("a_rows") is not None)) or real(*a, **k))
+    torch.manual_seed(3)
+    T, k, H, I, n_exp = 13, 3, 32, 16, 4
+    gate_up = (torch.randn(n_exp, 2 * I, H) / H ** 0.5).bfloat16()
+    down = (torch.randn(n_exp, H, I) / I ** 0.5).bfloat16()
+    x = torch.randn(T, H).bfloat16()
+    topk = torch.stack([torch.randperm(n_exp)[:k] for _ in range(T)])
+    perm = experts.permute(topk, n_exp)
+    w = torch.rand(T * k)[perm.order]
+    g = torch.randn(T, H).bfloat16()
+
+    def run(gathers_in_gemm):
+        monkeypatch.setattr(experts, "GATHER_IN_GEMM", gathers_in_gemm)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn = experts.routed_experts
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
+        y = fn(xx, perm, ww, gate_up, down)
+        y.backward(g)
+        return y, xx.grad, ww.grad
+
+    want = run(False)
+    assert launches == [(True, False), (True, False), (False, False), (False, False)]
+    launches.clear()
+    got = run(True)
+    # gate_up forward (gathered), down forward; down's input gradient (gathered), gate_up's
+    assert launches == [(True, True), (True, False), (False, True), (False, False)]
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert experts.gathers_in_gemm(x, gate_up, down, None)
+    assert not experts.gathers_in_gemm(x, gate_up, down, object())  # expert LoRA: the kernel's epilogue path
+    assert not experts.gathers_in_gemm(x, gate_up.clone().requires_grad_(), down, None)
 
 
 def test_tma_triton_op_equals_the_direct_launch(tma_on_cpu):

@@ -22,7 +22,7 @@ CASES = {
 MODES = ["attention", "selective", "full", {"full": 1, "none": 1}, {"attention": 1, "full": 1}]
 
 
-def _grads(config, mode, targets, ac, dtype):
+def _grads(config, mode, targets, ac, dtype, compiled=False):
     m = ModelConfig.from_hf_dict(config)
     torch.manual_seed(0)  # LoRA's A
     model, _ = _census_model(m, mode, targets)
@@ -32,6 +32,10 @@ def _grads(config, mode, targets, ac, dtype):
             if name.endswith("_B"):  # B = 0 would hide the experts' LoRA gradients of A
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
     apply_ac(model, ac)
+    if compiled:  # each layer one graph (aot_eager: on the CPU the kernels run under Triton's interpreter)
+        torch._dynamo.reset()
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True, backend="aot_eager", dynamic=False)
     ids = torch.randint(0, m.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     model(ids, None, labels=torch.roll(ids, -1, 1)).backward()
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -104,3 +108,32 @@ def test_a_compiled_moe_layer_is_one_graph_in_every_mode_and_keeps_its_side_outp
         assert torch.equal(c0, c1) and c0.sum() == ids.numel() * m.num_experts_per_tok
         torch.testing.assert_close(a1, a0)
         torch.testing.assert_close(e1, e0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's twin of a GPU path")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(compiled, monkeypatch):
+    """experts.GATHER_IN_GEMM through the tiny model (bf16, frozen stacks through the TMA kernel under Triton's
+    interpreter), each layer eager or compiled as one graph, in every recompute mode: the LoRA gradients of the
+    gathers written out without recompute (eager or compiled alike), bit for bit, and the gathered products ran."""
+    from moetune.model import experts
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
+
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tma, "TMA_CONFIG", dict(tma.TMA_CONFIG, BK=tiles._INTERPRETER_CONFIG["BK"]))
+    gathered = []
+    real = tma.grouped_gemm_tma
+    monkeypatch.setattr(tma, "grouped_gemm_tma",
+                        lambda *a, **k: gathered.append(k.get("a_rows") is not None) or real(*a, **k))
+    config, mode, targets = CASES["gqa-lora-attention"]
+    want = _grads(config, mode, targets, "none", torch.bfloat16, compiled)
+    assert gathered and not any(gathered)
+    monkeypatch.setattr(experts, "GATHER_IN_GEMM", True)
+    for ac in ["none", *MODES]:
+        gathered.clear()
+        got = _grads(config, mode, targets, ac, torch.bfloat16, compiled)
+        assert gathered.count(True) >= 2, ac  # gate_up's forward and down's input gradient, each MoE layer
+        differ = [n for n, g in want.items() if not torch.equal(got[n], g)]
+        assert not differ, (ac, differ)
+

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moetune.model import grouped_gemm_tiles
+from moetune.model import grouped_gemm_tma as tma
 from moetune.model.grouped_gemm import grouped_mm_frozen, grouped_mm_frozen_lora, kernel_supported, lora_epilogue_fits
 from moetune.model.kernels import gather_sum, weighted_swiglu_bwd, weighted_swiglu_fwd, weighted_swiglu_fwd_torch
 from moetune.model.quant.matmul import fp8_expert_mlp, fp8_expert_mlp_applies, fp8_grouped_linear
@@ -278,3 +279,69 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     if lora is None:
         return grouped_linear(a, down_proj, offs, base=True)
     return _lora_linear(a, down_proj, offs, lora, lora_weights[2], lora_weights[3])
+
+
+# The permutation's two gathers inside the grouped GEMMs (frozen 16-bit stacks without expert LoRA, through the TMA
+# kernel): gate_up's forward reads its rows from the tokens and down's input gradient from the tokens' gradient, by
+# pointer loads in the kernel, instead of each [rows, H] gather being written out and read back (one EP-8 rank of
+# Air: 5.9 + 6.0 ms of its 455 ms step, BENCHMARKS.md, thirty-second session). A candidate, off until a device
+# measures it: the kernel's A tiles come by pointer loads then, not TMA.
+GATHER_IN_GEMM = False
+
+
+class _GatheredFrozenLinear(torch.autograd.Function):
+    """grouped_mm_frozen(x[token_idx], W) with the gather in the kernel's loads; the backward gives x's gradient, each
+    token's rows' input gradients summed (`inverse`: the permuted row of each (token, slot))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, token_idx, inverse):
+        ctx.save_for_backward(weight, offs, inverse)
+        ctx.num_tokens = x.shape[0]
+        return torch.ops.moetune.grouped_mm_frozen_rows(x, token_idx, weight, offs, True)
+
+    @staticmethod
+    def backward(ctx, g):
+        weight, offs, inverse = ctx.saved_tensors
+        grad_rows = torch.ops.moetune.grouped_mm_frozen_dgrad(g.contiguous(), weight, offs, None)
+        return gather_sum(grad_rows, inverse, ctx.num_tokens), None, None, None, None
+
+
+class _FrozenLinearSummed(torch.autograd.Function):
+    """unpermute(grouped_mm_frozen(a, W)): each token's rows summed; the backward's input gradient reads its operand
+    rows from the tokens' gradient (token_idx) in the kernel's loads."""
+
+    @staticmethod
+    def forward(ctx, a, weight, offs, token_idx, inverse, num_tokens):
+        ctx.save_for_backward(weight, offs, token_idx)
+        return gather_sum(torch.ops.moetune.grouped_mm_frozen(a, weight, offs, None), inverse, num_tokens)
+
+    @staticmethod
+    def backward(ctx, g):
+        weight, offs, token_idx = ctx.saved_tensors
+        grad_a = torch.ops.moetune.grouped_mm_frozen_rows(g.contiguous(), token_idx, weight, offs, False)
+        return grad_a, None, None, None, None, None
+
+
+def gathers_in_gemm(x, gate_up, down, lora) -> bool:
+    """Whether routed_experts runs these stacks with the permutation's gathers inside the GEMMs (GATHER_IN_GEMM)."""
+    if not (GATHER_IN_GEMM and lora is None and GROUPED_GEMM == "triton"
+            and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
+        return False
+    if isinstance(gate_up, FrozenFp8) or isinstance(down, FrozenFp8):
+        return False
+    gate_up, down = local_tensor(gate_up), local_tensor(down)
+    return (not gate_up.requires_grad and not down.requires_grad and gate_up.dtype == down.dtype == x.dtype
+            and kernel_supported(x, gate_up, None) and tma.tma_supported(x, gate_up, True)
+            and tma.tma_supported(x.new_empty(0, down.shape[1]), down, False))
+
+
+def routed_experts(x, perm: Permutation, row_weights, gate_up, down, lora=None) -> torch.Tensor:
+    """unpermute(experts_forward(permute_rows(x, perm), ...)): tokens x [T, H] through their experts, each token's
+    weighted outputs summed [T, H]; with the gathers inside the GEMMs where `gathers_in_gemm` says."""
+    if not gathers_in_gemm(x, gate_up, down, lora):
+        return unpermute(experts_forward(permute_rows(x, perm), perm.offs, row_weights, gate_up, down, lora), perm,
+                         x.shape[0])
+    gate_up, down = local_tensor(gate_up), local_tensor(down)
+    h = _GatheredFrozenLinear.apply(x, gate_up, perm.offs, perm.token_idx, perm.inverse)
+    return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, perm.offs, perm.token_idx, perm.inverse,
+                                     x.shape[0])

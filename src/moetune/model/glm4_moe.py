@@ -23,8 +23,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.step_inputs import unstaged
 from moetune.names import LOSS_CHUNK_TOKENS
-from moetune.model.experts import (experts_forward, fp8_routed_experts, fuses_fp8_mlp, permute, permute_rows,
-                                   unpermute)
+from moetune.model.experts import experts_forward, fp8_routed_experts, fuses_fp8_mlp, permute, routed_experts
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name, transposed_copy
 from moetune.model.recompute import recompute, split_modes
 
@@ -199,8 +198,7 @@ class Experts(nn.Module):
         if torch.compiler.is_compiling() and fuses_fp8_mlp(x, gate_up, down, self.lora):
             y = fp8_routed_experts(x, perm, row_weights, gate_up, down)
         else:
-            y = unpermute(experts_forward(permute_rows(x, perm), perm.offs, row_weights, gate_up, down, self.lora),
-                          perm, x.shape[0])
+            y = routed_experts(x, perm, row_weights, gate_up, down, self.lora)
         return y, perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):

@@ -11,7 +11,8 @@ gradient (the scale lies inside that sum).
 `grouped_mm_frozen` is the autograd-facing op (a torch.library custom op, opaque to Inductor): it gives only the
 input's gradient (the weight is frozen); it and the fp8 ops run model/grouped_gemm_tma.py's TMA kernel where that
 takes the operands, else this kernel. `grouped_mm_frozen_lora` adds a LoRA branch in the TMA kernel's epilogue, its
-thin products by model/grouped_lora_kernels.py. `grouped_mm_reference` is the torch computation, which is also the
+thin products by model/grouped_lora_kernels.py; `grouped_mm_frozen_rows` reads its rows through an index in the TMA
+kernel's loads (the permutation's gathers, model/experts.py's GATHER_IN_GEMM). `grouped_mm_reference` is the torch computation, which is also the
 path off CUDA; the tests run the kernels on the CPU under Triton's interpreter against it.
 """
 
@@ -268,6 +269,26 @@ def _grouped_mm_frozen_op(x: torch.Tensor, weight: torch.Tensor, offs: torch.Ten
 def _grouped_mm_frozen_dgrad_op(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                                 scale: torch.Tensor | None) -> torch.Tensor:
     return _run(grad, weight, offs, scale, False)
+
+
+# A product whose rows are gathered: the permutation by expert's gathers of the tokens (forward) and of their
+# gradient (the combine's backward), read by the TMA kernel's A loads instead of written out as [rows, K] first.
+@torch.library.custom_op("moetune::grouped_mm_frozen_rows", mutates_args=())
+def _grouped_mm_frozen_rows_op(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                               transpose: bool) -> torch.Tensor:
+    """x[rows] · op(W[e]) per group of a frozen 16-bit stack (op as `_run`): the TMA kernel gathers the rows where it
+    takes the operands, elsewhere x[rows] is made and multiplied. No autograd (experts.py composes the backward)."""
+    if (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU) and tma.tma_supported(x, weight, transpose):
+        return tma.grouped_gemm_tma(x, weight, offs, None, transpose, a_rows=rows)
+    return _run(x[rows], weight, offs, None, transpose)
+
+
+@_grouped_mm_frozen_rows_op.register_fake
+def _(x, rows, weight, offs, transpose):
+    return x.new_empty(rows.shape[0], weight.shape[1] if transpose else weight.shape[2])
+
+
+register_product(torch.ops.moetune.grouped_mm_frozen_rows.default)
 
 
 @torch.library.custom_op("moetune::grouped_mm_fp8", mutates_args=())

@@ -8,7 +8,8 @@ copy (model/quant/matmul.py's "tma", the default there) or on the stack as store
 twenty-second session). `grouped_mm_tma` is it as a triton_op, which torch.compile launches from its own code.
 `_grouped_gemm_tma_persistent_kernel` computes the same tiles with a program an SM, enumerating only tiles that have
 rows and running its tile and K loops as one pipelined loop (`TMA_PERSISTENT`). model/grouped_gemm.py's custom ops
-choose it where `tma_supported` says it takes the operands.
+choose it where `tma_supported` says it takes the operands. With `a_rows` either kernel reads a 16-bit A's rows
+through an index by pointer loads (the permutation by expert read from the tokens: experts.GATHER_IN_GEMM).
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ if triton is not None:
 
     @triton.jit
     def _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr = False):
+                         BN: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr = False,
+                         A_ROWS: tl.constexpr = False):
         """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major) or [E·K, N] matrix
-        (PAIRS: b_ptr is an fp8 stack's int16 view, [E·K, N/2])."""
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
+        (PAIRS: b_ptr is an fp8 stack's int16 view, [E·K, N/2]). A_ROWS: A's rows are gathered by pointer loads,
+        and a_ptr is handed on as it is."""
+        if A_ROWS:
+            a_desc = a_ptr
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
         if B_KMAJOR:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
         elif PAIRS:
@@ -49,7 +55,8 @@ if triton is not None:
                   stride_se, B_KMAJOR: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
                   DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   SWAP: tl.constexpr = False, PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
-                  stride_pr=0, stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16):
+                  stride_pr=0, stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16, rows_ptr=None,
+                  stride_am=0, A_ROWS: tl.constexpr = False):
         """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
         k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed.
         SWAP (an N-major fp8 stack): Cᵀ = B[g]ᵀ · Aᵀ, the stack's tile transposed in registers as the MMA's first
@@ -59,11 +66,22 @@ if triton is not None:
         asynchronous (the sm_90 compile: wgmma with its A in registers, MMAs left in flight at each wait).
         LORA (no SWAP): C[rows of g] += L[rows] · P[g] after the scales, L [M, RANK] contiguous and P[g] [RANK, N]
         at strides (stride_pr, stride_pn) 16-bit: one more MMA over RANK before the store (a LoRA branch's product
-        added in the epilogue)."""
+        added in the epilogue).
+        A_ROWS (16-bit, no SWAP): row m of A is row rows[m] of the matrix at a_desc (a pointer here, rows
+        `stride_am` apart), loaded by pointer loads, which Triton pipelines as TMA's are; the tile's rows past its
+        group load as zeros."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
+        if A_ROWS:
+            ra = row0 + tl.arange(0, BM)
+            rk = tl.arange(0, BK)
+            src = tl.load(rows_ptr + ra, mask=ra < row_b, other=0)
+            a_ptrs = a_desc + src.to(tl.int64)[:, None] * stride_am + rk[None, :]
         for k0 in range(0, k_end, BK):
-            a = a_desc.load([row0, k0])
+            if A_ROWS:
+                a = tl.load(a_ptrs + k0, mask=(ra < row_b)[:, None] & (rk < K - k0)[None, :], other=0.0)
+            else:
+                a = a_desc.load([row0, k0])
             if B_KMAJOR:
                 b = tl.trans(b_desc.load([ge * N + tn * BN, k0]))
             else:
@@ -139,7 +157,8 @@ if triton is not None:
                                  SCALE_B: tl.constexpr, DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                  BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False,
                                  PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0, stride_pr=0,
-                                 stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16):
+                                 stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16, rows_ptr=None,
+                                 A_ROWS: tl.constexpr = False):
         """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
         asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
         B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
@@ -153,11 +172,12 @@ if triton is not None:
         g, row0, row_b, tn = _tile(tl.program_id(0), offs_ptr, M, N, E, E_POW2, BM, BN, GROUP_M)
         if row0 >= row_b:
             return
-        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS)
+        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS,
+                                          A_ROWS)
         k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
                   stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr, stride_pe,
-                  stride_pr, stride_pn, LORA, RANK)
+                  stride_pr, stride_pn, LORA, RANK, rows_ptr, stride_am, A_ROWS)
 
     @triton.jit
     def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -168,21 +188,22 @@ if triton is not None:
                                             num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False,
                                             PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
                                             stride_pr=0, stride_pn=0, LORA: tl.constexpr = False,
-                                            RANK: tl.constexpr = 16):
+                                            RANK: tl.constexpr = 16, rows_ptr=None, A_ROWS: tl.constexpr = False):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
         and the stores that end it are a large part of a one-tile program (the candidate for the grouped GEMMs' rate
         on small groups: BENCHMARKS.md, twenty-first session). Only tiles with rows are enumerated (`_row_tiles`):
         every tile runs the whole K loop, which the loops' flattening needs; the padding group's is stored as zeros."""
-        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS)
+        a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS,
+                                          A_ROWS)
         starts, ends, first, R = _row_tiles(offs_ptr, M, E, E_POW2, BM)
         num_n = tl.cdiv(N, BN)
         for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
                       stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr,
-                      stride_pe, stride_pr, stride_pn, LORA, RANK)
+                      stride_pe, stride_pr, stride_pn, LORA, RANK, rows_ptr, stride_am, A_ROWS)
 
 
 # The TMA kernel's launch configs (BM, BN, BK, GROUP_M, warps, stages): the fastest of a sweep on one H200 on Air's,
@@ -258,7 +279,8 @@ def _tma_scratch(size: int, alignment: int, stream):
 def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None = None,
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
                      config: dict | None = None, launch=None, persistent: bool | None = None,
-                     pairs: bool | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     pairs: bool | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     a_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
     on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
@@ -268,9 +290,11 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     `persistent`: the persistent kernel (default TMA_PERSISTENT); `pairs`: an fp8 stack as stored moved as int16
     pairs (default TMA_SWAP_PAIRS). `lora` (L [M, r], P [E, r, N], any strides; 16-bit, r as `lora_epilogue_fits`
     says; not with `transpose` False on fp8): y[rows of e] += L[rows] · P[e] (after an fp8 product's scales),
-    summed with the product in fp32 and rounded once."""
+    summed with the product in fp32 and rounded once.
+    `a_rows` (integer [M], 16-bit operands): the product's rows are x[a_rows], read by the kernel where it loads them
+    (no [M, K] copy of the gathered rows is made); y has M rows."""
     E, n_out, n_in = weight.shape
-    M = x.shape[0]
+    M = x.shape[0] if a_rows is None else a_rows.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
     fp8 = x.dtype == torch.float8_e4m3fn
     assert x.shape[1] == K and offs.shape == (E,) and (x_scale is not None) == fp8, (x.shape, weight.shape)
@@ -289,6 +313,9 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
             x.stride(0), y.stride(0), scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
                 DOT_FP32=_interpreting(), SWAP=swap, PAIRS=pairs)
+    if a_rows is not None:
+        assert not fp8 and a_rows.dim() == 1, (x.dtype, a_rows.shape)
+        meta.update(rows_ptr=a_rows.contiguous(), A_ROWS=True)
     if lora is not None:
         L, P = lora
         assert not swap and L.shape == (M, P.shape[1]) and P.shape == (E, L.shape[1], N) and L.dtype == y.dtype
