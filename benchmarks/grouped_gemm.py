@@ -380,7 +380,8 @@ for wdt, scale, transpose, swap, prefetch in [
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n not in const})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=4))
     ttgir = c.asm["ttgir"]
-    out[f"{wdt} scale={scale} {'fwd' if transpose else 'dgrad'}{' swap' if swap else ''}{' prefetch' if prefetch else ''}"] = dict(
+    kind = "fwd" if transpose else "dgrad"
+    out[f"{wdt} scale={scale} {kind}{' swap' if swap else ''}{' prefetch' if prefetch else ''}"] = dict(
         shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
         async_copies=ttgir.count("async_copy_global_to_local"))
 import re
@@ -424,7 +425,11 @@ for name, k, stored, pairs, rows in [("fp8 fwd tma", tma._grouped_gemm_tma_kerne
                               byte_stores_to_shared=c.asm["ptx"].count("st.shared.b8"),
                               byte_loads_from_shared=c.asm["ptx"].count("ld.shared.b8"),
                               shared_loads=len(re.findall(r"ld\.shared\.", c.asm["ptx"])),
-                              shared_stores=len(re.findall(r"st\.shared\.", c.asm["ptx"])))
+                              shared_stores=len(re.findall(r"st\.shared\.", c.asm["ptx"])),
+                              # pointer loads into shared memory by size in bytes (16: one vector a thread a chunk)
+                              cp_async_bytes=sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+"
+                                                                   r"\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)",
+                                                                   c.asm["ptx"]))))
 print("RESULT" + json.dumps(out))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -280,8 +280,8 @@ for _base in ("ours_fp8_flash_mla_1x4096_cg", "ours_fp8_qkvo_4x1024_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_le0"] = (_s, _b, _t, _tg, {**_x, "fp8_lora_epilogue": False})
 # an fp8 base's dense GEMM operands quantised by the one-pass row kernel (_rq: quant.matmul.DENSE_QUANT "kernel") or
-# by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers replay
-# as CUDA graphs, the _cg rows)
+# by Inductor in the kernels producing them (_iq: "inductor"; the default "auto" takes the kernel where the layers
+# replay as CUDA graphs, the _cg rows)
 for _base in ("ours_fp8_qkvo_4x1024", "ours_fp8_flash_mla_1x4096_cg", "ours_fp8_flash_mla_1x4096",
               "ours_fp8_ep8rank_qkvo_1x4096_packed", "ours_fp8_qkvo_4x1024_ttkm"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
@@ -600,7 +600,8 @@ BUCKETS = [  # (bucket, substrings of CUDA kernel names), first match wins
     ("optimizer", ["adam", "Adam", "multi_tensor"]),
     ("communication", ["nccl", "ncclDevKernel"]),
     ("loss_softmax", ["logsumexp", "softmax", "log_softmax", "nll", "cross_entropy"]),
-    ("permutation_router", ["sort", "Sort", "radix", "bincount", "histogram", "index", "gather", "scatter", "topk", "cumsum", "scan", "bitonic"]),
+    ("permutation_router", ["sort", "Sort", "radix", "bincount", "histogram", "index", "gather", "scatter", "topk",
+                            "cumsum", "scan", "bitonic"]),
     ("dense_gemm", ["gemm", "Gemm", "cublas", "xmma", "cutlass", "sm90"]),
 ]
 
@@ -802,7 +803,8 @@ def run_variant(name: str, timeout: int) -> dict:
     extra = VARIANTS[name][4]
     nproc = extra.get("nproc", 1)
     launch = [sys.executable] + ([] if nproc == 1 and not extra.get("dispatch") else
-                                 ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29533"])
+                                 ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                                  "29533"])
     try:
         p = subprocess.run(launch + [__file__, "--worker", name], capture_output=True, text=True, env=env,
                            timeout=timeout)

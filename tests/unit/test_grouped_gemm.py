@@ -243,8 +243,9 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     scales folded into the fp8 gradient rows) on a K-major copy and on the stack as stored (the transposed product,
     SWAP). `_rows`: A's rows gathered from another matrix in the kernel's loads (`a_rows`: rows of it repeated and
     out of order, as a permutation by expert reads its tokens). Groups end mid-tile and are empty; padding rows get
-    zeros; the rows a tile reads past its group are not stored. Both launches: a program a tile, and the persistent kernel (3 programs striding over the tiles, empty
-    ones among them). On a GPU (its twin) with the GPU's launch configs and groups sized for its tiles, else under the interpreter."""
+    zeros; the rows a tile reads past its group are not stored. Both launches: a program a tile, and the persistent
+    kernel (3 programs striding over the tiles, empty ones among them). On a GPU (its twin) with the GPU's launch
+    configs and groups sized for its tiles, else under the interpreter."""
     monkeypatch.setattr(tma, "TMA_PERSISTENT", persistent)
     if torch.cuda.is_available():
         rows, offs, w = _tma_gpu_case(pad)

@@ -42,7 +42,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(position_ids, rotary_dim: int, theta: float, dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=position_ids.device) / rotary_dim))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=position_ids.device) / rotary_dim
+    inv_freq = 1.0 / (theta ** exponents)
     freqs = position_ids[..., None].float() * inv_freq  # [B, S, rotary_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -12,8 +12,9 @@ gradient (the scale lies inside that sum).
 input's gradient (the weight is frozen); it and the fp8 ops run model/grouped_gemm_tma.py's TMA kernel where that
 takes the operands, else this kernel. `grouped_mm_frozen_lora` adds a LoRA branch in the TMA kernel's epilogue, its
 thin products by model/grouped_lora_kernels.py; `grouped_mm_frozen_rows` reads its rows through an index in the TMA
-kernel's loads (the permutation's gathers, model/experts.py's GATHER_IN_GEMM). `grouped_mm_reference` is the torch computation, which is also the
-path off CUDA; the tests run the kernels on the CPU under Triton's interpreter against it.
+kernel's loads (the permutation's gathers, model/experts.py's GATHER_IN_GEMM). `grouped_mm_reference` is the torch
+computation, which is also the path off CUDA; the tests run the kernels on the CPU under Triton's interpreter against
+it.
 """
 
 from __future__ import annotations
