@@ -212,3 +212,49 @@ def test_ep_on_an_fp8_base_with_kept_copies_equals_the_plain_model(targets):
     bf16's rounding (its sums run in another order). With LoRA on the routed experts they run GEMM by GEMM; without,
     as one fp8 node (quant.matmul.fp8_expert_mlp), on each rank's received rows."""
     mp.spawn(_fp8_worker, args=(free_port(), targets), nprocs=WORLD)
+
+
+def _gather_worker(rank, port):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moetune.model import experts
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
+    from moetune.parallel.apply import apply_ac, apply_ep
+    from moetune.parallel.mesh import shutdown_distributed
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # frozen bf16 stacks through the TMA kernel, as a GPU runs them (Triton's interpreter here, its K tiles)
+    tiles.KERNEL_ON_CPU = True
+    tma.TMA_CONFIG = dict(tma.TMA_CONFIG, BK=tiles._INTERPRETER_CONFIG["BK"])
+    gathered = []
+    real = tma.grouped_gemm_tma
+    tma.grouped_gemm_tma = lambda *a, **k: gathered.append(k.get("a_rows") is not None) or real(*a, **k)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+    ids, labels = _batch(rank)
+
+    def run(on, chunks, ac):
+        experts.GATHER_IN_GEMM = on
+        gathered.clear()
+        model = _model("attention").to(torch.bfloat16)
+        apply_ep(model, mesh, overlap_chunks=chunks)
+        apply_ac(model, ac)
+        loss, grads, logits = _loss_and_grads(model, ids, labels)
+        return (loss, logits, *grads.values()), gathered.count(True)
+
+    for chunks, ac in [(1, "none"), (2, "none"), (2, "full")]:
+        want, none = run(False, chunks, ac)
+        got, some = run(True, chunks, ac)
+        assert none == 0 and some >= 4, (chunks, ac, some)  # 2 MoE layers, 2 products each
+        assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(got, want)), (chunks, ac)
+    shutdown_distributed(finished=True)
+
+
+def test_ep_with_the_permutation_gathers_inside_the_gemms_equals_the_gathers_written_out():
+    """experts.GATHER_IN_GEMM under expert parallelism (2 gloo processes): the rows a rank received are expanded to
+    their (row, expert) pairs inside the frozen bf16 stacks' GEMMs, and down's input gradient reads the rows'
+    gradient there too. Loss, evaluation logits and LoRA gradients equal those of the expansion written out, bit for
+    bit, with the plain and the pipelined exchange and with the layer recomputed."""
+    mp.spawn(_gather_worker, args=(free_port(),), nprocs=WORLD)

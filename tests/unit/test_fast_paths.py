@@ -122,6 +122,20 @@ def test_the_permutation_gathers_give_autograds_values_and_gradients(compiled):
     torch.testing.assert_close(gx1, want, rtol=1e-12, atol=1e-12)
 
 
+def test_compiled_bag_sums_skip_empty_slots():
+    """gather_sum compiled (k gathers added) over a map with empty slots (−1, as the expert-parallel exchange's maps
+    have): the sums of bag_sum's torch reference, a bag with no items zeros."""
+    from moetune.model.kernels import bag_sum_torch, gather_sum
+
+    torch.manual_seed(4)
+    rows = torch.randn(7, 5, dtype=torch.float64)
+    slots = torch.tensor([[0, -1, 3], [-1, -1, -1], [6, 2, -1], [1, 4, 5]])
+    got = torch.compile(lambda r: gather_sum(r, slots.reshape(-1), 4, empty_slots=True), backend="aot_eager",
+                        fullgraph=True)(rows)
+    torch.testing.assert_close(got, bag_sum_torch(rows, slots), rtol=1e-12, atol=1e-12)
+    assert (got[1] == 0).all()
+
+
 def test_flex_attention_document_mask_matches_dense_mask():
     """The packed-document kernel of the GPU (FlexAttention + block mask), compiled for the CPU here."""
     from moetune.model.attention import AttnMeta, attend, build_attn_meta, dense_document_mask

@@ -368,13 +368,16 @@ def test_bf16_expert_stacks_through_the_tma_kernel_equal_torchs(stack, tma_on_cp
         assert torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("rows", ["tokens", "received"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, tma_on_cpu, monkeypatch):
+def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, tma_on_cpu, monkeypatch):
     """experts.GATHER_IN_GEMM: frozen bf16 stacks without expert LoRA read the permuted rows from the tokens (gate_up's
     forward) and from the tokens' gradient (down's input gradient) in the TMA kernel's loads. The layer's output and
-    the gradients of the tokens and of the routing weights are those of the gathers written out, bit for bit; the
-    two products run with `a_rows`; stacks it does not take (expert LoRA, a trainable stack) keep the gathers."""
-    from moetune.model import experts
+    the gradients of the rows and of the routing weights are those of the gathers written out, bit for bit; the
+    two products run with `a_rows`; stacks it does not take (expert LoRA, a trainable stack) keep the gathers. The
+    rows: tokens sorted by expert (the local path), and the rows an expert-parallel rank received, some of whose
+    slots are other ranks' experts (empty slots in the map)."""
+    from moetune.model import expert_parallel, experts
 
     launches = []
     real = tma.grouped_gemm_tma
@@ -385,9 +388,17 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, tma_on_cp
     gate_up = (torch.randn(n_exp, 2 * I, H) / H ** 0.5).bfloat16()
     down = (torch.randn(n_exp, H, I) / I ** 0.5).bfloat16()
     x = torch.randn(T, H).bfloat16()
-    topk = torch.stack([torch.randperm(n_exp)[:k] for _ in range(T)])
-    perm = experts.permute(topk, n_exp)
-    w = torch.rand(T * k)[perm.order]
+    if rows == "tokens":
+        topk = torch.stack([torch.randperm(n_exp)[:k] for _ in range(T)])
+        perm = experts.permute(topk, n_exp)
+        bags, offs, w = perm.bags, perm.offs, torch.rand(T * k)[perm.order]
+    else:  # this rank holds experts 0..n_exp-1 of 2·n_exp; n_exp: another rank's
+        topk = torch.stack([torch.randperm(2 * n_exp)[:k] for _ in range(T)])
+        routing = torch.cat([torch.rand(T, k), torch.where(topk < n_exp, topk, n_exp).float()], 1)
+        order, offs, slots, weights = expert_parallel._receive_plan_tensors(routing, k, n_exp, torch.float32)
+        order = order[:int(offs[-1])]
+        bags, w = experts.Bags(order // k, slots), weights.reshape(-1)[order]
+        assert (slots < 0).any() and not bags.full
     g = torch.randn(T, H).bfloat16()
 
     def run(gathers_in_gemm):
@@ -396,7 +407,7 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, tma_on_cp
         fn = experts.routed_experts
         if compiled:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
-        y = fn(xx, perm, ww, gate_up, down)
+        y = fn(xx, bags, offs, ww, gate_up, down)
         y.backward(g)
         return y, xx.grad, ww.grad
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moetune.model.kernels import bag_sum, compiled_for_eager
-from moetune.model.experts import count_values, sort_by_key
+from moetune.model.kernels import compiled_for_eager
+from moetune.model.experts import Bags, combine, count_values, expand, sort_by_key
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
 
@@ -55,45 +55,6 @@ def _local_experts(fn, *args):
 
 def _shared_expert(fn):
     return fn()
-
-
-@dataclass
-class Bags:
-    """A many-to-one map of `n` item rows onto `m` bag rows: item i belongs to bag `bag[i]`, and `slots[j]` lists
-    bag j's items (−1: an empty slot)."""
-
-    bag: torch.Tensor  # [n]
-    slots: torch.Tensor  # [m, J]
-
-
-def _expand(src: torch.Tensor, bags: Bags) -> torch.Tensor:
-    return src.index_select(0, bags.bag)
-
-
-class _Expand(torch.autograd.Function):
-    """bag rows [m, H] -> item rows [n, H] (each item a copy of its bag's row); the backward sums per bag."""
-
-    @staticmethod
-    def forward(ctx, src, bags):
-        ctx.bags = bags
-        return _expand(src, bags)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return bag_sum(grad, ctx.bags.slots), None
-
-
-class _Combine(torch.autograd.Function):
-    """item rows [n, H] -> bag rows [m, H] (the sum of each bag's items); the backward copies per item."""
-
-    @staticmethod
-    def forward(ctx, src, bags):
-        ctx.bags = bags
-        return bag_sum(src, bags.slots)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.index_select(0, ctx.bags.bag), None
 
 
 @dataclass
@@ -231,7 +192,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
             work.wait()
             # Without recompute, trainable experts' weight gradients read the expanded pairs (k/ep rows per received
             # row) and the SwiGLU output: saved as a gather of the received rows and a recompute from gate_up's
-            # output instead (Rebuilt), they cost the received rows only.
+            # output instead (Rebuilt, experts.routed_experts), they cost the received rows only.
             rebuilt = Rebuilt() if grad and recompute == "none" and trainable else None
             with torch.enable_grad() if grad else torch.no_grad(), rebuilt or contextlib.nullcontext():
                 r_in = r.detach().requires_grad_(grad and rows.requires_grad)
@@ -245,13 +206,10 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 else:
                     local_compute = functools.partial(_maybe_compiled(_local_experts), compute)
 
-                def run(r_rows, w_rows, *local_weights, rec=rec, rebuilt=rebuilt, local_compute=local_compute):
-                    pair_rows = _Expand.apply(r_rows, rec.pairs)
-                    if rebuilt is not None:
-                        rebuilt.add(pair_rows, functools.partial(_expand, r_rows.detach(), rec.pairs))
+                def run(r_rows, w_rows, *local_weights, rec=rec, local_compute=local_compute):
                     pair_weights = w_rows.reshape(-1)[rec.order]
-                    y = local_compute(pair_rows, rec.offs, pair_weights, *local_weights)
-                    return _Combine.apply(y, rec.pairs)
+                    return local_compute(r_rows, rec.pairs.bag, rec.pairs.slots, rec.offs, pair_weights,
+                                         *local_weights)
 
                 y = recompute_fn(run, recompute, r_in, w_in, *local)
             graphs.append((y, r_in, w_in, local))
@@ -331,8 +289,9 @@ class AllToAllDispatcher:
     def __call__(self, x, topk_idx, topk_weights, weights, compute, num_experts: int, side_work=None,
                  recompute: str = "none"):
         """x [T, H] this rank's tokens, topk_idx/topk_weights [T, k]; `weights` the local expert tensors
-        `compute(rows, offs, row_weights, *weights)` takes. Returns (sum of each token's weighted expert
-        outputs [T, H], global rows per expert [E], side_work's result)."""
+        `compute(rows, bag, slots, offs, row_weights, *weights)` takes: the received rows, expanded to their (row,
+        local expert) pairs by experts.Bags(bag, slots), through the experts and each row's pairs summed. Returns
+        (sum of each token's weighted expert outputs [T, H], global rows per expert [E], side_work's result)."""
         ep = self.group.size()
         k = topk_idx.shape[1]
         weights = [local_tensor(w) for w in weights]
@@ -343,7 +302,7 @@ class AllToAllDispatcher:
         work = dist.all_to_all_single(recv_counts, send.counts, group=self.group, async_op=True)
         # Queued on the GPU before the host waits for the split sizes: the rows and routing to send, and the
         # shared expert.
-        rows = _Expand.apply(x, send.origin)
+        rows = expand(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
         side = _maybe_compiled(_shared_expert)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
@@ -362,7 +321,7 @@ class AllToAllDispatcher:
 
         y = _ExchangeAndCompute.apply(self.group, chunks, plan, compute, recompute, torch.is_grad_enabled(), rows,
                                       row_weights, *weights)
-        return _Combine.apply(y, send.origin), send.expert_counts, side
+        return combine(y, send.origin), send.expert_counts, side
 
     def _to_host(self, make, work, routed) -> list[int]:
         """`make()` (the split sizes, computed once the counts exchange `work` is done) on the host. On a GPU this

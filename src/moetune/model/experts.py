@@ -5,8 +5,9 @@ Tokens are sorted by expert once per MoE layer; every expert's rows are then con
 experts, no host synchronisation. Expert LoRA runs on the same permuted tokens (x·Aᵀ then ·Bᵀ, each a grouped
 GEMM), so W + BA is never built.
 
-Under expert parallelism (model/expert_parallel.py) the same expert computation runs on the rows a rank
-received.
+Each token's rows are copies of it, and its outputs are summed back (`expand`, `combine` over `Bags`); under expert
+parallelism (model/expert_parallel.py) the same maps send a token's rows and expand the rows a rank received to its
+(row, expert) pairs, and `routed_experts` runs the same expert computation on them.
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, ba
 
 
 @dataclass
+class Bags:
+    """A many-to-one map of `n` item rows onto `m` bag rows: item i is a copy of bag `bag[i]`, and `slots[j]` lists
+    bag j's items (−1: an empty slot; `full`: none is). The permutation by expert (each token a bag of its k rows) and
+    the expert-parallel exchange's expansions (model/expert_parallel.py: a token's rows to send, a received row's
+    (row, expert) pairs) are both."""
+
+    bag: torch.Tensor  # [n]
+    slots: torch.Tensor  # [m, J]
+    full: bool = False
+
+
+@dataclass
 class Permutation:
     """Where each (token, slot) pair went when tokens were sorted by expert."""
 
@@ -79,6 +92,12 @@ class Permutation:
     inverse: torch.Tensor  # [T*k] permuted row of each flat (token, slot) index
     counts: torch.Tensor  # [E] rows per expert
     offs: torch.Tensor  # [E] int32 cumulative counts: the grouped GEMM's group ends
+    k: int  # slots per token
+
+    @property
+    def bags(self) -> Bags:
+        """Each token a bag of its k permuted rows."""
+        return Bags(self.token_idx, self.inverse.view(-1, self.k), full=True)
 
 
 def count_values(idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -112,52 +131,67 @@ def permute(topk_idx: torch.Tensor, num_experts: int) -> Permutation:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     offs = counts.cumsum(0).to(torch.int32)
-    return Permutation(order // k, order, inverse, counts, offs)
+    return Permutation(order // k, order, inverse, counts, offs, k)
 
 
 def permute_rows(x: torch.Tensor, perm: Permutation) -> torch.Tensor:
     """Each token's row once per slot, sorted by expert: x[perm.token_idx]."""
-    return _Gather.apply(x, perm.token_idx, perm.inverse)
+    return expand(x, perm.bags)
 
 
 def unpermute(y_perm: torch.Tensor, perm: Permutation, num_tokens: int) -> torch.Tensor:
     """Sum of each token's k (already weighted) expert outputs, as a gather (deterministic, no atomics)."""
-    return _GatherSum.apply(y_perm, perm.inverse, perm.token_idx, num_tokens)
+    assert num_tokens == perm.inverse.numel() // perm.k
+    return combine(y_perm, perm.bags)
 
 
-# Both directions of the permutation are gathers, forward and backward. Autograd's own backward of x[token_idx] and
-# of the [n, k, H] sum scatters into zeros (`index_put` after `new_zeros`), and Inductor writes a [n, k, H] sum as a
-# reduction kernel over k that reads the rows at ~0.9 TB/s on an H200; k gathers added compile to one element-wise
-# kernel running along each row's columns (2.9 TB/s; permutation forward + backward of Air's 32,768 rows 0.40 ms
-# against 0.84, BENCHMARKS.md, twelfth session).
-class _Gather(torch.autograd.Function):
-    """x[token_idx] (k rows per token, sorted by expert), whose backward sums each token's k row gradients
-    (`inverse`: the permuted row of each (token, slot))."""
+def expand_rows(src: torch.Tensor, bags: Bags) -> torch.Tensor:
+    """Each item's copy of its bag's row: src[bags.bag]."""
+    return src[bags.bag]
 
+
+def _bag_sums(rows: torch.Tensor, slots: torch.Tensor, full: bool) -> torch.Tensor:
+    return gather_sum(rows, slots.reshape(-1), slots.shape[0], empty_slots=not full)
+
+
+def expand(src: torch.Tensor, bags: Bags) -> torch.Tensor:
+    """bag rows [m, H] -> item rows [n, H] (each item a copy of its bag's row); the backward sums per bag."""
+    return _Expand.apply(src, bags.bag, bags.slots, bags.full)
+
+
+def combine(rows: torch.Tensor, bags: Bags) -> torch.Tensor:
+    """item rows [n, H] -> bag rows [m, H] (the sum of each bag's items); the backward copies per item."""
+    return _Combine.apply(rows, bags.bag, bags.slots, bags.full)
+
+
+# Both directions are gathers, forward and backward. Autograd's own backward of x[token_idx] and of the [n, k, H] sum
+# scatters into zeros (`index_put` after `new_zeros`), and Inductor writes a [n, k, H] sum as a reduction kernel over k
+# that reads the rows at ~0.9 TB/s on an H200; k gathers added compile to one element-wise kernel running along each
+# row's columns (2.9 TB/s; permutation forward + backward of Air's 32,768 rows 0.40 ms against 0.84, BENCHMARKS.md,
+# twelfth session). Eager, the sums are model/kernels.py's bag-sum kernel.
+class _Expand(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, token_idx, inverse):
-        ctx.save_for_backward(inverse)
-        ctx.num_tokens = x.shape[0]
-        return x[token_idx]
+    def forward(ctx, src, bag, slots, full):
+        ctx.save_for_backward(slots)
+        ctx.full = full
+        return src[bag]
 
     @staticmethod
     def backward(ctx, g):
-        (inverse,) = ctx.saved_tensors
-        return gather_sum(g, inverse, ctx.num_tokens), None, None
+        (slots,) = ctx.saved_tensors
+        return _bag_sums(g, slots, ctx.full), None, None, None
 
 
-class _GatherSum(torch.autograd.Function):
-    """unpermute's sum of each token's k rows, whose backward reads each row's token's gradient."""
-
+class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_perm, inverse, token_idx, num_tokens):
-        ctx.save_for_backward(token_idx)
-        return gather_sum(y_perm, inverse, num_tokens)
+    def forward(ctx, rows, bag, slots, full):
+        ctx.save_for_backward(bag)
+        return _bag_sums(rows, slots, full)
 
     @staticmethod
     def backward(ctx, g):
-        (token_idx,) = ctx.saved_tensors
-        return g[token_idx], None, None, None
+        (bag,) = ctx.saved_tensors
+        return g[bag], None, None, None
 
 
 # The weighted SwiGLU's backward in compiled code: "kernel", model/kernels.py's row kernel as an opaque op (CUDA),
@@ -281,44 +315,44 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     return _lora_linear(a, down_proj, offs, lora, lora_weights[2], lora_weights[3])
 
 
-# The permutation's two gathers inside the grouped GEMMs (frozen 16-bit stacks without expert LoRA, through the TMA
-# kernel): gate_up's forward reads its rows from the tokens and down's input gradient from the tokens' gradient, by
-# pointer loads in the kernel, instead of each [rows, H] gather being written out and read back (one EP-8 rank of
-# Air: 5.9 + 6.0 ms of its 455 ms step, BENCHMARKS.md, thirty-second session). A candidate, off until a device
-# measures it: the kernel's A tiles come by pointer loads then, not TMA.
+# The expansion's two gathers inside the grouped GEMMs (frozen 16-bit stacks without expert LoRA, through the TMA
+# kernel): gate_up's forward reads its rows from the tokens (or the rows a rank received) and down's input gradient
+# from their gradient, by pointer loads in the kernel, instead of each [rows, H] gather being written out and read
+# back (one EP-8 rank of Air: 5.9 + 6.0 ms of its 455 ms step, BENCHMARKS.md, thirty-second session). A candidate,
+# off until a device measures it: the kernel's A tiles come by pointer loads then, not TMA.
 GATHER_IN_GEMM = False
 
 
 class _GatheredFrozenLinear(torch.autograd.Function):
-    """grouped_mm_frozen(x[token_idx], W) with the gather in the kernel's loads; the backward gives x's gradient, each
-    token's rows' input gradients summed (`inverse`: the permuted row of each (token, slot))."""
+    """grouped_mm_frozen(expand(x, bags), W) with the gather in the kernel's loads; the backward gives x's gradient,
+    each bag's rows' input gradients summed."""
 
     @staticmethod
-    def forward(ctx, x, weight, offs, token_idx, inverse):
-        ctx.save_for_backward(weight, offs, inverse)
-        ctx.num_tokens = x.shape[0]
-        return torch.ops.moetune.grouped_mm_frozen_rows(x, token_idx, weight, offs, True)
+    def forward(ctx, x, weight, offs, bag, slots, full):
+        ctx.save_for_backward(weight, offs, slots)
+        ctx.full = full
+        return torch.ops.moetune.grouped_mm_frozen_rows(x, bag, weight, offs, True)
 
     @staticmethod
     def backward(ctx, g):
-        weight, offs, inverse = ctx.saved_tensors
+        weight, offs, slots = ctx.saved_tensors
         grad_rows = torch.ops.moetune.grouped_mm_frozen_dgrad(g.contiguous(), weight, offs, None)
-        return gather_sum(grad_rows, inverse, ctx.num_tokens), None, None, None, None
+        return _bag_sums(grad_rows, slots, ctx.full), None, None, None, None, None
 
 
 class _FrozenLinearSummed(torch.autograd.Function):
-    """unpermute(grouped_mm_frozen(a, W)): each token's rows summed; the backward's input gradient reads its operand
-    rows from the tokens' gradient (token_idx) in the kernel's loads."""
+    """combine(grouped_mm_frozen(a, W), bags): each bag's rows summed; the backward's input gradient reads its operand
+    rows from the bags' gradient in the kernel's loads."""
 
     @staticmethod
-    def forward(ctx, a, weight, offs, token_idx, inverse, num_tokens):
-        ctx.save_for_backward(weight, offs, token_idx)
-        return gather_sum(torch.ops.moetune.grouped_mm_frozen(a, weight, offs, None), inverse, num_tokens)
+    def forward(ctx, a, weight, offs, bag, slots, full):
+        ctx.save_for_backward(weight, offs, bag)
+        return _bag_sums(torch.ops.moetune.grouped_mm_frozen(a, weight, offs, None), slots, full)
 
     @staticmethod
     def backward(ctx, g):
-        weight, offs, token_idx = ctx.saved_tensors
-        grad_a = torch.ops.moetune.grouped_mm_frozen_rows(g.contiguous(), token_idx, weight, offs, False)
+        weight, offs, bag = ctx.saved_tensors
+        grad_a = torch.ops.moetune.grouped_mm_frozen_rows(g.contiguous(), bag, weight, offs, False)
         return grad_a, None, None, None, None, None
 
 
@@ -335,13 +369,17 @@ def gathers_in_gemm(x, gate_up, down, lora) -> bool:
             and tma.tma_supported(x.new_empty(0, down.shape[1]), down, False))
 
 
-def routed_experts(x, perm: Permutation, row_weights, gate_up, down, lora=None) -> torch.Tensor:
-    """unpermute(experts_forward(permute_rows(x, perm), ...)): tokens x [T, H] through their experts, each token's
-    weighted outputs summed [T, H]; with the gathers inside the GEMMs where `gathers_in_gemm` says."""
-    if not gathers_in_gemm(x, gate_up, down, lora):
-        return unpermute(experts_forward(permute_rows(x, perm), perm.offs, row_weights, gate_up, down, lora), perm,
-                         x.shape[0])
-    gate_up, down = local_tensor(gate_up), local_tensor(down)
-    h = _GatheredFrozenLinear.apply(x, gate_up, perm.offs, perm.token_idx, perm.inverse)
-    return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, perm.offs, perm.token_idx, perm.inverse,
-                                     x.shape[0])
+def routed_experts(x, bags: Bags, offs, row_weights, gate_up, down, lora=None, lora_weights=None,
+                   rebuilt: Rebuilt | None = None) -> torch.Tensor:
+    """combine(experts_forward(expand(x, bags), offs, ...), bags): rows x [m, H] (tokens; under expert parallelism the
+    rows a rank received) expanded to their (row, expert) pairs sorted by expert (group ends `offs`), through the
+    experts, each row's weighted outputs summed [m, H]; with the two gathers inside the GEMMs where `gathers_in_gemm`
+    says. Arguments after `bags` as experts_forward's; with `rebuilt`, the expanded rows are saved as a gather of x."""
+    if gathers_in_gemm(x, gate_up, down, lora):
+        gate_up, down = local_tensor(gate_up), local_tensor(down)
+        h = _GatheredFrozenLinear.apply(x, gate_up, offs, bags.bag, bags.slots, bags.full)
+        return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, offs, bags.bag, bags.slots, bags.full)
+    rows = expand(x, bags)
+    if rebuilt is not None:
+        rebuilt.add(rows, functools.partial(expand_rows, x.detach(), bags))
+    return combine(experts_forward(rows, offs, row_weights, gate_up, down, lora, lora_weights, rebuilt), bags)

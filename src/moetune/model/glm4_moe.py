@@ -23,7 +23,7 @@ from moetune.model.config import ModelConfig
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.step_inputs import unstaged
 from moetune.names import LOSS_CHUNK_TOKENS
-from moetune.model.experts import experts_forward, fp8_routed_experts, fuses_fp8_mlp, permute, routed_experts
+from moetune.model.experts import Bags, fp8_routed_experts, fuses_fp8_mlp, permute, routed_experts
 from moetune.model.quant.modules import FrozenFp8, expert_weight, scale_name, transposed_copy
 from moetune.model.recompute import recompute, split_modes
 
@@ -199,7 +199,7 @@ class Experts(nn.Module):
         if torch.compiler.is_compiling() and fuses_fp8_mlp(x, gate_up, down, self.lora):
             y = fp8_routed_experts(x, perm, row_weights, gate_up, down)
         else:
-            y = routed_experts(x, perm, row_weights, gate_up, down, self.lora)
+            y = routed_experts(x, perm.bags, perm.offs, row_weights, gate_up, down, self.lora)
         return y, perm.counts, side_work() if side_work is not None else None
 
     def _weights(self):
@@ -212,7 +212,7 @@ class Experts(nn.Module):
         extra = () if lora is None else (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
         return (self.gate_up_proj, self.down_proj, *scales, *copies, *extra)
 
-    def _compute(self, rows, offs, row_weights, gate_up, down, *rest, rebuilt=None):
+    def _compute(self, rows, bag, slots, offs, row_weights, gate_up, down, *rest, rebuilt=None):
         if self.quant is not None:
             (gate_up_scale, down_scale), rest = rest[:2], rest[2:]
             copies = (None, None)
@@ -220,7 +220,8 @@ class Experts(nn.Module):
                 copies, rest = rest[:2], rest[2:]
             gate_up = FrozenFp8(gate_up, gate_up_scale, self.quant, copies[0])
             down = FrozenFp8(down, down_scale, self.quant, copies[1])
-        return experts_forward(rows, offs, row_weights, gate_up, down, self.lora, rest or None, rebuilt)
+        return routed_experts(rows, Bags(bag, slots), offs, row_weights, gate_up, down, self.lora, rest or None,
+                              rebuilt)
 
 
 class MoE(nn.Module):

@@ -80,16 +80,23 @@ def bag_sum(src: torch.Tensor, slots: torch.Tensor, use_kernel: bool | None = No
     return out
 
 
-def gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """out[t] = Σ_j rows[index[t·k + j]] (n groups of k consecutive indices), accumulated in fp32 in j order."""
+def gather_sum(rows: torch.Tensor, index: torch.Tensor, n: int, empty_slots: bool = False) -> torch.Tensor:
+    """out[t] = Σ_j rows[index[t·k + j]] (n groups of k consecutive indices), accumulated in fp32 in j order;
+    `empty_slots`: an index −1 adds nothing (bag_sum's slots)."""
     idx = index.view(n, index.numel() // max(n, 1))
     if not torch.compiler.is_compiling():  # eager: one Triton kernel on CUDA, its torch reference elsewhere
         return bag_sum(rows, idx)
     acc_dtype = torch.promote_types(rows.dtype, torch.float32)
-    acc = rows[idx[:, 0]].to(acc_dtype)
-    for j in range(1, idx.shape[1]):
-        acc = acc + rows[idx[:, j]].to(acc_dtype)
-    return acc.to(rows.dtype)
+    if empty_slots and rows.shape[0] == 0:
+        return rows.new_zeros(n, rows.shape[1])
+    acc = None
+    for j in range(idx.shape[1]):
+        s = idx[:, j]
+        picked = rows[s.clamp(min=0) if empty_slots else s].to(acc_dtype)
+        if empty_slots:
+            picked = torch.where((s >= 0).unsqueeze(-1), picked, 0.0)
+        acc = picked if acc is None else acc + picked
+    return (acc if acc is not None else rows.new_zeros(n, rows.shape[1], dtype=acc_dtype)).to(rows.dtype)
 
 
 # ---------------------------------------------------------------------------------------- weighted SwiGLU
