@@ -376,7 +376,8 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, tma
     the gradients of the rows and of the routing weights are those of the gathers written out, bit for bit; the
     two products run with `a_rows`; stacks it does not take (expert LoRA, a trainable stack) keep the gathers. The
     rows: tokens sorted by expert (the local path), and the rows an expert-parallel rank received, some of whose
-    slots are other ranks' experts (empty slots in the map)."""
+    slots are other ranks' experts (empty slots in the map). On a GPU (its twin) with the GPU's launch configs and
+    widths a multiple of their K tiles, else under the interpreter."""
     from moetune.model import expert_parallel, experts
 
     launches = []
@@ -384,22 +385,23 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, tma
     monkeypatch.setattr(tma, "grouped_gemm_tma",
                         lambda *a, **k: launches.append((a[4], k.get("a_rows") is not None)) or real(*a, **k))
     torch.manual_seed(3)
-    T, k, H, I, n_exp = 13, 3, 32, 16, 4
-    gate_up = (torch.randn(n_exp, 2 * I, H) / H ** 0.5).bfloat16()
-    down = (torch.randn(n_exp, H, I) / I ** 0.5).bfloat16()
-    x = torch.randn(T, H).bfloat16()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    T, k, H, I, n_exp = (300, 3, 128, 64, 4) if dev == "cuda" else (13, 3, 32, 16, 4)
+    gate_up = (torch.randn(n_exp, 2 * I, H) / H ** 0.5).bfloat16().to(dev)
+    down = (torch.randn(n_exp, H, I) / I ** 0.5).bfloat16().to(dev)
+    x = torch.randn(T, H).bfloat16().to(dev)
     if rows == "tokens":
-        topk = torch.stack([torch.randperm(n_exp)[:k] for _ in range(T)])
+        topk = torch.stack([torch.randperm(n_exp)[:k] for _ in range(T)]).to(dev)
         perm = experts.permute(topk, n_exp)
-        bags, offs, w = perm.bags, perm.offs, torch.rand(T * k)[perm.order]
+        bags, offs, w = perm.bags, perm.offs, torch.rand(T * k, device=dev)[perm.order]
     else:  # this rank holds experts 0..n_exp-1 of 2·n_exp; n_exp: another rank's
-        topk = torch.stack([torch.randperm(2 * n_exp)[:k] for _ in range(T)])
-        routing = torch.cat([torch.rand(T, k), torch.where(topk < n_exp, topk, n_exp).float()], 1)
+        topk = torch.stack([torch.randperm(2 * n_exp)[:k] for _ in range(T)]).to(dev)
+        routing = torch.cat([torch.rand(T, k, device=dev), torch.where(topk < n_exp, topk, n_exp).float()], 1)
         order, offs, slots, weights = expert_parallel._receive_plan_tensors(routing, k, n_exp, torch.float32)
         order = order[:int(offs[-1])]
         bags, w = experts.Bags(order // k, slots), weights.reshape(-1)[order]
         assert (slots < 0).any() and not bags.full
-    g = torch.randn(T, H).bfloat16()
+    g = torch.randn(T, H).bfloat16().to(dev)
 
     def run(gathers_in_gemm):
         monkeypatch.setattr(experts, "GATHER_IN_GEMM", gathers_in_gemm)
