@@ -285,6 +285,19 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     assert (y[int(offs[-1]):] == 0).all()
 
 
+def test_gathered_rows_past_the_last_k_tile_load_as_zeros(tma_on_cpu):
+    """A forward whose K (40) is no multiple of the K tile (16 under the interpreter, 64 on a GPU): the gathered rows'
+    last tile is partial, its columns past K load as zeros (as TMA's would), and the product is the reference's."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(12)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32).to(dev)
+    w = (torch.randn(E, TMA_OUT, 40) / 40 ** 0.5).bfloat16().to(dev)
+    x = torch.randn(9, 40).bfloat16().to(dev)
+    rows = torch.randint(0, 9, (sum(COUNTS),)).to(dev)
+    assert tma.tma_supported(x, w, True)
+    _close(tma.grouped_gemm_tma(x, w, offs, None, True, a_rows=rows), grouped_mm_reference(x[rows], w, offs, None))
+
+
 def test_tma_refuses_what_it_cannot_load(tma_on_cpu, monkeypatch):
     """Rows that are not 16-byte aligned, a stride-0 gradient, and an N-major K that a K tile would cross."""
     _, offs, w = _tma_case(fp8=False, pad=0, seed=1)

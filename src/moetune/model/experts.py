@@ -174,7 +174,7 @@ class _Expand(torch.autograd.Function):
     def forward(ctx, src, bag, slots, full):
         ctx.save_for_backward(slots)
         ctx.full = full
-        return src[bag]
+        return src[bag]  # expand_rows
 
     @staticmethod
     def backward(ctx, g):
@@ -357,7 +357,7 @@ class _FrozenLinearSummed(torch.autograd.Function):
 
 
 def gathers_in_gemm(x, gate_up, down, lora) -> bool:
-    """Whether routed_experts runs these stacks with the permutation's gathers inside the GEMMs (GATHER_IN_GEMM)."""
+    """Whether routed_experts runs these stacks with the expansion's gathers inside the GEMMs (GATHER_IN_GEMM)."""
     if not (GATHER_IN_GEMM and lora is None and GROUPED_GEMM == "triton"
             and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
         return False
