@@ -430,6 +430,30 @@ for name, k, stored, pairs, rows in [("fp8 fwd tma", tma._grouped_gemm_tma_kerne
                               cp_async_bytes=sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global\S*\s+"
                                                                    r"\[[^\]]+\],\s*\[[^\]]+\],\s*(0x[0-9a-f]+|\d+)",
                                                                    c.asm["ptx"]))))
+# expert LoRA's thin products (model/grouped_lora_kernels.py), their rows read as stored or through an index
+from moetune.model import grouped_lora_kernels as lk
+for name, k, cfg, const, ptrs, div16 in [
+        *[(f"lora_rows{' rows' if rows else ''}", lk._lora_rows_kernel, lk._THIN,
+           dict(E_POW2=128, R=16, BM=lk._THIN["BM"], BK=lk._THIN["BK"], DOT_FP32=False, X_ROWS=rows),
+           {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offs_ptr": "*i32"},
+           ["K", "stride_xm", "stride_we", "stride_wk"]) for rows in (False, True)],
+        *[(f"ragged_outer{' p_rows' if pr else ''}{' q_rows' if qr else ''}", lk._ragged_outer_kernel, lk._OUTER,
+           dict(BP=16, BQ=lk._OUTER["BT"], BK=lk._OUTER["BK"], DOT_FP32=False, P_ROWS=pr, Q_ROWS=qr),
+           {"p_ptr": "*bf16", "q_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32"},
+           ["stride_pm", "stride_qm", "stride_ce", "stride_cp"]) for pr, qr in ((0, 0), (1, 0), (0, 1))]]:
+    gathered = any(v for n, v in const.items() if n.endswith("ROWS"))
+    if gathered:
+        ptrs = dict(ptrs, rows_ptr="*i64")
+    else:
+        const = dict(const, rows_ptr=None)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in k.arg_names}
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
+                    attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in [*ptrs, *div16]})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
+                                                                           num_stages=cfg["num_stages"]))
+    ttgir = c.asm["ttgir"]
+    out[name] = dict(shared_bytes=c.metadata.shared, wgmma=ttgir.count("warp_group_dot "),
+                     mma=ttgir.count("tt.dot "), async_copies=ttgir.count("async_copy_global_to_local"))
 print("RESULT" + json.dumps(out))
 '''
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

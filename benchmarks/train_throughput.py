@@ -328,10 +328,12 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packe
               "trainer_flash_mla_1x4096_demo_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_ebm"] = (_s, _b, _t, _tg, {**_x, "compiled_block_mask": False})
-# the permutation's gathers inside the grouped GEMMs' loads (experts.GATHER_IN_GEMM: frozen bf16 stacks without expert
-# LoRA; through the dispatcher, the expansion of the rows a rank received), each against its row
+# the permutation's gathers inside the grouped GEMMs' loads (experts.GATHER_IN_GEMM: frozen bf16 stacks, expert LoRA
+# in the TMA kernel's epilogue or none; through the dispatcher, the expansion of the rows a rank received), each
+# against its row
 for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_ep8rank_qkvo_1x4096_packed_dispatch"):
+              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_ep8rank_qkvo_1x4096_packed_dispatch",
+              "ours_experts_4x1024", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_gp"] = (_s, _b, _t, _tg, {**_x, "gather_in_gemm": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it

@@ -19,9 +19,9 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediat
             n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True)
 
 
-def _model(full):
-    """full: False (LoRA on attention, shared and routed experts), True (full fine-tuning) or "attention" (LoRA
-    on attention only: the experts are frozen and the received rows need not be kept)."""
+def _model(full, rank=4):
+    """full: False (LoRA of `rank` on attention, shared and routed experts), True (full fine-tuning) or "attention"
+    (LoRA on attention only: the experts are frozen and the received rows need not be kept)."""
     from moetune.model.config import ModelConfig
     from moetune.model.hf_io import build_model, init_weights
     from moetune.model.lora import apply_lora
@@ -33,7 +33,7 @@ def _model(full):
     if full is not True:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
         targets += [] if full == "attention" else ["shared_experts", "experts"]
-        apply_lora(model, targets, 4, 8)
+        apply_lora(model, targets, rank, 2 * rank)
         init_lora(model, seed=0)
         with torch.no_grad():  # B != 0, so expert LoRA changes the output and its A gets gradients
             for name, p in model.named_parameters():
@@ -235,26 +235,28 @@ def _gather_worker(rank, port):
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
     ids, labels = _batch(rank)
 
-    def run(on, chunks, ac):
+    def run(on, lora, chunks, ac):
         experts.GATHER_IN_GEMM = on
         gathered.clear()
-        model = _model("attention").to(torch.bfloat16)
+        model = _model(lora, rank=16).to(torch.bfloat16)
         apply_ep(model, mesh, overlap_chunks=chunks)
         apply_ac(model, ac)
         loss, grads, logits = _loss_and_grads(model, ids, labels)
         return (loss, logits, *grads.values()), gathered.count(True)
 
-    for chunks, ac in [(1, "none"), (2, "none"), (2, "full")]:
-        want, none = run(False, chunks, ac)
-        got, some = run(True, chunks, ac)
-        assert none == 0 and some >= 4, (chunks, ac, some)  # 2 MoE layers, 2 products each
-        assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(got, want)), (chunks, ac)
+    for lora, chunks, ac in [("attention", 1, "none"), ("attention", 2, "full"), (False, 1, "none"),
+                             (False, 2, "none"), (False, 2, "full")]:
+        want, none = run(False, lora, chunks, ac)
+        got, some = run(True, lora, chunks, ac)
+        assert none == 0 and some >= 4, (lora, chunks, ac, some)  # 2 MoE layers, 2 products each
+        assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(got, want)), (lora, chunks, ac)
     shutdown_distributed(finished=True)
 
 
 def test_ep_with_the_permutation_gathers_inside_the_gemms_equals_the_gathers_written_out():
     """experts.GATHER_IN_GEMM under expert parallelism (2 gloo processes): the rows a rank received are expanded to
     their (row, expert) pairs inside the frozen bf16 stacks' GEMMs, and down's input gradient reads the rows'
-    gradient there too. Loss, evaluation logits and LoRA gradients equal those of the expansion written out, bit for
-    bit, with the plain and the pipelined exchange and with the layer recomputed."""
+    gradient there too; with LoRA on the experts (its weight gradients kept by Rebuilt without recompute) its thin
+    products and A's gradient as well. Loss, evaluation logits and LoRA gradients equal those of the expansion written
+    out, bit for bit, with the plain and the pipelined exchange and with the layer recomputed."""
     mp.spawn(_gather_worker, args=(free_port(),), nprocs=WORLD)

@@ -381,17 +381,20 @@ def test_bf16_expert_stacks_through_the_tma_kernel_equal_torchs(stack, tma_on_cp
         assert torch.equal(got[2], want[2])
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen", "expert_lora"])
 @pytest.mark.parametrize("rows", ["tokens", "received"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, tma_on_cpu, monkeypatch):
-    """experts.GATHER_IN_GEMM: frozen bf16 stacks without expert LoRA read the permuted rows from the tokens (gate_up's
-    forward) and from the tokens' gradient (down's input gradient) in the TMA kernel's loads. The layer's output and
-    the gradients of the rows and of the routing weights are those of the gathers written out, bit for bit; the
-    two products run with `a_rows`; stacks it does not take (expert LoRA, a trainable stack) keep the gathers. The
-    rows: tokens sorted by expert (the local path), and the rows an expert-parallel rank received, some of whose
-    slots are other ranks' experts (empty slots in the map). On a GPU (its twin) with the GPU's launch configs and
-    widths a multiple of their K tiles, else under the interpreter."""
+def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, lora, tma_on_cpu, monkeypatch):
+    """experts.GATHER_IN_GEMM: frozen bf16 stacks read the permuted rows from the tokens (gate_up's forward) and from
+    the tokens' gradient (down's input gradient) in the TMA kernel's loads; with expert LoRA (in the kernel's epilogue)
+    its thin products and A's gradient read them there too. The layer's output and the gradients of the rows, of the
+    routing weights and of LoRA's A and B are those of the gathers written out, bit for bit; the two products run
+    with `a_rows`; stacks it does not take (LoRA with dropout, a trainable stack) keep the gathers. The rows: tokens
+    sorted by expert (the local path), and the rows an expert-parallel rank received, some of whose slots are other
+    ranks' experts (empty slots in the map). On a GPU (its twin) with the GPU's launch configs and widths a multiple
+    of their K tiles, else under the interpreter."""
     from moetune.model import expert_parallel, experts
+    from moetune.model.lora import ExpertLoRA
 
     launches = []
     real = tma.grouped_gemm_tma
@@ -415,16 +418,24 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, tma
         bags, w = experts.Bags(order // k, slots), weights.reshape(-1)[order]
         assert (slots < 0).any() and not bags.full
     g = torch.randn(T, H).bfloat16().to(dev)
+    expert_lora = None
+    if lora:
+        expert_lora = ExpertLoRA(n_exp, H, I, 16, 32, 0.0, False).to(dev)
+        with torch.no_grad():  # B != 0: LoRA changes the output, and A gets gradients
+            for B in (expert_lora.gate_up_B, expert_lora.down_B):
+                B.normal_(0, 0.1)
 
     def run(gathers_in_gemm):
         monkeypatch.setattr(experts, "GATHER_IN_GEMM", gathers_in_gemm)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if lora:
+            expert_lora.zero_grad(set_to_none=True)
         fn = experts.routed_experts
         if compiled:
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
-        y = fn(xx, bags, offs, ww, gate_up, down)
+        y = fn(xx, bags, offs, ww, gate_up, down, expert_lora)
         y.backward(g)
-        return y, xx.grad, ww.grad
+        return (y, xx.grad, ww.grad, *(p.grad for p in (expert_lora.parameters() if lora else ())))
 
     want = run(False)
     assert launches == [(True, False), (True, False), (False, False), (False, False)]
@@ -432,10 +443,13 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, tma
     got = run(True)
     # gate_up forward (gathered), down forward; down's input gradient (gathered), gate_up's
     assert launches == [(True, True), (True, False), (False, True), (False, False)]
+    assert len(got) == (7 if lora else 3)
     for a, b in zip(got, want):
         assert torch.isfinite(a).all() and torch.equal(a, b)
-    assert experts.gathers_in_gemm(x, gate_up, down, None)
-    assert not experts.gathers_in_gemm(x, gate_up, down, object())  # expert LoRA: the kernel's epilogue path
+    if lora:
+        assert all(p.grad.abs().sum() > 0 for p in expert_lora.parameters())
+        assert not experts.gathers_in_gemm(x, gate_up, down, ExpertLoRA(n_exp, H, I, 16, 32, 0.1, False).to(dev))
+    assert experts.gathers_in_gemm(x, gate_up, down, expert_lora)
     assert not experts.gathers_in_gemm(x, gate_up.clone().requires_grad_(), down, None)
 
 

@@ -22,10 +22,10 @@ CASES = {
 MODES = ["attention", "selective", "full", {"full": 1, "none": 1}, {"attention": 1, "full": 1}]
 
 
-def _grads(config, mode, targets, ac, dtype, compiled=False):
+def _grads(config, mode, targets, ac, dtype, compiled=False, rank=4):
     m = ModelConfig.from_hf_dict(config)
     torch.manual_seed(0)  # LoRA's A
-    model, _ = _census_model(m, mode, targets)
+    model, _ = _census_model(m, mode, targets, rank)
     model.to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -111,11 +111,13 @@ def test_a_compiled_moe_layer_is_one_graph_in_every_mode_and_keeps_its_side_outp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's twin of a GPU path")
+@pytest.mark.parametrize("case", ["gqa-lora-attention", "gqa-lora-experts"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(compiled, monkeypatch):
+def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(compiled, case, monkeypatch):
     """experts.GATHER_IN_GEMM through the tiny model (bf16, frozen stacks through the TMA kernel under Triton's
-    interpreter), each layer eager or compiled as one graph, in every recompute mode: the LoRA gradients of the
-    gathers written out without recompute (eager or compiled alike), bit for bit, and the gathered products ran."""
+    interpreter; LoRA of rank 16, on the experts too in its epilogue), each layer eager or compiled as one graph, in
+    every recompute mode: the LoRA gradients of the gathers written out without recompute (eager or compiled alike),
+    bit for bit, and the gathered products ran."""
     from moetune.model import experts
     from moetune.model import grouped_gemm_tiles as tiles
     from moetune.model import grouped_gemm_tma as tma
@@ -126,13 +128,13 @@ def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(
     real = tma.grouped_gemm_tma
     monkeypatch.setattr(tma, "grouped_gemm_tma",
                         lambda *a, **k: gathered.append(k.get("a_rows") is not None) or real(*a, **k))
-    config, mode, targets = CASES["gqa-lora-attention"]
-    want = _grads(config, mode, targets, "none", torch.bfloat16, compiled)
+    config, mode, targets = CASES[case]
+    want = _grads(config, mode, targets, "none", torch.bfloat16, compiled, rank=16)
     assert gathered and not any(gathered)
     monkeypatch.setattr(experts, "GATHER_IN_GEMM", True)
-    for ac in ["none", *MODES]:
+    for ac in ["none", "selective", "full", {"full": 1, "none": 1}]:
         gathered.clear()
-        got = _grads(config, mode, targets, ac, torch.bfloat16, compiled)
+        got = _grads(config, mode, targets, ac, torch.bfloat16, compiled, rank=16)
         assert gathered.count(True) >= 2, ac  # gate_up's forward and down's input gradient, each MoE layer
         differ = [n for n, g in want.items() if not torch.equal(got[n], g)]
         assert not differ, (ac, differ)

@@ -230,8 +230,9 @@ def test_the_frozen_base_is_counted_as_the_run_stores_it(quantize):
     assert rows8["weights"] * 2**30 == pytest.approx(exact / 8)
 
 
-def _census_model(m, mode, targets):
-    """A bf16 model of config `m` trained as `mode` (full: everything but the router; else LoRA on `targets`)."""
+def _census_model(m, mode, targets, rank=4):
+    """A bf16 model of config `m` trained as `mode` (full: everything but the router; else LoRA of `rank` on
+    `targets`)."""
     from moetune.model.hf_io import build_model, cast_model, init_weights
     from moetune.model.lora import apply_lora
 
@@ -243,7 +244,7 @@ def _census_model(m, mode, targets):
         for name, p in model.named_parameters():
             p.requires_grad_(not name.endswith("mlp.gate.weight"))
     else:
-        apply_lora(model, targets, 4, 8)
+        apply_lora(model, targets, rank, 2 * rank)
     return model, full
 
 

@@ -315,11 +315,12 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     return _lora_linear(a, down_proj, offs, lora, lora_weights[2], lora_weights[3])
 
 
-# The expansion's two gathers inside the grouped GEMMs (frozen 16-bit stacks without expert LoRA, through the TMA
-# kernel): gate_up's forward reads its rows from the tokens (or the rows a rank received) and down's input gradient
-# from their gradient, by pointer loads in the kernel, instead of each [rows, H] gather being written out and read
-# back (one EP-8 rank of Air: 5.9 + 6.0 ms of its 455 ms step, BENCHMARKS.md, thirty-second session). A candidate,
-# off until a device measures it: the kernel's A tiles come by pointer loads then, not TMA.
+# The expansion's two gathers inside the grouped GEMMs (frozen 16-bit stacks through the TMA kernel, expert LoRA in
+# its epilogue or none): gate_up's forward reads its rows from the tokens (or the rows a rank received) and down's
+# input gradient from their gradient, by pointer loads in the kernels, instead of each [rows, H] gather being written
+# out and read back (one EP-8 rank of Air: 5.9 + 6.0 ms of its 455 ms step, BENCHMARKS.md, thirty-second session);
+# with expert LoRA, A's weight gradient reads the tokens too, so the expanded rows are not kept for the backward. A
+# candidate, off until a device measures it: the kernel's A tiles come by pointer loads then, not TMA.
 GATHER_IN_GEMM = False
 
 
@@ -356,13 +357,62 @@ class _FrozenLinearSummed(torch.autograd.Function):
         return grad_a, None, None, None, None, None
 
 
-def gathers_in_gemm(x, gate_up, down, lora) -> bool:
-    """Whether routed_experts runs these stacks with the expansion's gathers inside the GEMMs (GATHER_IN_GEMM)."""
-    if not (GATHER_IN_GEMM and lora is None and GROUPED_GEMM == "triton"
-            and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
+class _GatheredFrozenLoRALinear(torch.autograd.Function):
+    """grouped_mm_frozen_lora(expand(x, bags), W, A, B) with the gather in the kernels' loads (the base GEMM's and
+    x·Aᵀ's); the backward gives x's gradient (each bag's rows' summed), and A's from the tokens read through the index
+    (the expanded rows are not kept)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, bag, slots, full, lora_A, lora_B, scaling):
+        y, xa = torch.ops.moetune.grouped_mm_frozen_lora_rows(x, bag, weight, offs, lora_A, lora_B, scaling)
+        ctx.save_for_backward(x, weight, offs, bag, slots, lora_A, lora_B, xa)
+        ctx.full, ctx.scaling = full, scaling
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, offs, bag, slots, lora_A, lora_B, xa = ctx.saved_tensors
+        g, ops = g.contiguous(), torch.ops.moetune
+        grad_xa = ops.lora_rows(g, lora_B, offs, ctx.scaling)
+        grad_B = ops.ragged_outer(g, xa, offs, ctx.scaling)
+        grad_A = ops.ragged_outer(grad_xa, x, offs, 1.0, q_rows=bag)
+        grad_rows = ops.grouped_mm_frozen_lora_dgrad(g, weight, offs, grad_xa, lora_A)
+        return _bag_sums(grad_rows, slots, ctx.full), None, None, None, None, None, grad_A, grad_B, None
+
+
+class _FrozenLoRALinearSummed(torch.autograd.Function):
+    """combine(grouped_mm_frozen_lora(a, W, A, B), bags); the backward reads the rows' gradient from the bags'
+    gradient through the index, in the input gradient's kernel and in LoRA's thin products."""
+
+    @staticmethod
+    def forward(ctx, a, weight, offs, bag, slots, full, lora_A, lora_B, scaling):
+        y, xa = torch.ops.moetune.grouped_mm_frozen_lora(a, weight, offs, lora_A, lora_B, scaling)
+        ctx.save_for_backward(a, weight, offs, bag, lora_A, lora_B, xa)
+        ctx.scaling = scaling
+        return _bag_sums(y, slots, full)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, weight, offs, bag, lora_A, lora_B, xa = ctx.saved_tensors
+        g, ops = g.contiguous(), torch.ops.moetune
+        grad_xa = ops.lora_rows(g, lora_B, offs, ctx.scaling, rows=bag)
+        grad_B = ops.ragged_outer(g, xa, offs, ctx.scaling, p_rows=bag)
+        grad_A = ops.ragged_outer(grad_xa, a, offs, 1.0)
+        grad_a = ops.grouped_mm_frozen_lora_dgrad(g, weight, offs, grad_xa, lora_A, rows=bag)
+        return grad_a, None, None, None, None, None, grad_A, grad_B, None
+
+
+def gathers_in_gemm(x, gate_up, down, lora, lora_weights=None) -> bool:
+    """Whether routed_experts runs these stacks with the expansion's gathers inside the GEMMs (GATHER_IN_GEMM): frozen
+    16-bit stacks through the TMA kernel, and expert LoRA (`lora_weights`, else its own) in its epilogue or none."""
+    if not (GATHER_IN_GEMM and GROUPED_GEMM == "triton" and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
         return False
     if isinstance(gate_up, FrozenFp8) or isinstance(down, FrozenFp8):
         return False
+    if lora is not None:
+        A_gate_up, _, A_down, _ = lora_weights or (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        if not (_lora_in_epilogue(x, gate_up, lora, A_gate_up) and _lora_in_epilogue(x, down, lora, A_down)):
+            return False
     gate_up, down = local_tensor(gate_up), local_tensor(down)
     return (not gate_up.requires_grad and not down.requires_grad and gate_up.dtype == down.dtype == x.dtype
             and kernel_supported(x, gate_up, None) and tma.tma_supported(x, gate_up, True)
@@ -375,10 +425,19 @@ def routed_experts(x, bags: Bags, offs, row_weights, gate_up, down, lora=None, l
     rows a rank received) expanded to their (row, expert) pairs sorted by expert (group ends `offs`), through the
     experts, each row's weighted outputs summed [m, H]; with the two gathers inside the GEMMs where `gathers_in_gemm`
     says. Arguments after `bags` as experts_forward's; with `rebuilt`, the expanded rows are saved as a gather of x."""
-    if gathers_in_gemm(x, gate_up, down, lora):
+    if gathers_in_gemm(x, gate_up, down, lora, lora_weights):
         gate_up, down = local_tensor(gate_up), local_tensor(down)
-        h = _GatheredFrozenLinear.apply(x, gate_up, offs, bags.bag, bags.slots, bags.full)
-        return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, offs, bags.bag, bags.slots, bags.full)
+        maps = (bags.bag, bags.slots, bags.full)
+        if lora is None:
+            h = _GatheredFrozenLinear.apply(x, gate_up, offs, *maps)
+            return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, offs, *maps)
+        A1, B1, A2, B2 = (local_tensor(t).to(x.dtype) for t in lora_weights or (
+            lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B))
+        h = _GatheredFrozenLoRALinear.apply(x, gate_up, offs, *maps, A1, B1, lora.scaling)
+        a = weighted_swiglu(h, row_weights)
+        if rebuilt is not None:  # down's A gradient reads the SwiGLU output: rebuilt from h, which backward keeps
+            rebuilt.add(a, functools.partial(weighted_swiglu_fwd, h.detach(), row_weights.detach()))
+        return _FrozenLoRALinearSummed.apply(a, down, offs, *maps, A2, B2, lora.scaling)
     rows = expand(x, bags)
     if rebuilt is not None:
         rebuilt.add(rows, functools.partial(expand_rows, x.detach(), bags))

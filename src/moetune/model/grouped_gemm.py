@@ -242,11 +242,12 @@ def lora_epilogue_fits(x: torch.Tensor, weight: torch.Tensor, rank: int) -> bool
             and tma.tma_supported(x.new_empty(0, weight.shape[1]), weight, False))
 
 
-def _run_lora(x, weight, offs, transpose, L, P):
+def _run_lora(x, weight, offs, transpose, L, P, rows=None):
     """x · op(W[e]) + L · P[e] per group (op as `_run`), one rounding; the TMA kernel's epilogue where it fits, else
-    both products in fp32 by the reference."""
+    both products in fp32 by the reference. `rows`: the product's rows are x[rows] (the kernel gathers them)."""
     if lora_epilogue_fits(x, weight, L.shape[1]):
-        return tma.grouped_gemm_tma(x, weight, offs, None, transpose, lora=(L, P))
+        return tma.grouped_gemm_tma(x, weight, offs, None, transpose, lora=(L, P), a_rows=rows)
+    x = x if rows is None else x[rows]
     y = grouped_mm_reference(x.float(), weight, offs, None, transpose)
     return (y + grouped_mm_reference(L.float(), P, offs, None, transpose=False)).to(x.dtype)
 
@@ -373,13 +374,32 @@ def _(x, weight, offs, lora_A, lora_B, scaling):
 
 @torch.library.custom_op("moetune::grouped_mm_frozen_lora_dgrad", mutates_args=())
 def _grouped_mm_frozen_lora_dgrad_op(grad: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                                     grad_xa: torch.Tensor, lora_A: torch.Tensor) -> torch.Tensor:
-    return _run_lora(grad, weight, offs, False, grad_xa, lora_A)
+                                     grad_xa: torch.Tensor, lora_A: torch.Tensor,
+                                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    return _run_lora(grad, weight, offs, False, grad_xa, lora_A, rows)
 
 
 @_grouped_mm_frozen_lora_dgrad_op.register_fake
-def _(grad, weight, offs, grad_xa, lora_A):
-    return grad.new_empty(grad.shape[0], weight.shape[2])
+def _(grad, weight, offs, grad_xa, lora_A, rows=None):
+    return grad.new_empty(grad_xa.shape[0], weight.shape[2])
+
+
+# The LoRA op's forward on gathered rows (x[rows], the kernels' loads read them through the index): no autograd here,
+# model/experts.py composes the backward of the expansion it belongs to.
+@torch.library.custom_op("moetune::grouped_mm_frozen_lora_rows", mutates_args=())
+def _grouped_mm_frozen_lora_rows_op(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                                    lora_A: torch.Tensor, lora_B: torch.Tensor,
+                                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xa = grouped_lora_kernels.lora_rows(x, lora_A.transpose(-2, -1), offs, rows=rows)
+    return _run_lora(x, weight, offs, True, xa, (lora_B * scaling).transpose(-2, -1), rows), xa
+
+
+@_grouped_mm_frozen_lora_rows_op.register_fake
+def _(x, rows, weight, offs, lora_A, lora_B, scaling):
+    return x.new_empty(rows.shape[0], weight.shape[1]), x.new_empty(rows.shape[0], lora_A.shape[1])
+
+
+register_product(torch.ops.moetune.grouped_mm_frozen_lora_rows.default)
 
 
 def _lora_setup_context(ctx, inputs, output):
