@@ -1,7 +1,8 @@
 """Expert LoRA's thin products on rows sorted by expert, as Triton kernels on the grouped GEMMs' tile schedule
 (model/grouped_gemm_tiles.py): `lora_rows` (rows · W[e] down to the rank) and `ragged_outer` (Σ over a group's rows of
 pᵀ·q, LoRA's weight gradients), torch's grouped GEMMs where the kernels do not run; and their custom ops, which the
-frozen stack's LoRA op (model/grouped_gemm.py) calls from its traced backward.
+frozen stack's LoRA op (model/grouped_gemm.py) calls from its traced backward. Either may read a row operand through
+an index (the expansion's gathers inside the kernels: model/experts.py's GATHER_IN_GEMM).
 """
 
 from __future__ import annotations
