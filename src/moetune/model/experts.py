@@ -302,7 +302,7 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
     if fuses_fp8_mlp(x, gate_up_proj, down_proj, lora):
         return fp8_expert_mlp(x, row_weights, _local_fp8(gate_up_proj), _local_fp8(down_proj), offs)
     if lora is not None and lora_weights is None:
-        lora_weights = (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        lora_weights = lora.pairs()
     if lora is None:
         h = grouped_linear(x, gate_up_proj, offs, base=True)
     else:
@@ -410,7 +410,7 @@ def gathers_in_gemm(x, gate_up, down, lora, lora_weights=None) -> bool:
     if isinstance(gate_up, FrozenFp8) or isinstance(down, FrozenFp8):
         return False
     if lora is not None:
-        A_gate_up, _, A_down, _ = lora_weights or (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        A_gate_up, _, A_down, _ = lora_weights or lora.pairs()
         if not (_lora_in_epilogue(x, gate_up, lora, A_gate_up) and _lora_in_epilogue(x, down, lora, A_down)):
             return False
     gate_up, down = local_tensor(gate_up), local_tensor(down)
@@ -431,8 +431,7 @@ def routed_experts(x, bags: Bags, offs, row_weights, gate_up, down, lora=None, l
         if lora is None:
             h = _GatheredFrozenLinear.apply(x, gate_up, offs, *maps)
             return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, offs, *maps)
-        A1, B1, A2, B2 = (local_tensor(t).to(x.dtype) for t in lora_weights or (
-            lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B))
+        A1, B1, A2, B2 = (local_tensor(t).to(x.dtype) for t in lora_weights or lora.pairs())
         h = _GatheredFrozenLoRALinear.apply(x, gate_up, offs, *maps, A1, B1, lora.scaling)
         a = weighted_swiglu(h, row_weights)
         if rebuilt is not None:  # down's A gradient reads the SwiGLU output: rebuilt from h, which backward keeps

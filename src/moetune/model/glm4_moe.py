@@ -209,7 +209,7 @@ class Experts(nn.Module):
         scales = () if q is None else tuple(getattr(self, scale_name(n, q)) for n in ("gate_up_proj", "down_proj"))
         copies = tuple(c for c in (transposed_copy(self, "gate_up_proj"), transposed_copy(self, "down_proj"))
                        if c is not None)
-        extra = () if lora is None else (lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        extra = () if lora is None else lora.pairs()
         return (self.gate_up_proj, self.down_proj, *scales, *copies, *extra)
 
     def _compute(self, rows, bag, slots, offs, row_weights, gate_up, down, *rest, rebuilt=None):

@@ -231,6 +231,10 @@ class ExpertLoRA(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.reset_lora()
 
+    def pairs(self) -> tuple:
+        """(gate_up A, gate_up B, down A, down B): what the experts' computation takes as `lora_weights`."""
+        return self.gate_up_A, self.gate_up_B, self.down_A, self.down_B
+
     def reset_lora(self):
         if self.gate_up_A.device.type == "meta":
             return
