@@ -1,6 +1,7 @@
 """A LoRA linear on a frozen weight, one op each way (model/lora.py's `lora_linear`), on the dense shapes of
 GLM-4.7-Flash's MLA projections and Air's attention (4,096 tokens, rank 16), each way of adding LoRA's branch:
-- bf16 base: added in place onto y (cuBLAS's beta = 1) against along the GEMM's reduction (lora.LORA_ALONG_K);
+- bf16 base: added in place onto y (cuBLAS's beta = 1) against along the GEMM's reduction (lora.LORA_ALONG_K), and
+  against the branch written first with the base GEMM added onto it (lora.LORA_FIRST, `first`);
 - fp8 base (row scales, operands by the row kernel): cuBLAS's fp8 GEMM + the in-place add against the TMA kernel
   with the branch in its epilogue (quant.matmul.FP8_LORA_EPILOGUE).
 Forward alone and forward + backward, GPU ms per call (the kernels' durations summed by torch.profiler), and the
@@ -76,6 +77,7 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
     B = (torch.randn(n_out, RANK, device=device, generator=g) / RANK).bfloat16().requires_grad_()
     grad = torch.randn(ROWS, n_out, device=device, generator=g).bfloat16()
     lora.LORA_ALONG_K = setting == "along_k"
+    lora.LORA_FIRST = setting == "first"
     if fp8:
         w8, scale = quantize_rows(w)
         matmul.FP8_LORA_EPILOGUE = setting == "epilogue"
@@ -109,11 +111,13 @@ def main():
     results = []
     for name, (n_in, n_out) in SHAPES.items():
         # the CPU rehearsal: torch's own fp8 GEMM, and no TMA kernel (the epilogue form adds its branch in place there)
-        for fp8, settings in ((False, ("in_place", "along_k")), (True, ("in_place", "epilogue"))):
-            a, b = (case(name, n_in, n_out, fp8, s, 20) for s in settings)
-            y_err, dx_err = rel_err(b["y"], a["y"]), rel_err(b["grads"][0], a["grads"][0])
-            for r in (a, b):
-                r.update(y_err_vs_other=y_err, dx_err_vs_other=dx_err)
+        for fp8, settings in ((False, ("in_place", "along_k", "first")), (True, ("in_place", "epilogue"))):
+            a, *others = (case(name, n_in, n_out, fp8, s, 20) for s in settings)
+            for r in (a, *others):  # each against the in-place form (the in-place row: against the next)
+                other = others[0] if r is a else a
+                r.update(y_err_vs_other=rel_err(r["y"], other["y"]),
+                         dx_err_vs_other=rel_err(r["grads"][0], other["grads"][0]))
+            for r in (a, *others):
                 r.pop("y"), r.pop("grads")
                 results.append(r)
                 print(json.dumps(r), flush=True)

@@ -273,6 +273,12 @@ for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_m
               "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_lak0"] = (_s, _b, _t, _tg, {**_x, "lora_along_k": False})
+# the one op's branch written first and the base GEMM added onto it (_lf: lora.LORA_FIRST), against the branch added
+# in place after it (bf16 bases)
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024", "ours_qkvo_4x1024_cg",
+              "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_lf"] = (_s, _b, _t, _tg, {**_x, "lora_first": True})
 # LoRA's branch on an fp8 weight added by cuBLAS's fp8 GEMM + an in-place add (_le0: quant.matmul.FP8_LORA_EPILOGUE
 # False), before the TMA kernel made the whole product as one group with the branch in its epilogue (where the LoRA op
 # runs: the _cg rows)
@@ -328,14 +334,14 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed", "ours_ep8rank_qkvo_1x4096_packe
               "trainer_flash_mla_1x4096_demo_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_ebm"] = (_s, _b, _t, _tg, {**_x, "compiled_block_mask": False})
-# the permutation's gathers inside the grouped GEMMs' loads (experts.GATHER_IN_GEMM: frozen bf16 stacks, expert LoRA
-# in the TMA kernel's epilogue or none; through the dispatcher, the expansion of the rows a rank received), each
-# against its row
+# the permutation's gathers written out before the grouped GEMMs (_mg), against the default (experts.GATHER_IN_GEMM:
+# frozen bf16 stacks read them in the kernels' loads, expert LoRA in the TMA kernel's epilogue or none; through the
+# dispatcher, the expansion of the rows a rank received)
 for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
               "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_ep8rank_qkvo_1x4096_packed_dispatch",
               "ours_experts_4x1024", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_gp"] = (_s, _b, _t, _tg, {**_x, "gather_in_gemm": True})
+    VARIANTS[f"{_base}_mg"] = (_s, _b, _t, _tg, {**_x, "gather_in_gemm": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -436,6 +442,7 @@ def build_ours(cfg: dict, targets, extra, device):
     experts_module.NARROW_SORT_KEYS = extra.get("narrow_sort_keys", experts_module.NARROW_SORT_KEYS)
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
+    lora_module.LORA_FIRST = extra.get("lora_first", lora_module.LORA_FIRST)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)

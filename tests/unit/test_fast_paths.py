@@ -652,7 +652,8 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
     """The forms of a LoRA linear on a bf16-like base (lora.LORA_LINEAR; float64 here): the one op each way (its
     branch added in place, or along the GEMM's reduction where the output is much wider than the input:
     lora.LORA_ALONG_K), the addmm and the plain sum give the same output and the same gradients for x, A and B, eager
-    and compiled (Inductor); the op form runs the op, forward and backward, and the others do not."""
+    and compiled (Inductor); so does the op with the branch's product written first and the base GEMM added onto it
+    (lora.LORA_FIRST); the op form runs the op, forward and backward, and the others do not."""
     from moetune.model import lora
 
     n_in, n_out, lead = shape
@@ -665,12 +666,14 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
     assert lora._wide_output(math.prod(lead), layer.weight, layer.lora_A) == (n_out == 96)
     weights = torch.randn(n_out, dtype=torch.float64)
     chosen = []
-    for fn in ("_product_along_k", "_grads_along_k"):
+    for fn in ("_product_along_k", "_grads_along_k", "_branch_then_base"):
         monkeypatch.setattr(lora, fn, lambda *a, _fn=getattr(lora, fn), _name=fn: chosen.append(_name) or _fn(*a))
     results = []
-    for form, along_k in (("op", True), ("op", False), ("addmm", True), ("sum", True)):
+    for form, along_k, first in (("op", True, False), ("op", False, False), ("op", False, True), ("addmm", True, False),
+                                 ("sum", True, False)):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
         monkeypatch.setattr(lora, "LORA_ALONG_K", along_k)
+        monkeypatch.setattr(lora, "LORA_FIRST", first)
         torch._dynamo.reset()
         f = torch.compile(layer, backend="inductor") if compiled else layer
         layer.zero_grad()
@@ -682,7 +685,7 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
             assert ("moetune.lora_linear" in ops.seen and "moetune.lora_linear_bwd" in ops.seen) == (form == "op")
             # the op's two halves each took LoRA's branch along K where it pays (and it was allowed), else in place
             assert chosen == (["_product_along_k", "_grads_along_k"] if form == "op" and along_k and n_out == 96
-                              else [])
+                              else ["_branch_then_base"] if form == "op" and first else [])
         chosen.clear()
         results.append((y, xi.grad, layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
     for got in results[1:]:
@@ -694,9 +697,9 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
 @pytest.mark.parametrize("n_in, n_out, rows", [(64, 96, 40), (16, 256, 128)], ids=["in_place", "along_k"])
 def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, monkeypatch):
     """In bf16 the op's output and gradients are those of the traced form within bf16's rounding (the same GEMMs, the
-    sums in fp32 accumulators; cuBLAS's on CUDA), its branch added in place or along the reduction; an input that
-    needs no gradient gets none (B's and A's still come); LoRA dropout and an fp32 input fall back to the traced
-    form."""
+    sums in fp32 accumulators; cuBLAS's on CUDA), its branch added in place, or along the reduction, or written first
+    with the base GEMM added onto it (lora.LORA_FIRST); an input that needs no gradient gets none (B's and A's still
+    come); LoRA dropout and an fp32 input fall back to the traced form."""
     from moetune.model import lora
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -707,15 +710,18 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, m
     x = torch.randn(rows, n_in, dtype=torch.bfloat16, device=device)
     assert lora._wide_output(rows, layer.weight, layer.lora_A) == (n_out == 256)
     out = []
-    for form in ("op", "addmm"):
+    for form, first in (("addmm", False), ("op", False), ("op", True)):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
+        monkeypatch.setattr(lora, "LORA_FIRST", first)
         layer.zero_grad()
         xi = x.clone().requires_grad_()
         y = layer(xi)
         y.float().square().sum().backward()
         out.append((y.float(), xi.grad.float(), layer.lora_A.grad.clone(), layer.lora_B.grad.clone()))
-    for a, b in zip(*out):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    for got in out[1:]:
+        for a, b in zip(got, out[0]):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+    monkeypatch.setattr(lora, "LORA_FIRST", False)
     monkeypatch.setattr(lora, "LORA_LINEAR", "op")
     layer.zero_grad()
     layer(x).float().sum().backward()  # x needs no gradient
@@ -946,7 +952,7 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
 def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
     """benchmarks/lora_linear_kernels.py's CPU rehearsal runs against today's op and reports what the GPU run's table
     rests on: the wide shape takes a bf16 weight's LoRA branch along K and the narrow one in place, the bf16 forms'
-    outputs within bf16's rounding of each other, the fp8 forms' (torch's fp8 GEMM either way on the CPU) finite and
+    outputs (in place, along K, the branch first) within bf16's rounding of each other, the fp8 forms' (torch's fp8 GEMM either way on the CPU) finite and
     equal (a NaN fails the comparison); EVERY_SHAPE=1 takes it along K on both."""
     import json
     import os
@@ -963,7 +969,7 @@ def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
         along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == "along_k"}
         assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}
         assert {(r["base"], r["setting"]) for r in rows} == {("bf16", "in_place"), ("bf16", "along_k"),
-                                                             ("fp8", "in_place"), ("fp8", "epilogue")}
+                                                             ("bf16", "first"), ("fp8", "in_place"), ("fp8", "epilogue")}
         for r in rows:
             tol = 1e-2 if r["base"] == "bf16" else 5e-2
             assert r["y_err_vs_other"] < tol and r["dx_err_vs_other"] < tol, r

@@ -129,6 +129,7 @@ def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(
     monkeypatch.setattr(tma, "grouped_gemm_tma",
                         lambda *a, **k: gathered.append(k.get("a_rows") is not None) or real(*a, **k))
     config, mode, targets = CASES[case]
+    monkeypatch.setattr(experts, "GATHER_IN_GEMM", False)
     want = _grads(config, mode, targets, "none", torch.bfloat16, compiled, rank=16)
     assert gathered and not any(gathered)
     monkeypatch.setattr(experts, "GATHER_IN_GEMM", True)

@@ -319,9 +319,12 @@ def experts_forward(x, offs, row_weights, gate_up_proj, down_proj, lora=None, lo
 # its epilogue or none): gate_up's forward reads its rows from the tokens (or the rows a rank received) and down's
 # input gradient from their gradient, by pointer loads in the kernels, instead of each [rows, H] gather being written
 # out and read back (one EP-8 rank of Air: 5.9 + 6.0 ms of its 455 ms step, BENCHMARKS.md, thirty-second session);
-# with expert LoRA, A's weight gradient reads the tokens too, so the expanded rows are not kept for the backward. A
-# candidate, off until a device measures it: the kernel's A tiles come by pointer loads then, not TMA.
-GATHER_IN_GEMM = False
+# with expert LoRA, A's weight gradient reads the tokens too, so the expanded rows are not kept for the backward.
+# The kernel's A tiles then come by pointer loads, not TMA; one H200 (BENCHMARKS.md, thirty-fourth session): gate_up's
+# forward 1.600 ms against 1.626 for the gather then the GEMM on the EP-8 rank's shape, down's input gradient 0.756
+# against 0.925; the EP-8 rank 9,110 -> 9,258 tokens/s, AIR-8 q,k,v,o 40,856 -> 41,376, with expert LoRA 36,503 ->
+# 37,427 (43.3 -> 41.8 GiB), Flash MLA 17,272 -> 17,402.
+GATHER_IN_GEMM = True
 
 
 class _GatheredFrozenLinear(torch.autograd.Function):

@@ -70,6 +70,21 @@ def _base_input_grad(g, weight, scale, transposed):
 LORA_ALONG_K = True
 
 
+# Where the branch is added in place, its K = r GEMM reads and rewrites all of y (memory-bound: on one EP-8 rank of
+# Air 6.5 ms forward and 5.0 backward of a 442 ms step, BENCHMARKS.md, thirty-fourth session). LORA_FIRST writes the
+# branch's product first and lets the base GEMM add onto it (beta = 1 on the compute-bound GEMM, whose epilogue reads
+# y under its K loop): y is read once less by a kernel that does nothing else. Each way x's gradient the same with A.
+# A candidate, off until a device measures it.
+LORA_FIRST = False
+
+
+def _branch_then_base(x2, h, weight, bias, lora_B, scaling):
+    """y = s·h·Bᵀ + b, then y += x·Wᵀ in place (bf16-like W)."""
+    hs = h * scaling
+    y = torch.mm(hs, lora_B.t()) if bias is None else torch.addmm(bias, hs, lora_B.t())
+    return y.addmm_(x2, weight.t())
+
+
 def _wide_output(rows: int, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
     """Whether the branch goes inside the base GEMM: the in-place add moves 2·rows·out values, the concatenations
     2·(rows + out)·(in + r)."""
@@ -105,6 +120,8 @@ def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
         y = _product_along_k(x2, h, weight, bias, lora_B, scaling)
     elif scale is not None and wide and fp8_mm_lora_fits(x2, weight, lora_A.shape[0], bias):
         y = fp8_mm_lora(x2, weight, scale, h * scaling, lora_B.t())
+    elif scale is None and LORA_FIRST:
+        y = _branch_then_base(x2, h, weight, bias, lora_B, scaling)
     else:
         y = _base_product(x2, weight, scale, bias)
         y.addmm_(h, lora_B.t(), alpha=scaling)  # in place: cuBLAS's beta = 1
@@ -128,7 +145,12 @@ def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, we
         dx, grad_h = _grads_along_k(g, weight, lora_A, lora_B, scaling)
     else:
         grad_h = torch.mm(g, lora_B * scaling)  # the gradient reaching x·Aᵀ
-        dx = _base_input_grad(g, weight, scale, transposed).addmm_(grad_h, lora_A) if input_grad else None
+        if not input_grad:
+            dx = None
+        elif scale is None and LORA_FIRST:
+            dx = torch.mm(grad_h, lora_A).addmm_(g, weight)
+        else:
+            dx = _base_input_grad(g, weight, scale, transposed).addmm_(grad_h, lora_A)
     grad_A, grad_B = torch.mm(grad_h.t(), x.reshape(-1, x.shape[-1])), torch.mm(g.t(), h * scaling)
     return (dx.view(x.shape) if input_grad else x.new_empty(0)), grad_A, grad_B
 
