@@ -952,8 +952,9 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
 def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
     """benchmarks/lora_linear_kernels.py's CPU rehearsal runs against today's op and reports what the GPU run's table
     rests on: the wide shape takes a bf16 weight's LoRA branch along K and the narrow one in place, the bf16 forms'
-    outputs (in place, along K, the branch first) within bf16's rounding of each other, the fp8 forms' (torch's fp8 GEMM either way on the CPU) finite and
-    equal (a NaN fails the comparison); EVERY_SHAPE=1 takes it along K on both."""
+    outputs (in place, along K, the branch first) within bf16's rounding of each other, the fp8 forms' (torch's fp8
+    GEMM either way on the CPU) finite and equal (a NaN fails the comparison); EVERY_SHAPE=1 takes it along K on
+    both."""
     import json
     import os
     import subprocess
@@ -968,8 +969,8 @@ def test_lora_linear_kernels_benchmark_rehearses_on_the_cpu(tmp_path):
         rows = json.loads((tmp_path / "lora_linear_kernels.json").read_text())["results"]
         along = {r["shape"]: r["along_k"] for r in rows if r["setting"] == "along_k"}
         assert along == {"tiny_wide": True, "tiny_narrow": every == "1"}
-        assert {(r["base"], r["setting"]) for r in rows} == {("bf16", "in_place"), ("bf16", "along_k"),
-                                                             ("bf16", "first"), ("fp8", "in_place"), ("fp8", "epilogue")}
+        assert {(r["base"], r["setting"]) for r in rows} == {
+            ("bf16", "in_place"), ("bf16", "along_k"), ("bf16", "first"), ("fp8", "in_place"), ("fp8", "epilogue")}
         for r in rows:
             tol = 1e-2 if r["base"] == "bf16" else 5e-2
             assert r["y_err_vs_other"] < tol and r["dx_err_vs_other"] < tol, r
