@@ -273,12 +273,6 @@ for _base in ("ours_flash_mla_1x4096_cg", "ours_flash_mla_1x4096", "ours_flash_m
               "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_lak0"] = (_s, _b, _t, _tg, {**_x, "lora_along_k": False})
-# the one op's branch written first and the base GEMM added onto it (_lf: lora.LORA_FIRST), against the branch added
-# in place after it (bf16 bases)
-for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024", "ours_qkvo_4x1024_cg",
-              "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_lf"] = (_s, _b, _t, _tg, {**_x, "lora_first": True})
 # LoRA's branch on an fp8 weight added by cuBLAS's fp8 GEMM + an in-place add (_le0: quant.matmul.FP8_LORA_EPILOGUE
 # False), before the TMA kernel made the whole product as one group with the branch in its epilogue (where the LoRA op
 # runs: the _cg rows)
@@ -342,6 +336,12 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
               "ours_experts_4x1024", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_mg"] = (_s, _b, _t, _tg, {**_x, "gather_in_gemm": False})
+# the one op's branch written first and the base GEMM added onto it (_lf: lora.LORA_FIRST), against the branch added
+# in place after it (bf16 bases)
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024", "ours_qkvo_4x1024_cg",
+              "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_lf"] = (_s, _b, _t, _tg, {**_x, "lora_first": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
