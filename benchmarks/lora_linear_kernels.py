@@ -95,7 +95,10 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
 
     y = forward()
     step()
+    with torch.no_grad():  # the branch's size beside the output's: a zero branch would make every form agree
+        branch = 2.0 * (x.float() @ A.float().t()) @ B.float().t()
     return dict(shape=name, n_in=n_in, n_out=n_out, base="fp8" if fp8 else "bf16", setting=setting,
+                y_norm=y.float().norm().item(), branch_norm=branch.norm().item(),
                 along_k=lora.LORA_ALONG_K and lora._wide_output(ROWS, w, A) if not fp8 else None,
                 epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) and lora._wide_output(ROWS, w, A)
                 if fp8 else None,
@@ -116,7 +119,8 @@ def main():
             for r in (a, *others):  # each against the in-place form (the in-place row: against the next)
                 other = others[0] if r is a else a
                 r.update(y_err_vs_other=rel_err(r["y"], other["y"]),
-                         dx_err_vs_other=rel_err(r["grads"][0], other["grads"][0]))
+                         dx_err_vs_other=rel_err(r["grads"][0], other["grads"][0]),
+                         y_differs=(r["y"] != other["y"]).float().mean().item())  # the share of elements
             for r in (a, *others):
                 r.pop("y"), r.pop("grads")
                 results.append(r)
