@@ -423,6 +423,73 @@ def test_each_activation_term_names_the_module_that_saves_it(config, mode, targe
             assert formula == pytest.approx(measured, rel=CENSUS_MARGIN, abs=1), (i, name, formula, measured)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's twin of a GPU path")
+@pytest.mark.parametrize("ac", ["none", "attention"])
+@pytest.mark.parametrize("targets", [["q_proj", "experts"], ["q_proj", "shared_experts", "experts"]],
+                         ids=["experts", "experts-and-shared"])
+def test_experts_reading_their_rows_inside_the_gemms_keep_the_tokens(targets, ac, monkeypatch):
+    """experts.GATHER_IN_GEMM with LoRA on the experts in the TMA kernel's epilogue (rank 16, frozen bf16 stacks;
+    Triton's interpreter standing in for the GPU): the experts keep the tokens for A's gradient, not the expanded
+    rows, and the shared expert's LoRA the same tokens, counted with the experts: layer_terms(token_rows=True) module
+    by module against the census; with the gathers written out, the terms without it."""
+    from moetune.model import experts
+    from moetune.model import grouped_gemm_tiles as tiles
+    from moetune.model import grouped_gemm_tma as tma
+
+    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(tma, "TMA_CONFIG", dict(tma.TMA_CONFIG, BK=tiles._INTERPRETER_CONFIG["BK"]))
+    m = ModelConfig.from_hf_dict(TINY_GQA)
+    for on in (True, False):
+        monkeypatch.setattr(experts, "GATHER_IN_GEMM", on)
+        model, full = _census_model(m, "lora", targets, rank=16)
+        apply_ac(model, ac)
+        small, big = saved_bytes_by_layer(model, 64, by_module=True), saved_bytes_by_layer(model, 128, by_module=True)
+        i = 1  # the MoE layer
+        attn, ffn = layer_terms(m, True, "eager", 2, set(targets), full, False, 16, token_rows=on)
+        for name, formula in {**(attn if ac == "none" else {}), **ffn}.items():
+            measured = (big[(i, name)] - small[(i, name)]) / 64
+            assert formula == pytest.approx(measured, rel=CENSUS_MARGIN, abs=1), (on, name, formula, measured)
+    H, k = m.hidden_size, m.num_experts_per_tok
+    gathered, written = (layer_terms(m, True, "eager", 2, set(targets), False, False, 16, token_rows=t)[1]
+                         for t in (True, False))
+    assert sum(written.values()) - sum(gathered.values()) == 2 * H * (k if "shared_experts" in targets else k - 1)
+
+
+def test_where_the_experts_keep_the_tokens(monkeypatch):
+    """estimate.gathers_expert_inputs: LoRA on the experts at rank 16, 32 or 64 without dropout on a bf16 base with
+    16-bit stacks, the gathers inside the GEMMs on; not for other ranks, dropout, full fine-tuning, fp8 stacks, no
+    LoRA on the experts, or the gathers written out."""
+    from types import SimpleNamespace as NS
+
+    from moetune.model import experts
+    from moetune.parallel.estimate import Frozen, gathers_expert_inputs
+
+    def cfg(rank=16, dropout=0.0, mode="lora", targets=("q_proj", "experts"), dtype="bfloat16"):
+        return NS(finetune=NS(mode=mode), lora=NS(rank=rank, dropout=dropout, targets=list(targets)),
+                  model=NS(dtype=dtype))
+
+    bf16, fp8 = NS(experts_frozen=Frozen(10, 0, 0)), NS(experts_frozen=Frozen(0, 10, 10))
+    assert all(gathers_expert_inputs(cfg(rank=r), bf16) for r in (16, 32, 64))
+    assert not any(gathers_expert_inputs(c, bf16) for c in (cfg(rank=8), cfg(rank=128), cfg(dropout=0.05),
+                                                            cfg(mode="full"), cfg(targets=("q_proj",)),
+                                                            cfg(dtype="float32")))
+    assert not gathers_expert_inputs(cfg(), fp8)
+    monkeypatch.setattr(experts, "GATHER_IN_GEMM", False)
+    assert not gathers_expert_inputs(cfg(), bf16)
+
+
+def test_memory_estimate_of_expert_lora_against_gpu_measurements(monkeypatch):
+    """AIR-8, LoRA q,k,v,o and the routed experts, 4 x 1024, compiled, one H200 (BENCHMARKS.md, thirty-fourth
+    session): 41.8 GiB peak allocated with the experts reading their rows inside the GEMMs (the default), 43.3 with
+    the expanded rows written out and kept."""
+    from moetune.model import experts
+
+    over = AIR8 + COMPILED + ["--lora.targets", "[q_proj,k_proj,v_proj,o_proj,experts]"]
+    assert estimate_gib(None, over) == pytest.approx(41.8, rel=0.03)
+    monkeypatch.setattr(experts, "GATHER_IN_GEMM", False)
+    assert estimate_gib(None, over) == pytest.approx(43.3, rel=0.03)
+
+
 @pytest.fixture
 def ep_mesh_of_one():
     """A one-process gloo group: the expert-parallel exchange with every row sent to itself."""

@@ -40,8 +40,11 @@ on a one-rank mesh, within 3 % (CENSUS_MARGIN):
   mlp.gate                  4E + 12k + 4 (fp32 scores, the top-k weights and indices, their normaliser)
   mlp.experts               2b·k·Im (gate_up's output: the weighted SwiGLU's own backward recomputes the rest, since
                             82752e3a) + 28k (the permutation's bookkeeping) [+ b·k·H + b·k·Im (expert inputs) in full
-                            mode or with LoRA on the experts, + 2b·k·r' (their x·Aᵀ, r' the rank padded to 16 bytes)]
-  mlp.shared_experts        3b·Is [+ b·H + b·Is in full mode or with LoRA on it] + 3b·r (LoRA)
+                            mode or with LoRA on the experts, + 2b·k·r' (their x·Aᵀ, r' the rank padded to 16 bytes)];
+                            where the LoRA reads its rows through the token map inside the grouped GEMMs (a GPU's
+                            default for LoRA in the TMA kernel's epilogue, `token_rows`), the tokens b·H, not b·k·H
+  mlp.shared_experts        3b·Is [+ b·H + b·Is in full mode or with LoRA on it; b·H not again where `token_rows`]
+                            + 3b·r (LoRA)
   final      4H (norm) + b·H (the loss's saved input gradient) + 2b·rotary_dim (RoPE cos/sin, once)
   Layer 0 of a LoRA run saves nothing for its input norm (no gradient flows into the embeddings).
   torch.compile (per layer) recomputes the element-wise chains instead of saving them: per layer it keeps
@@ -153,19 +156,23 @@ def _padded_rank(rank: int, b: int) -> int:
 
 
 def layer_terms(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
-                seq: int = 0) -> tuple[dict[str, float], dict[str, float]]:
+                seq: int = 0, token_rows: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """What one layer saves for backward per token without recompute (mode eager | compiled), by the module that
     saves it, as (attention half, MLP/MoE half): the attention half from the layer input through o_proj, the other
     from the residual after attention through the MLP or MoE. Eager, the census of saved tensors checks each
     module's term (tests/unit/test_observability_inspect.py); compiled, a layer is one graph, whose terms are named
-    after what Inductor's partition keeps (a census by hand)."""
+    after what Inductor's partition keeps (a census by hand). token_rows: the routed experts' LoRA reads its rows
+    through the token map inside the grouped GEMMs (estimate.gathers_expert_inputs), so the experts keep the tokens,
+    b·H, instead of the expanded rows, b·k·H; the shared expert's LoRA keeps the same tokens, counted once, with
+    the experts, which run first."""
     H = m.hidden_size
     k, Im, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     Is, I = m.moe_intermediate_size * m.n_shared_experts, m.intermediate_size
     attention, qkv_input = attention_bytes_per_token(m, mode, b, lora, full, first, seq, rank)
-    expert_inputs = (b * k * H + b * k * Im) if (full or "experts" in lora) else 0
+    expert_rows = b * H if token_rows else b * k * H
+    expert_inputs = (expert_rows + b * k * Im) if (full or "experts" in lora) else 0
     mlp_inputs = (b * H + b * I) if (full or "dense_mlp" in lora) else 0
-    shared_inputs = (b * H + b * Is) if (full or "shared_experts" in lora) else 0
+    shared_inputs = ((0 if token_rows else b * H) + b * Is) if (full or "shared_experts" in lora) else 0
     lora_a = b * rank * 3  # the three adapted linears' x·Aᵀ of a dense MLP or shared expert
     experts_lora_a = 2 * b * k * _padded_rank(rank, b) if "experts" in lora else 0
     shared_lora_a = lora_a if "shared_experts" in lora else 0
@@ -199,19 +206,21 @@ def layer_terms(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: b
 
 
 def layer_halves(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False, rank: int = 16,
-                 seq: int = 0) -> tuple[float, float]:
+                 seq: int = 0, token_rows: bool = False) -> tuple[float, float]:
     """(attention half, MLP/MoE half) of layer_terms, summed."""
-    attn, ffn = layer_terms(m, moe, mode, b, lora, full, first, rank, seq)
+    attn, ffn = layer_terms(m, moe, mode, b, lora, full, first, rank, seq, token_rows)
     return sum(attn.values()), sum(ffn.values())
 
 
 def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full: bool, first: bool = False,
-                               rank: int = 16, seq: int = 0, ac: str = "none", topk_in: bool = False) -> float:
+                               rank: int = 16, seq: int = 0, ac: str = "none", topk_in: bool = False,
+                               token_rows: bool = False) -> float:
     """Bytes one layer saves for backward per token (see the module docstring); mode: eager | compiled | selective
     (selective activation checkpointing); ac attention | full: the checkpoint keeps the layer input (b·H, layer 0's
     too) and the rest of its inputs; attention keeps the MLP/MoE half as without recompute. topk_in: a checkpoint
     (selective, attention, full) keeps the DSA top-k the layer receives, 8 bytes per selected key
-    (`receives_topk`). seq: the sequence length (DSA's sparse attention saves a mask row per token)."""
+    (`receives_topk`). seq: the sequence length (DSA's sparse attention saves a mask row per token). token_rows: as
+    layer_terms (selective keeps the GEMMs' outputs either way)."""
     topk = 8 * min(m.index_topk, seq) if topk_in else 0
     if mode == "selective":  # a checkpoint too: it keeps the top-k it receives
         return selective_bytes_per_token(m, moe, b, lora, full, first, rank, seq) + topk
@@ -219,7 +228,7 @@ def activation_bytes_per_token(m, moe: bool, mode: str, b: int, lora: set, full:
     inputs = b * H + topk
     if ac == "full":
         return inputs
-    attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
+    attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq, token_rows)
     if ac == "attention":
         # Compiled, the residual after attention is recomputed from the layer input rather than saved (a CPU census
         # of Inductor's partition): the MLP half's own input is not kept.

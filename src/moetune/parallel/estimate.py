@@ -229,6 +229,18 @@ def count_params(model) -> ParamCounts:
                        fp8_copy_expert_bytes=sum(n for name, n in copies if ".mlp.experts." in name))
 
 
+def gathers_expert_inputs(cfg, counts: ParamCounts) -> bool:
+    """Whether a GPU run's routed experts read their LoRA rows through the token map inside the grouped GEMMs
+    (model/experts.py's gathers_in_gemm) and so keep the tokens, not the expanded rows, for A's gradient: LoRA on
+    the experts in the TMA kernel's epilogue (16-bit frozen stacks, rank 16, 32 or 64, no dropout; lora_epilogue_fits)
+    and the gathers inside the GEMMs (GATHER_IN_GEMM). Off the GPU the rows are expanded; the estimate is a GPU's."""
+    from moetune.model import experts
+
+    return (cfg.finetune.mode != "full" and "experts" in cfg.lora.targets and not cfg.lora.dropout
+            and cfg.lora.rank in (16, 32, 64) and cfg.model.dtype == "bfloat16" and not counts.experts_frozen.stored
+            and experts.GATHER_IN_GEMM and experts.LORA_IN_EPILOGUE and experts.GROUPED_GEMM == "triton")
+
+
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else n
 
@@ -375,6 +387,8 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     modes = layout.recompute  # each layer's activation checkpointing
     split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
+    # the local path's experts keep the tokens for their LoRA (under EP they keep the rows received either way)
+    token_rows = gathers_expert_inputs(cfg, counts)
 
     def layer_bytes(i):
         ac = modes[i]
@@ -382,11 +396,11 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         if moe and split:
             return ep_layer_bytes_per_token(m, mode, ac, b, lora, full, ep, first, rank, seq, topk_in)
         return activation_bytes_per_token(m, moe, "selective" if ac == "selective" else mode, b, lora, full, first,
-                                          rank, seq, ac, topk_in)
+                                          rank, seq, ac, topk_in, token_rows)
 
     def recomputed(i):  # what one layer's recompute holds at once in backward
         ac, moe, first = modes[i], m.is_moe_layer(i), i == 0
-        attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq)
+        attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq, token_rows and not split)
         if ac == "attention":
             return attn
         if ac != "full":
