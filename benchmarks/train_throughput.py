@@ -339,8 +339,7 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
 # the one op's branch written first and the base GEMM added onto it (_lf: lora.LORA_FIRST), against the branch added
 # in place after it (bf16 bases)
 for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg",
-              "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
+              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_lf"] = (_s, _b, _t, _tg, {**_x, "lora_first": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it

@@ -74,7 +74,9 @@ LORA_ALONG_K = True
 # Air 6.5 ms forward and 5.0 backward of a 442 ms step, BENCHMARKS.md, thirty-fourth session). LORA_FIRST writes the
 # branch's product first and lets the base GEMM add onto it (beta = 1 on the compute-bound GEMM, whose epilogue reads
 # y under its K loop): y is read once less by a kernel that does nothing else. Each way x's gradient the same with A.
-# A candidate, off until a device measures it.
+# One H100 (BENCHMARKS.md, thirty-fourth session): forward + backward of one op 4-5% faster on Air's q and o, 2-3%
+# slower on Flash's narrow q_a and kv_a; the EP-8 rank's step +0.4% and AIR-8's +0.1%, within their spread. Off until
+# an H200 measures it where FlashAttention-4 runs.
 LORA_FIRST = False
 
 
