@@ -39,8 +39,16 @@ FA4_SITE=${FA4_SITE:-/tmp/fa4_site}
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
-run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
-        { echo "== $name rc=$? $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t|^numerics_transformers|^\{\"shape|^(flash|air)_[a-z_]+ +(bf16|fp8) " "$LOGS/$name.log" \
+# each stage's SM clock, power and temperature every 200 ms beside its log ($LOGS/<stage>.gpu.csv): step times that
+# differ while the same kernels run are the clock's (BENCHMARKS.md, thirty-fourth session)
+run() { local name=$1 limit=$2 smi=""; shift 2; local t0=$SECONDS
+        if command -v nvidia-smi > /dev/null; then
+          nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 200 \
+            > "$LOGS/$name.gpu.csv" 2>&1 & smi=$!
+        fi
+        timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1; local rc=$?
+        [ -n "$smi" ] && kill "$smi" 2> /dev/null
+        { echo "== $name rc=$rc $((SECONDS - t0))s"; grep -E "layout \(auto\)|AIR_RESULT|Error|error:|^variant|^ours|^hf_|\"backend\"|^GPU span|best|^curves|OFFLOAD_CHECK|freed its cache|M=[0-9]|^    t|^numerics_transformers|^\{\"shape|^(flash|air)_[a-z_]+ +(bf16|fp8) " "$LOGS/$name.log" \
           | cut -c1-400 | tail -n 40; } | tee -a "$OUT/summary.txt"; }
 PORT=29611
 flash_train() {  # $1: name, rest: extra overrides
