@@ -237,7 +237,7 @@ def kernel_supported_w8a8(x8: torch.Tensor, weight: torch.Tensor) -> bool:
 def lora_epilogue_fits(x: torch.Tensor, weight: torch.Tensor, rank: int) -> bool:
     """Whether the TMA kernel adds a rank-`rank` LoRA product in its epilogue for these operands (both directions):
     16-bit, the rank a power of two from 16 (the MMA's K) to 64 (its tiles beside the operands' in shared memory)."""
-    return (rank in (16, 32, 64) and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)
+    return (rank in grouped_gemm_tiles.LORA_RANKS and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)
             and tma.tma_supported(x, weight, True)
             and tma.tma_supported(x.new_empty(0, weight.shape[1]), weight, False))
 

@@ -25,6 +25,9 @@ KERNEL_ON_CPU = False
 # A fixed launch config {BM, BN, BK, GROUP_M, SWAP, num_warps, num_stages} instead of autotuning (tests: small tiles).
 CONFIG: dict | None = None
 _INTERPRETER_CONFIG = dict(BM=16, BN=16, BK=16, GROUP_M=2, SWAP=False, num_warps=1, num_stages=1)
+# The LoRA ranks the kernels take as an MMA dimension: powers of two from 16 (the MMA's K) to 64 (the rank's tiles
+# beside the operands' in shared memory). Other ranks take torch's grouped GEMMs.
+LORA_RANKS = (16, 32, 64)
 
 
 def _interpreting() -> bool:

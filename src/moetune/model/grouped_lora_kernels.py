@@ -96,7 +96,7 @@ if triton is not None:
 
 def _thin_kernels(x: torch.Tensor, rank: int) -> bool:
     return (LORA_KERNELS and triton is not None and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)
-            and rank in (16, 32, 64) and x.dtype in (torch.bfloat16, torch.float16))
+            and rank in grouped_gemm_tiles.LORA_RANKS and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def lora_rows(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: float = 1.0,

@@ -234,10 +234,11 @@ def gathers_expert_inputs(cfg, counts: ParamCounts) -> bool:
     (model/experts.py's gathers_in_gemm) and so keep the tokens, not the expanded rows, for A's gradient: LoRA on
     the experts in the TMA kernel's epilogue (16-bit frozen stacks, rank 16, 32 or 64, no dropout; lora_epilogue_fits)
     and the gathers inside the GEMMs (GATHER_IN_GEMM). Off the GPU the rows are expanded; the estimate is a GPU's."""
-    from moetune.model import experts
+    from moetune.model import experts, grouped_gemm_tiles
 
     return (cfg.finetune.mode != "full" and "experts" in cfg.lora.targets and not cfg.lora.dropout
-            and cfg.lora.rank in (16, 32, 64) and cfg.model.dtype == "bfloat16" and not counts.experts_frozen.stored
+            and cfg.lora.rank in grouped_gemm_tiles.LORA_RANKS and cfg.model.dtype == "bfloat16"
+            and not counts.experts_frozen.stored
             and experts.GATHER_IN_GEMM and experts.LORA_IN_EPILOGUE and experts.GROUPED_GEMM == "triton")
 
 

@@ -183,7 +183,7 @@ FP8_LORA_EPILOGUE = True
 def fp8_mm_lora_fits(x2, w8, rank: int, bias) -> bool:
     """Whether `fp8_mm_lora` takes this product: FP8_LORA_EPILOGUE, no bias, a rank the epilogue's MMA takes, and
     the TMA kernel's operands (fp8 rows as x2's, the weight as a one-expert stack)."""
-    return (FP8_LORA_EPILOGUE and bias is None and rank in (16, 32, 64)
+    return (FP8_LORA_EPILOGUE and bias is None and rank in grouped_gemm_tiles.LORA_RANKS
             and (x2.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)
             and x2.shape[-1] <= SCALED_ROWS_MAX
             and tma_supported(x2.new_empty(0, x2.shape[-1], dtype=FP8), w8.unsqueeze(0), True))
