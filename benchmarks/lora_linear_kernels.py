@@ -99,8 +99,8 @@ def case(name, n_in, n_out, fp8: bool, setting: str, repeats: int) -> dict:
         branch = 2.0 * (x.float() @ A.float().t()) @ B.float().t()
     return dict(shape=name, n_in=n_in, n_out=n_out, base="fp8" if fp8 else "bf16", setting=setting,
                 y_norm=y.float().norm().item(), branch_norm=branch.norm().item(),
-                along_k=lora.LORA_ALONG_K and lora._wide_output(ROWS, w, A) if not fp8 else None,
-                epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) and lora._wide_output(ROWS, w, A)
+                along_k=lora.LORA_ALONG_K and lora._wide_output(ROWS, w, RANK) if not fp8 else None,
+                epilogue=matmul.fp8_mm_lora_fits(x.detach(), w8, RANK, None) and lora._wide_output(ROWS, w, RANK)
                 if fp8 else None,
                 forward_ms=timed(forward, repeats), step_ms=timed(step, repeats),
                 y=y, grads=(x.grad.clone(), A.grad.clone(), B.grad.clone()))

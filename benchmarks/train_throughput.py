@@ -342,6 +342,13 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
               "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_lf"] = (_s, _b, _t, _tg, {**_x, "lora_first": True})
+# LoRA linears of one input as one op each way (_j: lora.JOINT_INPUTS; GQA's q, k, v, MLA's q_a and kv_a), and with
+# the branches written first too (_jlf)
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
+              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_j"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True})
+    VARIANTS[f"{_base}_jlf"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True, "lora_first": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -443,6 +450,7 @@ def build_ours(cfg: dict, targets, extra, device):
     lora_module.LORA_LINEAR = extra.get("lora_linear", lora_module.LORA_LINEAR)
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
     lora_module.LORA_FIRST = extra.get("lora_first", lora_module.LORA_FIRST)
+    lora_module.JOINT_INPUTS = extra.get("joint_inputs", lora_module.JOINT_INPUTS)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)

@@ -1,5 +1,7 @@
 """Every fast path against the plain computation it replaces (forward and gradients)."""
 
+import collections
+import contextlib
 import math
 
 import pytest
@@ -663,7 +665,7 @@ def test_lora_linear_forms_are_one_product(compiled, bias, shape, monkeypatch):
     torch.nn.init.normal_(layer.lora_B)
     layer.lora_A.data, layer.lora_B.data = layer.lora_A.data.double(), layer.lora_B.data.double()
     x = torch.randn(*lead, n_in, dtype=torch.float64)
-    assert lora._wide_output(math.prod(lead), layer.weight, layer.lora_A) == (n_out == 96)
+    assert lora._wide_output(math.prod(lead), layer.weight, layer.lora_A.shape[0]) == (n_out == 96)
     weights = torch.randn(n_out, dtype=torch.float64)
     chosen = []
     for fn in ("_product_along_k", "_grads_along_k", "_branch_then_base"):
@@ -708,7 +710,7 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, m
                             dropout=0.0, rslora=False)
     torch.nn.init.normal_(layer.lora_B)
     x = torch.randn(rows, n_in, dtype=torch.bfloat16, device=device)
-    assert lora._wide_output(rows, layer.weight, layer.lora_A) == (n_out == 256)
+    assert lora._wide_output(rows, layer.weight, layer.lora_A.shape[0]) == (n_out == 256)
     out = []
     for form, first in (("addmm", False), ("op", False), ("op", True)):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
@@ -726,10 +728,126 @@ def test_lora_linear_op_in_bf16_and_where_it_does_not_apply(n_in, n_out, rows, m
     layer.zero_grad()
     layer(x).float().sum().backward()  # x needs no gradient
     assert layer.lora_A.grad is not None and layer.lora_B.grad.abs().sum() > 0
-    assert layer._one_op(x) and not layer._one_op(x.float())
+    assert layer.in_one_op(x) and not layer.in_one_op(x.float())
     dropped = lora.LoRALinear(torch.nn.Linear(n_in, n_out).bfloat16().to(device), rank=8, alpha=16, dropout=0.1,
                               rslora=False)
-    assert not dropped._one_op(x)
+    assert not dropped.in_one_op(x)
+
+
+class _CountedOps(TorchDispatchMode):
+    """How many times each op runs under it, by name (e.g. "moetune.lora_linear")."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("first", [False, True], ids=["in_place", "first"])
+@pytest.mark.parametrize("along_k", [False, True], ids=["no_k", "along_k"])
+def test_lora_linears_of_one_input_as_one_op_give_each_ones_outputs_and_gradients(compiled, first, along_k,
+                                                                                monkeypatch):
+    """LoRA linears that read one input (lora.JOINT_INPUTS: GQA's q, k, v) run as one op each way, and give what each
+    gives as its own op and as the traced form: every output, x's gradient (the members' products summed inside the
+    op's backward), every A's and B's (A's products of all members one GEMM each way); members of different ranks,
+    with and without bias, one wide (its branch along K where allowed); the branch added in place or written first
+    (lora.LORA_FIRST); float64, eager and compiled; an input that needs no gradient gets none, A's and B's still
+    come. One op runs each way where the members join, one per member where they do not."""
+    from moetune.model import lora
+
+    torch.manual_seed(3)
+    n_in, rows = 8, 16
+    members = [lora.LoRALinear(torch.nn.Linear(n_in, n_out, bias=bias).double(), rank=rank, alpha=6, dropout=0.0,
+                               rslora=False) for n_out, bias, rank in ((96, True, 4), (20, False, 2), (6, True, 4))]
+    for m in members:
+        torch.nn.init.normal_(m.lora_B)
+        m.lora_A.data, m.lora_B.data = m.lora_A.data.double(), m.lora_B.data.double()
+    assert [lora._wide_output(rows, m.weight, m.lora_A.shape[0]) for m in members] == [True, False, False]
+    x = torch.randn(2, rows // 2, n_in, dtype=torch.float64)
+    weights = [torch.randn(m.out_features, dtype=torch.float64) for m in members]
+    monkeypatch.setattr(lora, "LORA_ALONG_K", along_k)
+    monkeypatch.setattr(lora, "LORA_FIRST", first)
+
+    def run(form, joint, input_grad=True):
+        monkeypatch.setattr(lora, "LORA_LINEAR", form)
+        monkeypatch.setattr(lora, "JOINT_INPUTS", joint)
+        torch._dynamo.reset()
+        f = lambda xi: lora.linears_of_one_input(xi, *members)  # noqa: E731
+        f = torch.compile(f, backend="inductor", fullgraph=True) if compiled else f
+        for m in members:
+            m.zero_grad()
+        xi = x.clone().requires_grad_(input_grad)
+        ops = _CountedOps()  # (no dispatch mode under torch.compile)
+        with contextlib.nullcontext() if compiled else ops:
+            ys = f(xi)
+            sum((y * w).sum() for y, w in zip(ys, weights)).backward()
+        if not compiled:
+            n = 0 if form != "op" else 1 if joint else 3
+            assert (ops.count["moetune.lora_linear"], ops.count["moetune.lora_linear_bwd"]) == (n, n)
+        grads = [g.clone() for m in members for g in (m.lora_A.grad, m.lora_B.grad)]
+        return [y.detach() for y in ys] + [xi.grad] + grads
+
+    want = run("addmm", False)
+    for got in (run("op", False), run("op", True)):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert all(g.abs().sum() > 0 for g in want[4:])
+    no_x = run("op", True, input_grad=False)
+    assert no_x[3] is None
+    for a, b in zip(no_x[4:], want[4:]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "glm4_moe_lite"])
+def test_a_model_with_joint_lora_linears_gives_the_same_loss_and_gradients(model_type, monkeypatch):
+    """The tiny GLM-4.5 (q, k, v; the shared expert's and the dense MLP's gate and up) and GLM-4.7-Flash (q_a and
+    kv_a) with lora.JOINT_INPUTS: the same loss and LoRA gradients as each linear its own op (fp32: the sums' order is
+    all that differs), with fewer LoRA ops (compiled: the test above)."""
+    from moetune.model import lora
+    from moetune.model.build import build_model
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.hf_io import init_weights
+    from moetune.train.setup import init_lora
+
+    if model_type == "glm4_moe":
+        cfg = dict(BUILTIN["tiny"], num_hidden_layers=2)
+        targets, lora_ops = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_experts", "dense_mlp"], (14, 8)
+    else:
+        cfg = dict(model_type="glm4_moe_lite", vocab_size=96, hidden_size=64, intermediate_size=96,
+                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                   n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12,
+                   qk_rope_head_dim=8, v_head_dim=20, first_k_dense_replace=1)
+        targets, lora_ops = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], (10, 8)
+    monkeypatch.setattr(lora, "LORA_LINEAR", "op")
+    model = build_model(ModelConfig.from_hf_dict(cfg), "meta")
+    lora.apply_lora(model, targets, 4, 8)
+    model.to_empty(device="cpu")
+    init_weights(model, 0.05, seed=0)
+    init_lora(model, seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for joint in (False, True):
+        monkeypatch.setattr(lora, "JOINT_INPUTS", joint)
+        model.zero_grad()
+        with _CountedOps() as ops:
+            loss = model(ids, labels=torch.roll(ids, -1, 1))
+            loss.backward()
+        # 2 layers (the first dense): each LoRA linear its own op, or q, k, v (q_a, kv_a) as one, gate and up as one
+        assert ops.count["moetune.lora_linear"] == ops.count["moetune.lora_linear_bwd"] == lora_ops[joint]
+        results[joint] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    (loss, grads), (got_loss, got) = results[False], results[True]
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=0)
+    assert grads and all(g.abs().sum() > 0 for g in grads.values())
+    for n in grads:
+        torch.testing.assert_close(got[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
 
 
 def _fp8_lora_layer(device, bias: bool, dropout: float = 0.0, rank: int = 8, n_in: int = 64, n_out: int = 96):
@@ -798,16 +916,16 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
     # the epilogue where the output is much wider than the input (lora._wide_output): 32 -> 512 at 128 rows
     n_in, n_out, rows = (32, 512, 128) if epilogue else (64, 96, 40)
     layer = _fp8_lora_layer(device, bias, rank=16 if epilogue else 8, n_in=n_in, n_out=n_out)
-    assert lora._wide_output(rows, layer.weight, layer.lora_A) == epilogue
+    assert lora._wide_output(rows, layer.weight, layer.lora_A.shape[0]) == epilogue
     monkeypatch.setattr(matmul, "FP8_LORA_EPILOGUE", epilogue)
     epilogues = []
     real_epilogue = lora.fp8_mm_lora
     monkeypatch.setattr(lora, "fp8_mm_lora", lambda *a: epilogues.append(1) or real_epilogue(*a))
     x = torch.randn(rows, n_in, dtype=torch.bfloat16, device=device)
     monkeypatch.setattr(matmul, "DENSE_QUANT", "inductor")
-    assert not layer._one_op(x)
+    assert not layer.in_one_op(x)
     monkeypatch.setattr(matmul, "DENSE_QUANT", "kernel")
-    assert layer._one_op(x) == cuda  # the fp8 tensor-core path is CUDA's (the CPU dequantises just in time)
+    assert layer.in_one_op(x) == cuda  # the fp8 tensor-core path is CUDA's (the CPU dequantises just in time)
     out = []
     for form in ("op", "addmm"):
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
@@ -823,7 +941,7 @@ def test_lora_linear_on_an_fp8_weight_takes_the_op_where_the_row_kernel_quantise
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
     dropped = _fp8_lora_layer(device, bias, dropout=0.1, n_in=n_in, n_out=n_out)
-    assert not dropped._one_op(x)
+    assert not dropped.in_one_op(x)
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -907,12 +1025,14 @@ def test_lora_linear_ops_pass_opcheck(bias, n_in, n_out, rows):
     W, b = torch.randn(n_out, n_in, generator=g, **f64), torch.randn(n_out, generator=g, **f64)
     A = torch.randn(4, n_in, generator=g, **f64).requires_grad_()
     B = torch.randn(n_out, 4, generator=g, **f64).requires_grad_()
-    assert lora._wide_output(2 * rows, W, A) == (n_out == 96)
-    torch.library.opcheck(torch.ops.moetune.lora_linear.default, (x, W, None, b if bias else None, None, A, B, 2.0))
+    assert lora._wide_output(2 * rows, W, A.shape[0]) == (n_out == 96)
+    torch.library.opcheck(torch.ops.moetune.lora_linear.default,
+                          (x, [W], [None], [b if bias else None], [None], [A], [B], [2.0]))
     grad, h = torch.randn(2, rows, n_out, generator=g, **f64), torch.randn(2 * rows, 4, generator=g, **f64)
     for input_grad in (True, False):
         torch.library.opcheck(torch.ops.moetune.lora_linear_bwd.default,
-                              (grad, x.detach(), h, W, None, None, A.detach(), B.detach(), 2.0, input_grad))
+                              ([grad], x.detach(), h, [W], [None], [None], [A.detach()], [B.detach()], [2.0],
+                               input_grad))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -936,9 +1056,9 @@ def test_lora_linear_fp8_ops_pass_opcheck(bias, transposed):
     B = torch.randn(48, 4, generator=g).to(device).requires_grad_()
     checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     grad, h = torch.randn(2, 8, 48, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
-    calls = [(torch.ops.moetune.lora_linear.default, (x, w8, scale, b, copy, A, B, 2.0))]
+    calls = [(torch.ops.moetune.lora_linear.default, (x, [w8], [scale], [b], [copy], [A], [B], [2.0]))]
     calls += [(torch.ops.moetune.lora_linear_bwd.default,
-               (grad, x.detach(), h, w8, scale, copy, A.detach(), B.detach(), 2.0, input_grad))
+               ([grad], x.detach(), h, [w8], [scale], [copy], [A.detach()], [B.detach()], [2.0], input_grad))
               for input_grad in (True, False)]
     for op, args in calls:
         torch.library.opcheck(op, args, test_utils=checks)

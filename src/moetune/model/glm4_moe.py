@@ -20,6 +20,7 @@ from torch import nn
 
 from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
+from moetune.model.lora import linears_of_one_input
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.step_inputs import unstaged
 from moetune.names import LOSS_CHUNK_TOKENS
@@ -82,9 +83,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttnMeta, topk=None, cache: KVCache | None = None):
         """x [B, S, H] -> (out [B, S, H], None)."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        q, k, v = linears_of_one_input(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k, v = k.view(B, S, self.n_kv, self.head_dim), v.view(B, S, self.n_kv, self.head_dim)
         if self.q_norm is not None:  # after the bias, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -104,7 +105,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears_of_one_input(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 # The router's logits are fp32, as transformers computes them (x and W cast to fp32). From bf16 x and W every product

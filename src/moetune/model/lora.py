@@ -50,12 +50,6 @@ def _base_product(x2, weight, scale, bias):
     return torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
 
 
-def _base_input_grad(g, weight, scale, transposed):
-    """dy · W: bf16-like, or the fp8 input gradient (on `transposed`, the weight's kept [in, out] copy, or a copy
-    made here)."""
-    return torch.mm(g, weight) if scale is None else fp8_mm_dgrad(g, weight, scale, transposed=transposed)
-
-
 # Where a base's output is much wider than its input (MLA's q_b and kv_b: 768 -> 5,120 and 512 -> 8,960), the in-place
 # add reads and writes all of y again. There the op makes LoRA's branch inside the base GEMM:
 # - a bf16-like base (LORA_ALONG_K): as more columns of its reduction, y = [x | s·x·Aᵀ]·[W | B]ᵀ, and backward
@@ -87,11 +81,11 @@ def _branch_then_base(x2, h, weight, bias, lora_B, scaling):
     return y.addmm_(x2, weight.t())
 
 
-def _wide_output(rows: int, weight: torch.Tensor, lora_A: torch.Tensor) -> bool:
+def _wide_output(rows: int, weight: torch.Tensor, rank: int) -> bool:
     """Whether the branch goes inside the base GEMM: the in-place add moves 2·rows·out values, the concatenations
     2·(rows + out)·(in + r)."""
     out, n_in = weight.shape
-    return rows * out > (rows + out) * (n_in + lora_A.shape[0])
+    return rows * out > (rows + out) * (n_in + rank)
 
 
 def _product_along_k(x2, h, weight, bias, lora_B, scaling):
@@ -100,80 +94,131 @@ def _product_along_k(x2, h, weight, bias, lora_B, scaling):
     return torch.mm(xc, wc.t()) if bias is None else torch.addmm(bias, xc, wc.t())
 
 
-def _grads_along_k(g, weight, lora_A, lora_B, scaling):
-    """x's gradient and dy·s·B from [dy·W | dy·s·B] = dy·[W | s·B], one GEMM reading dy."""
+def _grads_along_k(g, weight, lora_B, scaling):
+    """dy·W (x's gradient but for the branch) and dy·s·B from [dy·W | dy·s·B] = dy·[W | s·B]: one GEMM reading dy."""
     gc = torch.mm(g, torch.cat([weight, lora_B * scaling], 1))
-    grad_h = gc[:, weight.shape[1]:]
-    return torch.addmm(gc[:, :weight.shape[1]], grad_h, lora_A), grad_h
+    return gc[:, :weight.shape[1]], gc[:, weight.shape[1]:]
 
 
-# One op each way for a LoRA linear on a frozen weight, bf16-like (`scale` None) or fp8 with row scales (`scale` its
-# [out, 1] scales, `transposed` its kept [in, out] copy or None): the base GEMM writes y and LoRA's branch is added in
-# place, or made inside that GEMM where the output is wide (above). It returns x·Aᵀ besides y, to save for the
-# backward.
+# One op each way for LoRA linears on frozen weights that read the same input (one, or GQA's q, k and v, MLA's q_a and
+# kv_a, an MLP's gate and up: JOINT_INPUTS), each bf16-like (`scale` None) or fp8 with row scales (`scale` its [out, 1]
+# scales, `transposed` its kept [in, out] copy or None): each base GEMM writes its y and LoRA's branch is added in
+# place, or made inside that GEMM where the output is wide (above). The members' x·Aᵀ are one GEMM reading x once,
+# [x·A₁ᵀ | x·A₂ᵀ | ...], which the op returns besides the ys, to save for the backward; there A's gradients are one GEMM
+# reading x once, and x's gradient is one sum, each member's product added onto it in place (beta = 1) and the
+# branches' dy·s·B·A as one product over the members' ranks.
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
-def _lora_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                    transposed: torch.Tensor | None, lora_A: torch.Tensor, lora_B: torch.Tensor,
-                    scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _lora_linear_op(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
+                    biases: list[torch.Tensor | None], transposed: list[torch.Tensor | None],
+                    lora_A: list[torch.Tensor], lora_B: list[torch.Tensor], scalings: list[float]) -> list[torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
-    h = torch.mm(x2, lora_A.t())  # what B's gradient needs
-    wide = _wide_output(x2.shape[0], weight, lora_A)
-    if scale is None and wide and LORA_ALONG_K:
-        y = _product_along_k(x2, h, weight, bias, lora_B, scaling)
-    elif scale is not None and wide and fp8_mm_lora_fits(x2, weight, lora_A.shape[0], bias):
-        y = fp8_mm_lora(x2, weight, scale, h * scaling, lora_B.t())
-    elif scale is None and LORA_FIRST:
-        y = _branch_then_base(x2, h, weight, bias, lora_B, scaling)
-    else:
-        y = _base_product(x2, weight, scale, bias)
-        y.addmm_(h, lora_B.t(), alpha=scaling)  # in place: cuBLAS's beta = 1
-    return y.view(*x.shape[:-1], weight.shape[0]), h
+    h = torch.mm(x2, _joined(lora_A).t())  # what B's gradient needs
+    ys = []
+    for (weight, scale, bias, B, scaling), hi in zip(zip(weights, scales, biases, lora_B, scalings), _split(h, lora_A)):
+        wide = _wide_output(x2.shape[0], weight, hi.shape[1])
+        if scale is None and wide and LORA_ALONG_K:
+            y = _product_along_k(x2, hi, weight, bias, B, scaling)
+        elif scale is not None and wide and fp8_mm_lora_fits(x2, weight, hi.shape[1], bias):
+            y = fp8_mm_lora(x2, weight, scale, hi * scaling, B.t())
+        elif scale is None and LORA_FIRST:
+            y = _branch_then_base(x2, hi, weight, bias, B, scaling)
+        else:
+            y = _base_product(x2, weight, scale, bias)
+            y.addmm_(hi, B.t(), alpha=scaling)  # in place: cuBLAS's beta = 1
+        ys.append(y.view(*x.shape[:-1], weight.shape[0]))
+    return ys + [h]
+
+
+def _joined(lora_A):
+    return lora_A[0] if len(lora_A) == 1 else torch.cat(lora_A)
+
+
+def _split(t, lora_A):
+    """Each member's columns of [rows, Σ r] (views)."""
+    return t.split([A.shape[0] for A in lora_A], dim=1)
 
 
 @_lora_linear_op.register_fake
-def _(x, weight, scale, bias, transposed, lora_A, lora_B, scaling):
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), x.new_empty(math.prod(x.shape[:-1]), lora_A.shape[0])
+def _(x, weights, scales, biases, transposed, lora_A, lora_B, scalings):
+    return ([x.new_empty(*x.shape[:-1], w.shape[0]) for w in weights]
+            + [x.new_empty(math.prod(x.shape[:-1]), sum(A.shape[0] for A in lora_A))])
 
 
 @torch.library.custom_op("moetune::lora_linear_bwd", mutates_args=())
-def _lora_linear_bwd_op(grad: torch.Tensor, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                        scale: torch.Tensor | None, transposed: torch.Tensor | None, lora_A: torch.Tensor,
-                        lora_B: torch.Tensor, scaling: float,
-                        input_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = grad.reshape(-1, grad.shape[-1])
-    if scale is not None:
-        g = g.contiguous()  # the fp8 GEMM's operand is quantised row by row
-    if input_grad and scale is None and LORA_ALONG_K and _wide_output(g.shape[0], weight, lora_A):
-        dx, grad_h = _grads_along_k(g, weight, lora_A, lora_B, scaling)
-    else:
-        grad_h = torch.mm(g, lora_B * scaling)  # the gradient reaching x·Aᵀ
-        if not input_grad:
-            dx = None
-        elif scale is None and LORA_FIRST:
-            dx = torch.mm(grad_h, lora_A).addmm_(g, weight)
+def _lora_linear_bwd_op(grads: list[torch.Tensor], x: torch.Tensor, h: torch.Tensor, weights: list[torch.Tensor],
+                        scales: list[torch.Tensor | None], transposed: list[torch.Tensor | None],
+                        lora_A: list[torch.Tensor], lora_B: list[torch.Tensor], scalings: list[float],
+                        input_grad: bool) -> list[torch.Tensor]:
+    """[x's gradient (empty without input_grad), A's gradients..., B's gradients...]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    # an fp8 GEMM's operand is quantised row by row
+    gs = [gr.reshape(-1, gr.shape[-1]) if s is None else gr.reshape(-1, gr.shape[-1]).contiguous()
+          for gr, s in zip(grads, scales)]
+    grad_hs, parts = [], []  # parts: each member's base input gradient, or None where it comes later
+    for g, weight, scale, A, B, scaling in zip(gs, weights, scales, lora_A, lora_B, scalings):
+        if input_grad and scale is None and LORA_ALONG_K and _wide_output(g.shape[0], weight, A.shape[0]):
+            part, grad_h = _grads_along_k(g, weight, B, scaling)
+            grad_hs.append(grad_h)
+            parts.append(part)
         else:
-            dx = _base_input_grad(g, weight, scale, transposed).addmm_(grad_h, lora_A)
-    grad_A, grad_B = torch.mm(grad_h.t(), x.reshape(-1, x.shape[-1])), torch.mm(g.t(), h * scaling)
-    return (dx.view(x.shape) if input_grad else x.new_empty(0)), grad_A, grad_B
+            grad_hs.append(torch.mm(g, B * scaling))  # the gradient reaching x·Aᵀ
+            parts.append(None)
+    grad_h, A = (grad_hs[0], lora_A[0]) if len(grad_hs) == 1 else (torch.cat(grad_hs, 1), torch.cat(lora_A))
+    dx = x.new_empty(0)
+    if input_grad:
+        first = LORA_FIRST and all(s is None and p is None for s, p in zip(scales, parts))
+        dx = torch.mm(grad_h, A) if first else None  # the branches first, each base GEMM adding onto them
+        for g, weight, scale, tr, part in zip(gs, weights, scales, transposed, parts):
+            if part is not None:
+                dx = _plus(dx, part)
+            elif scale is None:
+                dx = torch.mm(g, weight) if dx is None else dx.addmm_(g, weight)
+            else:
+                dx = _plus(dx, fp8_mm_dgrad(g, weight, scale, transposed=tr))
+        if not first:
+            dx.addmm_(grad_h, A)
+        dx = dx.view(x.shape)
+    grad_A = torch.mm(grad_h.t(), x2)
+    # an op's outputs may not alias each other: the members' rows of one product are copied apart (r × in each)
+    grad_As = [grad_A] if len(lora_A) == 1 else [t.clone() for t in grad_A.split([a.shape[0] for a in lora_A])]
+    grad_B = [torch.mm(g.t(), hi * scaling) for g, hi, scaling in zip(gs, _split(h, lora_A), scalings)]
+    return [dx, *grad_As, *grad_B]
+
+
+def _plus(dx, t):
+    return t.contiguous() if dx is None else dx.add_(t)
 
 
 @_lora_linear_bwd_op.register_fake
-def _(grad, x, h, weight, scale, transposed, lora_A, lora_B, scaling, input_grad):
-    return x.new_empty(x.shape if input_grad else (0,)), lora_A.new_empty(lora_A.shape), lora_B.new_empty(lora_B.shape)
+def _(grads, x, h, weights, scales, transposed, lora_A, lora_B, scalings, input_grad):
+    return [x.new_empty(x.shape if input_grad else (0,)), *(A.new_empty(A.shape) for A in lora_A),
+            *(B.new_empty(B.shape) for B in lora_B)]
 
 
 def _lora_linear_setup(ctx, inputs, output):
-    x, weight, scale, _, transposed, lora_A, lora_B, scaling = inputs
-    ctx.save_for_backward(x, output[1], weight, scale, transposed, lora_A, lora_B)
-    ctx.scaling = scaling
+    x, weights, scales, _, transposed, lora_A, lora_B, scalings = inputs
+    n = len(weights)
+    ctx.save_for_backward(x, output[-1], *weights, *scales, *transposed, *lora_A, *lora_B)
+    ctx.n, ctx.scalings = n, scalings
+    ctx.no_grads = [_no_grads(t) for t in (scales, inputs[3], transposed)]
 
 
-def _lora_linear_backward(ctx, grad, _grad_h):
-    # h is an output only to be saved: nothing outside reads it, so its gradient is zero
-    x, h, weight, scale, transposed, lora_A, lora_B = ctx.saved_tensors
-    dx, grad_A, grad_B = torch.ops.moetune.lora_linear_bwd(grad, x, h, weight, scale, transposed, lora_A, lora_B,
-                                                            ctx.scaling, ctx.needs_input_grad[0])
-    return (dx if ctx.needs_input_grad[0] else None), None, None, None, None, grad_A, grad_B, None
+def _lora_linear_backward(ctx, grads):
+    # h (the last output) is an output only to be saved: nothing outside reads it, so its gradient is zero
+    x, h, *rest = ctx.saved_tensors
+    n = ctx.n
+    weights, scales, transposed, lora_A, lora_B = (list(rest[i * n:(i + 1) * n]) for i in range(5))
+    out = torch.ops.moetune.lora_linear_bwd(grads[:n], x, h, weights, scales, transposed, lora_A, lora_B,
+                                            ctx.scalings, ctx.needs_input_grad[0])
+    dx = out[0] if ctx.needs_input_grad[0] else None
+    no_scale, no_bias, no_transposed = ctx.no_grads
+    return dx, [None] * n, no_scale, no_bias, no_transposed, out[1:n + 1], out[n + 1:], None
+
+
+def _no_grads(optional_tensors: list):
+    """No gradients for a list argument, in the structure torch.library wants back: a list of Nones for a list of
+    tensors, one None for a list holding a None."""
+    return [None] * len(optional_tensors) if all(isinstance(t, torch.Tensor) for t in optional_tensors) else None
 
 
 _lora_linear_op.register_autograd(_lora_linear_backward, setup_context=_lora_linear_setup)
@@ -184,7 +229,22 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float, scale=None, tra
     """x·Wᵀ + b + scaling·(x·Aᵀ)·Bᵀ for a frozen W and b (no gradient) as one op each way, in x's dtype. An fp8 W
     gives its row `scale` (and its kept transposed copy, or None): the base product and input gradient then run on
     fp8 tensor cores (quant.matmul.fp8_mm_in_one_op says where)."""
-    return torch.ops.moetune.lora_linear(x, weight, scale, bias, transposed, lora_A, lora_B, scaling)[0]
+    return torch.ops.moetune.lora_linear(x, [weight], [scale], [bias], [transposed], [lora_A], [lora_B], [scaling])[0]
+
+
+# LoRA linears that read one input (GQA's q, k and v; MLA's q_a and kv_a; an MLP's gate and up) as one op each way
+# where each would run as one alone (the op above): x read once for the members' A products and once for their
+# gradients, x's gradient summed inside the backward. Off: a candidate until a device measures it (harness rows _j).
+JOINT_INPUTS = False
+
+
+def linears_of_one_input(x, *modules) -> list:
+    """[m(x) for m in modules], LoRA linears of one op together where JOINT_INPUTS says."""
+    if JOINT_INPUTS and len(modules) > 1 and all(isinstance(m, LoRALinear) and m.in_one_op(x) for m in modules):
+        operands = [m._op_operands(x) for m in modules]
+        weight, bias, A, B, scaling, scale, transposed = (list(column) for column in zip(*operands))
+        return torch.ops.moetune.lora_linear(x, weight, scale, bias, transposed, A, B, scaling)[:-1]
+    return [m(x) for m in modules]
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -218,10 +278,9 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.lora_B)
 
     def forward(self, x):
+        if self.in_one_op(x):
+            return lora_linear(x, *self._op_operands(x))
         A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        if LORA_LINEAR == "op" and self._one_op(x):
-            scale = None if self.quant is None else weight_scale(self)
-            return lora_linear(x, self.weight, self.bias, A, B, self.scaling, scale, transposed_copy(self, "weight"))
         y = frozen_linear(self, x)
         h = F.linear(self.dropout(x), A)
         if LORA_LINEAR == "sum":
@@ -229,13 +288,20 @@ class LoRALinear(nn.Module):
         y2 = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=self.scaling)
         return y2.view(y.shape)
 
-    def _one_op(self, x) -> bool:
-        if not isinstance(self.dropout, nn.Identity) or self.weight.requires_grad or any(
+    def in_one_op(self, x) -> bool:
+        """Whether this layer runs as one op each way on x (LORA_LINEAR "op" where it applies)."""
+        if LORA_LINEAR != "op" or not isinstance(self.dropout, nn.Identity) or self.weight.requires_grad or any(
                 map(is_dtensor, (self.weight, self.lora_A, self.lora_B))):
             return False
         if self.quant is not None:
             return fp8_mm_in_one_op(x, self.weight, self.quant)
         return x.dtype == self.weight.dtype
+
+    def _op_operands(self, x) -> tuple:
+        """lora_linear's arguments after x: (weight, bias, A, B, scaling, scale, transposed), A and B in x's dtype."""
+        scale = None if self.quant is None else weight_scale(self)
+        return (self.weight, self.bias, self.lora_A.to(x.dtype), self.lora_B.to(x.dtype), self.scaling, scale,
+                transposed_copy(self, "weight"))
 
     def extra_repr(self):
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.shape[0]}, scaling={self.scaling:g}"

@@ -22,6 +22,7 @@ from torch import nn
 from moetune.model.attention import AttnMeta, KVCache, attend
 from moetune.model.config import GLM_MOE_DSA, ModelConfig
 from moetune.model.glm4_moe import RMSNorm, apply_rope
+from moetune.model.lora import linears_of_one_input
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -61,13 +62,15 @@ class MLAttention(nn.Module):
     def forward(self, x, cos, sin, attn: AttnMeta, topk=None, cache: KVCache | None = None):
         """x [B, S, H] -> (out [B, S, H], top-k key indices for the next layer or None); as glm4_moe.Attention."""
         B, S, _ = x.shape
+        q_in, kv_a = linears_of_one_input(x, self.q_proj if self.q_proj is not None else self.q_a_proj,
+                                        self.kv_a_proj_with_mqa)
         if self.q_proj is not None:
-            q_latent, q = None, self.q_proj(x)
+            q_latent, q = None, q_in
         else:
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q_latent = self.q_a_layernorm(q_in)
             q = self.q_b_proj(q_latent)
         q_nope, q_rope = q.view(B, S, self.n_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
-        kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        kv_latent, k_rope = kv_a.split([self.kv_lora, self.rope], dim=-1)
         kv_latent = self.kv_a_layernorm(kv_latent)
         rotate = apply_rope_interleaved if self.interleave else apply_rope
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope.view(B, S, 1, self.rope), cos, sin)
