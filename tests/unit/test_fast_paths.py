@@ -755,20 +755,23 @@ def test_lora_linears_of_one_input_as_one_op_give_each_ones_outputs_and_gradient
     gives as its own op and as the traced form: every output, x's gradient (the members' products summed inside the
     op's backward), every A's and B's (A's products of all members one GEMM each way); members of different ranks,
     with and without bias, one wide (its branch along K where allowed); the branch added in place or written first
-    (lora.LORA_FIRST); float64, eager and compiled; an input that needs no gradient gets none, A's and B's still
-    come. One op runs each way where the members join, one per member where they do not."""
+    (lora.LORA_FIRST); float64, eager and compiled (on the GPU where there is one: cuBLAS's GEMMs); an input that
+    needs no gradient gets none, A's and B's still come. One op runs each way where the members join, one per member
+    where they do not."""
     from moetune.model import lora
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(3)
     n_in, rows = 8, 16
-    members = [lora.LoRALinear(torch.nn.Linear(n_in, n_out, bias=bias).double(), rank=rank, alpha=6, dropout=0.0,
-                               rslora=False) for n_out, bias, rank in ((96, True, 4), (20, False, 2), (6, True, 4))]
+    members = [lora.LoRALinear(torch.nn.Linear(n_in, n_out, bias=bias).double().to(device), rank=rank, alpha=6,
+                               dropout=0.0, rslora=False)
+               for n_out, bias, rank in ((96, True, 4), (20, False, 2), (6, True, 4))]
     for m in members:
         torch.nn.init.normal_(m.lora_B)
         m.lora_A.data, m.lora_B.data = m.lora_A.data.double(), m.lora_B.data.double()
     assert [lora._wide_output(rows, m.weight, m.lora_A.shape[0]) for m in members] == [True, False, False]
-    x = torch.randn(2, rows // 2, n_in, dtype=torch.float64)
-    weights = [torch.randn(m.out_features, dtype=torch.float64) for m in members]
+    x = torch.randn(2, rows // 2, n_in, dtype=torch.float64, device=device)
+    weights = [torch.randn(m.out_features, dtype=torch.float64, device=device) for m in members]
     monkeypatch.setattr(lora, "LORA_ALONG_K", along_k)
     monkeypatch.setattr(lora, "LORA_FIRST", first)
 
