@@ -349,6 +349,11 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_j"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True})
     VARIANTS[f"{_base}_jlf"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True, "lora_first": True})
+# the variable-length kernels' bound on a document's length at the longest document's (_vb: attention.VARLEN_BOUND
+# "longest"), against the row's length
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_ep8rank_qkvo_1x4096_packed_fa4"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_vb"] = (_s, _b, _t, _tg, {**_x, "varlen_bound": "longest"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -437,6 +442,7 @@ def build_ours(cfg: dict, targets, extra, device):
     import moetune.model.glm4_moe as glm4_moe_module
     import moetune.model.grouped_gemm_tma as grouped_gemm_tma_module
     import moetune.model.grouped_lora_kernels as grouped_lora_kernels_module
+    import moetune.model.attention as attention_module
     import moetune.model.lora as lora_module
 
     if extra.get("ggemm"):  # a candidate setting, measured against the default
@@ -451,6 +457,7 @@ def build_ours(cfg: dict, targets, extra, device):
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
     lora_module.LORA_FIRST = extra.get("lora_first", lora_module.LORA_FIRST)
     lora_module.JOINT_INPUTS = extra.get("joint_inputs", lora_module.JOINT_INPUTS)
+    attention_module.VARLEN_BOUND = extra.get("varlen_bound", attention_module.VARLEN_BOUND)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
