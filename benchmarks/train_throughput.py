@@ -349,6 +349,11 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_j"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True})
     VARIANTS[f"{_base}_jlf"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True, "lora_first": True})
+# Inductor's own kernels (the element-wise work, norms, the bag sums fused into them: ~30 ms of an EP-8 rank's step)
+# with their launch configs tuned by coordinate descent as they compile (_cdt)
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_cdt"] = (_s, _b, _t, _tg, {**_x, "inductor": {"coordinate_descent_tuning": True}})
 # the variable-length kernels' bound on a document's length at the longest document's (_vb: attention.VARLEN_BOUND
 # "longest"), against the row's length
 for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_ep8rank_qkvo_1x4096_packed_fa4"):
