@@ -24,7 +24,6 @@ TFLOP/s counts the causal half: fwd 2·2·(L²/2)·H·(Dqk + Dv)/2 per document,
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -134,8 +133,7 @@ def backends(name, B, H, KV, S, docs):
         return out
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from moetune.model.attention import (attend, build_attn_meta, dense_document_mask, document_bound, document_ids,
-                                         document_starts)
+    from moetune.model.attention import attend, build_attn_meta, dense_document_mask, document_ids, document_starts
     from moetune.model.flash_attention_4 import flash_attention_4_installed
 
     pos = position_ids(B, docs)
@@ -177,9 +175,6 @@ def backends(name, B, H, KV, S, docs):
     if flash_attention_4_installed():  # its varlen kernels as the model calls them (varlen_fa4: the custom op)
         fa4_meta = build_attn_meta(pos, "varlen_fa4")
         out["model_varlen_fa4"] = lambda q, k, v: model_attend(q, k, v, fa4_meta)
-        # with the longest document's bound (attention.VARLEN_BOUND "longest") instead of the row's
-        longest_meta = dataclasses.replace(fa4_meta, max_len=document_bound(fa4_meta.cu_seqlens, S, "longest"))
-        out["model_varlen_fa4_longest"] = lambda q, k, v: model_attend(q, k, v, longest_meta)
 
     # FlexAttention on the attention modules' layout (the projections write [B, S, heads, D]; attend() gets
     # transposed views and the output is transposed back for o_proj): the copies into that layout are paid by both

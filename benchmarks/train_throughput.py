@@ -336,29 +336,12 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
               "ours_experts_4x1024", "ours_flash_mlaexperts_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_mg"] = (_s, _b, _t, _tg, {**_x, "gather_in_gemm": False})
-# the one op's branch written first and the base GEMM added onto it (_lf: lora.LORA_FIRST), against the branch added
-# in place after it (bf16 bases)
+# each LoRA linear its own op, its branch added in place after the base GEMM (_sep: lora.JOINT_INPUTS and LORA_FIRST
+# off, the form before the thirty-fifth session), against LoRA linears of one input as one op, branches written first
 for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
+              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_lf"] = (_s, _b, _t, _tg, {**_x, "lora_first": True})
-# LoRA linears of one input as one op each way (_j: lora.JOINT_INPUTS; GQA's q, k, v, MLA's q_a and kv_a), and with
-# the branches written first too (_jlf)
-for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_j"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True})
-    VARIANTS[f"{_base}_jlf"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": True, "lora_first": True})
-# Inductor's own kernels (the element-wise work, norms, the bag sums fused into them: ~30 ms of an EP-8 rank's step)
-# with their launch configs tuned by coordinate descent as they compile (_cdt)
-for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024", "ours_flash_mla_1x4096_cg"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_cdt"] = (_s, _b, _t, _tg, {**_x, "inductor": {"coordinate_descent_tuning": True}})
-# the variable-length kernels' bound on a document's length at the longest document's (_vb: attention.VARLEN_BOUND
-# "longest"), against the row's length
-for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_ep8rank_qkvo_1x4096_packed_fa4"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_vb"] = (_s, _b, _t, _tg, {**_x, "varlen_bound": "longest"})
+    VARIANTS[f"{_base}_sep"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": False, "lora_first": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -447,7 +430,6 @@ def build_ours(cfg: dict, targets, extra, device):
     import moetune.model.glm4_moe as glm4_moe_module
     import moetune.model.grouped_gemm_tma as grouped_gemm_tma_module
     import moetune.model.grouped_lora_kernels as grouped_lora_kernels_module
-    import moetune.model.attention as attention_module
     import moetune.model.lora as lora_module
 
     if extra.get("ggemm"):  # a candidate setting, measured against the default
@@ -462,7 +444,6 @@ def build_ours(cfg: dict, targets, extra, device):
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
     lora_module.LORA_FIRST = extra.get("lora_first", lora_module.LORA_FIRST)
     lora_module.JOINT_INPUTS = extra.get("joint_inputs", lora_module.JOINT_INPUTS)
-    attention_module.VARLEN_BOUND = extra.get("varlen_bound", attention_module.VARLEN_BOUND)
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)

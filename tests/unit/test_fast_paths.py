@@ -369,33 +369,6 @@ def test_varlen_attention_over_packed_rows_matches_the_dense_document_mask(devic
         torch.testing.assert_close(g, w, **tol)
 
 
-def test_the_varlen_bound_is_the_rows_length_or_the_longest_documents(monkeypatch):
-    """attention.VARLEN_BOUND: the bound on a document's length that the varlen kernels take is the row's ("row") or
-    the longest document's rounded up to a power of two ("longest", at most the row's); the model's varlen meta
-    carries it, and attention under it (the kernel's CPU stand-in, which holds every document to the bound) equals
-    the dense document mask's."""
-    import moetune.model.attention as attention
-
-    S = 128
-    pos = torch.cat([torch.arange(30), torch.arange(40), torch.arange(58)]).unsqueeze(0)  # longest: 58
-    starts = attention.padded_document_starts(pos)
-    assert attention.document_bound(starts, S, "row") == S
-    assert attention.document_bound(starts, S, "longest") == 64
-    halves = attention.padded_document_starts(torch.arange(64).repeat(1, 2))
-    assert attention.document_bound(halves, S, "longest") == 64  # a power of two stays itself
-    whole = attention.padded_document_starts(torch.arange(S).unsqueeze(0))
-    assert attention.document_bound(whole, S, "longest") == S
-    monkeypatch.setattr(attention, "VARLEN_BOUND", "longest")
-    monkeypatch.setattr(attention, "varlen_kernels_run", lambda position_ids: True)
-    monkeypatch.setattr(attention, "varlen_attn", varlen_reference)
-    meta = attention.build_attn_meta(pos, "varlen")
-    assert meta.max_len == 64 and torch.equal(meta.cu_seqlens, starts)
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, h, S, 16) for h in (4, 2, 2))
-    want = attention.attend(q, k, v, attention.AttnMeta(dense_mask=attention.dense_document_mask(pos)))
-    torch.testing.assert_close(attention.attend(q, k, v, meta), want, rtol=1e-5, atol=1e-5)
-
-
 def test_expert_lora_any_rank_matches_per_expert_products():
     """grouped_mm needs 16-byte strides; odd ranks are padded inside, which must change nothing."""
     from moetune.model.lora import ExpertLoRA

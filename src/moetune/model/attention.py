@@ -53,7 +53,7 @@ class AttnMeta:
     dense_mask: torch.Tensor | None = None  # [B, 1, S, S] bool, SDPA path
     block_mask: object | None = None  # FlexAttention BlockMask
     cu_seqlens: torch.Tensor | None = None  # varlen path: int32 [documents + 1], their starts in the flattened rows
-    max_len: int = 0  # varlen path: a bound on a document's length (VARLEN_BOUND)
+    max_len: int = 0  # varlen path: a bound on a document's length (the row's: one compiled graph for all batches)
     varlen_kernel: str = "fa2"  # varlen path: FlashAttention-2's kernel or FlashAttention-4's (VARLEN_KERNELS)
 
 
@@ -97,26 +97,10 @@ def varlen_kernels_run(position_ids) -> bool:
     return position_ids.is_cuda
 
 
-# The bound on a document's length that the variable-length kernels take (their grids have a row of tiles per bound's
-# worth of queries, for every document): "row", the row's length (one compiled graph for every batch), or "longest",
-# the longest document's rounded up to a power of two (a host read of the starts each step; a compiled graph per bound
-# met). A candidate, measured against the row's (harness rows _vb).
-VARLEN_BOUND = "row"
-
-
-def document_bound(starts: torch.Tensor, row_len: int, how: str | None = None) -> int:
-    """The varlen kernels' bound on a document's length from the (padded) starts, as `how` (VARLEN_BOUND) says."""
-    if (how or VARLEN_BOUND) == "row":
-        return row_len
-    longest = int((starts[1:] - starts[:-1]).max())
-    return min(row_len, 1 << max(longest - 1, 0).bit_length())
-
-
 def varlen_meta(position_ids, impl: str, stage=unstaged) -> AttnMeta:
     """The rows flattened for `impl`'s variable-length kernel: each document (a row of one document is one) causal."""
-    starts = padded_document_starts(position_ids)
-    return AttnMeta(cu_seqlens=stage("cu_seqlens", starts), max_len=document_bound(starts, position_ids.shape[-1]),
-                    varlen_kernel=VARLEN_KERNELS[impl])
+    return AttnMeta(cu_seqlens=stage("cu_seqlens", padded_document_starts(position_ids)),
+                    max_len=position_ids.shape[-1], varlen_kernel=VARLEN_KERNELS[impl])
 
 
 @functools.cache

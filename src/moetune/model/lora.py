@@ -68,10 +68,12 @@ LORA_ALONG_K = True
 # Air 6.5 ms forward and 5.0 backward of a 442 ms step, BENCHMARKS.md, thirty-fourth session). LORA_FIRST writes the
 # branch's product first and lets the base GEMM add onto it (beta = 1 on the compute-bound GEMM, whose epilogue reads
 # y under its K loop): y is read once less by a kernel that does nothing else. Each way x's gradient the same with A.
-# One H100 (BENCHMARKS.md, thirty-fourth session): forward + backward of one op 4-5% faster on Air's q and o, 2-3%
-# slower on Flash's narrow q_a and kv_a; the EP-8 rank's step +0.4% and AIR-8's +0.1%, within their spread. Off until
-# an H200 measures it where FlashAttention-4 runs.
-LORA_FIRST = False
+# One H200, forward + backward of one op at 4,096 rows, rank 16: Air's q 1.228 -> 1.179 ms, o 1.222 -> 1.177, k/v and
+# GLM-4.7-Flash's q_a, kv_a within 2% either way; on the GPU the output is bit for bit the in-place form's (cuBLAS's
+# epilogue rounds the product before it adds C, so both orders add the same two bf16 numbers). With JOINT_INPUTS
+# through the step (BENCHMARKS.md, thirty-fifth session): an EP-8 rank of Air +1.2% and +0.7% in two calls, AIR-8
+# +1.3%, Flash -0.1%; alone +-0.2%.
+LORA_FIRST = True
 
 
 def _branch_then_base(x2, h, weight, bias, lora_B, scaling):
@@ -234,8 +236,11 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float, scale=None, tra
 
 # LoRA linears that read one input (GQA's q, k and v; MLA's q_a and kv_a; an MLP's gate and up) as one op each way
 # where each would run as one alone (the op above): x read once for the members' A products and once for their
-# gradients, x's gradient summed inside the backward. Off: a candidate until a device measures it (harness rows _j).
-JOINT_INPUTS = False
+# gradients, x's gradient summed inside the backward (for q, k, v: 4 of their 12 thin GEMMs, 2 of their 3 in-place adds
+# onto x's gradient and autograd's sum of the three gradients gone). One H200, same calls (BENCHMARKS.md, thirty-fifth
+# session), against each its own op: an EP-8 rank of Air 9,208 -> 9,269 tokens/s alone, 9,322 and 9,259 (against
+# 9,192) with LORA_FIRST; AIR-8 40,901 -> 41,449 with it; GLM-4.7-Flash 17,401 / 17,381.
+JOINT_INPUTS = True
 
 
 def linears_of_one_input(x, *modules) -> list:
