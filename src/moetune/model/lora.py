@@ -28,8 +28,9 @@ _QUERY_FORMS = ("q_proj", "q_a_proj", "q_b_proj")  # MLA has one form or the oth
 
 # How a LoRA linear on a frozen base adds its branch s·(x·Aᵀ)·Bᵀ to the base product x·Wᵀ + b:
 # - "op": one opaque op each way (`lora_linear` below; on an fp8 weight where its operands are quantised by the row
-#   kernel, quant.matmul.fp8_mm_in_one_op). Its forward's GEMM writes y and LoRA's B product is added onto y in place
-#   (cuBLAS's beta = 1), its backward's input gradient the same with A; the graph around it sees one node.
+#   kernel, quant.matmul.fp8_mm_in_one_op). Its forward's GEMM and LoRA's B product write y together, one adding onto
+#   the other's output in place (cuBLAS's beta = 1: LORA_FIRST says which comes first), its backward's input gradient
+#   the same with A; the graph around it sees one node (one for the linears that read one input: JOINT_INPUTS).
 #   One H200, same call against "addmm": GLM-4.7-Flash LoRA on MLA with CUDA graphs 17,146 tokens/s against 16,908,
 #   AIR-8 q,k,v,o 41,435 against 41,030, an EP-8 rank of Air equal (BENCHMARKS.md, twenty-sixth session). On an fp8
 #   base (Flash, CUDA graphs, no copies) 18,873 against 18,563; the 284 copies of its step gone (twenty-seventh).
@@ -116,7 +117,7 @@ def _lora_linear_op(x: torch.Tensor, weights: list[torch.Tensor], scales: list[t
     x2 = x.reshape(-1, x.shape[-1])
     h = torch.mm(x2, _joined(lora_A).t())  # what B's gradient needs
     ys = []
-    for (weight, scale, bias, B, scaling), hi in zip(zip(weights, scales, biases, lora_B, scalings), _split(h, lora_A)):
+    for weight, scale, bias, B, scaling, hi in zip(weights, scales, biases, lora_B, scalings, _split(h, lora_A)):
         wide = _wide_output(x2.shape[0], weight, hi.shape[1])
         if scale is None and wide and LORA_ALONG_K:
             y = _product_along_k(x2, hi, weight, bias, B, scaling)
@@ -198,11 +199,10 @@ def _(grads, x, h, weights, scales, transposed, lora_A, lora_B, scalings, input_
 
 
 def _lora_linear_setup(ctx, inputs, output):
-    x, weights, scales, _, transposed, lora_A, lora_B, scalings = inputs
-    n = len(weights)
+    x, weights, scales, biases, transposed, lora_A, lora_B, scalings = inputs
     ctx.save_for_backward(x, output[-1], *weights, *scales, *transposed, *lora_A, *lora_B)
-    ctx.n, ctx.scalings = n, scalings
-    ctx.no_grads = [_no_grads(t) for t in (scales, inputs[3], transposed)]
+    ctx.n, ctx.scalings = len(weights), scalings
+    ctx.no_grads = [_no_grads(t) for t in (scales, biases, transposed)]
 
 
 def _lora_linear_backward(ctx, grads):
@@ -244,7 +244,8 @@ JOINT_INPUTS = True
 
 
 def linears_of_one_input(x, *modules) -> list:
-    """[m(x) for m in modules], LoRA linears of one op together where JOINT_INPUTS says."""
+    """[m(x) for m in modules]; where JOINT_INPUTS says, LoRA linears that would each run as one op run as one op
+    together."""
     if JOINT_INPUTS and len(modules) > 1 and all(isinstance(m, LoRALinear) and m.in_one_op(x) for m in modules):
         operands = [m._op_operands(x) for m in modules]
         weight, bias, A, B, scaling, scale, transposed = (list(column) for column in zip(*operands))
