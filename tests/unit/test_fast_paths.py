@@ -751,6 +751,7 @@ def test_lora_linears_of_one_input_as_one_op_give_each_ones_outputs_and_gradient
     needs no gradient gets none, A's and B's still come. One op runs each way where the members join, one per member
     where they do not."""
     from moetune.model import lora
+    from moetune.model.glm4_moe import linears_of_one_input
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(3)
@@ -771,7 +772,7 @@ def test_lora_linears_of_one_input_as_one_op_give_each_ones_outputs_and_gradient
         monkeypatch.setattr(lora, "LORA_LINEAR", form)
         monkeypatch.setattr(lora, "JOINT_INPUTS", joint)
         torch._dynamo.reset()
-        f = lambda xi: lora.linears_of_one_input(xi, *members)  # noqa: E731
+        f = lambda xi: linears_of_one_input(xi, *members)  # noqa: E731
         f = torch.compile(f, backend="inductor", fullgraph=True) if compiled else f
         for m in members:
             m.zero_grad()

@@ -19,8 +19,11 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     assert step_losses(big) == pytest.approx(step_losses(acc), rel=1e-5)
     wa = load_file(os.path.join(big, "adapter", "adapter_model.safetensors"))
     wb = load_file(os.path.join(acc, "adapter", "adapter_model.safetensors"))
+    # fp32 sums in another order move an element whose gradient is near zero after Adam's division by √v: 1.07e-5 on
+    # one of layer 1's expert down_B once q, k and v's input gradients were summed inside one LoRA op; a mean of the
+    # micro-batch means (the error this guards against) moves thousands of elements by ~0.04
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=3e-5)
 
 
 def test_mean_of_means_would_differ(tmp_path):

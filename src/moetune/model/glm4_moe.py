@@ -20,7 +20,6 @@ from torch import nn
 
 from moetune.model.attention import AttnMeta, KVCache, attend, build_attn_meta
 from moetune.model.config import ModelConfig
-from moetune.model.lora import linears_of_one_input
 from moetune.model.loss import linear_cross_entropy, linear_logprobs
 from moetune.model.step_inputs import unstaged
 from moetune.names import LOSS_CHUNK_TOKENS
@@ -58,6 +57,14 @@ def apply_rope(x, cos, sin):
     x1, x2 = x_rot[..., : d // 2], x_rot[..., d // 2 :]
     rotated = torch.cat((-x2, x1), dim=-1)
     return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def linears_of_one_input(x, *modules) -> list:
+    """[m(x) for m in modules], or what the modules' class computes for all of them at once where it can (a hook,
+    `of_one_input(x, modules)`, None where it cannot: LoRA linears as one op, model/lora.py)."""
+    together = getattr(type(modules[0]), "of_one_input", None)
+    ys = together(x, modules) if together is not None else None
+    return ys if ys is not None else [m(x) for m in modules]
 
 
 class Attention(nn.Module):

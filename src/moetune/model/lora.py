@@ -235,22 +235,13 @@ def lora_linear(x, weight, bias, lora_A, lora_B, scaling: float, scale=None, tra
 
 
 # LoRA linears that read one input (GQA's q, k and v; MLA's q_a and kv_a; an MLP's gate and up) as one op each way
-# where each would run as one alone (the op above): x read once for the members' A products and once for their
-# gradients, x's gradient summed inside the backward (for q, k, v: 4 of their 12 thin GEMMs, 2 of their 3 in-place adds
-# onto x's gradient and autograd's sum of the three gradients gone). One H200, same calls (BENCHMARKS.md, thirty-fifth
-# session), against each its own op: an EP-8 rank of Air 9,208 -> 9,269 tokens/s alone, 9,322 and 9,259 (against
-# 9,192) with LORA_FIRST; AIR-8 40,901 -> 41,449 with it; GLM-4.7-Flash 17,401 / 17,381.
+# where each would run as one alone (LoRALinear.of_one_input, the model's glm4_moe.linears_of_one_input hook): x read
+# once for the members' A products and once for their gradients, x's gradient summed inside the backward (for q, k, v:
+# 4 of their 12 thin GEMMs, 2 of their 3 in-place adds onto x's gradient and autograd's sum of the three gradients
+# gone). One H200, same calls (BENCHMARKS.md, thirty-fifth session), against each its own op: an EP-8 rank of Air
+# 9,208 -> 9,269 tokens/s alone, 9,322 and 9,259 (against 9,192) with LORA_FIRST; AIR-8 40,901 -> 41,449 with it;
+# GLM-4.7-Flash 17,401 / 17,381.
 JOINT_INPUTS = True
-
-
-def linears_of_one_input(x, *modules) -> list:
-    """[m(x) for m in modules]; where JOINT_INPUTS says, LoRA linears that would each run as one op run as one op
-    together."""
-    if JOINT_INPUTS and len(modules) > 1 and all(isinstance(m, LoRALinear) and m.in_one_op(x) for m in modules):
-        operands = [m._op_operands(x) for m in modules]
-        weight, bias, A, B, scaling, scale, transposed = (list(column) for column in zip(*operands))
-        return torch.ops.moetune.lora_linear(x, weight, scale, bias, transposed, A, B, scaling)[:-1]
-    return [m(x) for m in modules]
 
 
 def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
@@ -302,6 +293,17 @@ class LoRALinear(nn.Module):
         if self.quant is not None:
             return fp8_mm_in_one_op(x, self.weight, self.quant)
         return x.dtype == self.weight.dtype
+
+    @staticmethod
+    def of_one_input(x, modules) -> list | None:
+        """The modules applied to x as one op each way (glm4_moe.linears_of_one_input's hook), where JOINT_INPUTS says
+        and each would run as one op alone; None elsewhere."""
+        if not (JOINT_INPUTS and len(modules) > 1 and all(isinstance(m, LoRALinear) and m.in_one_op(x)
+                                                           for m in modules)):
+            return None
+        weight, bias, A, B, scaling, scale, transposed = (list(column) for column in zip(*(m._op_operands(x)
+                                                                                          for m in modules)))
+        return torch.ops.moetune.lora_linear(x, weight, scale, bias, transposed, A, B, scaling)[:-1]
 
     def _op_operands(self, x) -> tuple:
         """lora_linear's arguments after x: (weight, bias, A, B, scaling, scale, transposed), A and B in x's dtype."""

@@ -21,8 +21,7 @@ from torch import nn
 
 from moetune.model.attention import AttnMeta, KVCache, attend
 from moetune.model.config import GLM_MOE_DSA, ModelConfig
-from moetune.model.glm4_moe import RMSNorm, apply_rope
-from moetune.model.lora import linears_of_one_input
+from moetune.model.glm4_moe import RMSNorm, apply_rope, linears_of_one_input
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm's default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
