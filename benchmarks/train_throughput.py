@@ -339,8 +339,8 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
 # each LoRA linear its own op, its branch added in place after the base GEMM (_sep: lora.JOINT_INPUTS and LORA_FIRST
 # off, the form before the thirty-fifth session), against LoRA linears of one input as one op, branches written first
 for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg", "ours_experts_4x1024",
-              "ours_fp8_qkvo_4x1024_cg", "ours_fp8_flash_mla_1x4096_cg"):
+              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg",
+              "ours_experts_4x1024", "ours_fp8_qkvo_4x1024_cg", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_sep"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": False, "lora_first": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it

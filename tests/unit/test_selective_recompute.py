@@ -90,7 +90,8 @@ def test_the_bound_is_the_reduction_dimension_of_each_product(rank, b_kept, form
             decision = policy_fn(ctx, op, *args, **kwargs)
             if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
                 out = ctx.op_output
-                kept.append((op.__name__, tuple(t.shape for t in out) if isinstance(out, (tuple, list)) else tuple(out.shape)))
+                shapes = tuple(t.shape for t in out) if isinstance(out, (tuple, list)) else tuple(out.shape)
+                kept.append((op.__name__, shapes))
             return decision
         return contexts(policy)
 

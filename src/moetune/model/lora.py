@@ -113,7 +113,8 @@ def _grads_along_k(g, weight, lora_B, scaling):
 @torch.library.custom_op("moetune::lora_linear", mutates_args=())
 def _lora_linear_op(x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None],
                     biases: list[torch.Tensor | None], transposed: list[torch.Tensor | None],
-                    lora_A: list[torch.Tensor], lora_B: list[torch.Tensor], scalings: list[float]) -> list[torch.Tensor]:
+                    lora_A: list[torch.Tensor], lora_B: list[torch.Tensor],
+                    scalings: list[float]) -> list[torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
     h = torch.mm(x2, _joined(lora_A).t())  # what B's gradient needs
     ys = []
