@@ -167,7 +167,7 @@ def _lora_linear_bwd_op(grads: list[torch.Tensor], x: torch.Tensor, h: torch.Ten
         else:
             grad_hs.append(torch.mm(g, B * scaling))  # the gradient reaching x·Aᵀ
             parts.append(None)
-    grad_h, A = (grad_hs[0], lora_A[0]) if len(grad_hs) == 1 else (torch.cat(grad_hs, 1), torch.cat(lora_A))
+    grad_h, A = grad_hs[0] if len(grad_hs) == 1 else torch.cat(grad_hs, 1), _joined(lora_A)
     dx = x.new_empty(0)
     if input_grad:
         first = LORA_FIRST and all(s is None and p is None for s, p in zip(scales, parts))

@@ -389,7 +389,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
     split = ep > 1  # recompute.split_modes: under EP a MoE layer recomputes its attention and expert work apart
     n_moe = sum(m.is_moe_layer(i) for i in range(L))
     # the local path's experts keep the tokens for their LoRA (under EP they keep the rows received either way)
-    token_rows = gathers_expert_inputs(cfg, counts)
+    token_rows = not split and gathers_expert_inputs(cfg, counts)
 
     def layer_bytes(i):
         ac = modes[i]
@@ -401,7 +401,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
 
     def recomputed(i):  # what one layer's recompute holds at once in backward
         ac, moe, first = modes[i], m.is_moe_layer(i), i == 0
-        attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq, token_rows and not split)
+        attn, mlp = layer_halves(m, moe, mode, b, lora, full, first, rank, seq, token_rows)
         if ac == "attention":
             return attn
         if ac != "full":
