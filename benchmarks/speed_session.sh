@@ -8,7 +8,6 @@
 # perm:      benchmarks/permutation_kernels.py (the MoE permutation's gathers and sums, each way of writing them)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
 # lora_kernels: benchmarks/lora_linear_kernels.py (a LoRA linear's op on the dense shapes, each way of adding LoRA)
-# lora_dy:   benchmarks/lora_dy_kernel.py (LoRA's backward products of dy: the one-read kernel's configs against torch's)
 # flash_train: full-size GLM-4.7-Flash through `moetune train` (random weights, packed demo data; overrides in
 #              $FLASH_EXTRA);
 #              flash_train_b, _c, _d: again with $FLASH_EXTRA_B and $FLASH_ENV_B (environment assignments), ...
@@ -71,7 +70,6 @@ for stage in ${STAGES:-attention trace variants}; do
     variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
     perm) run perm ${PERM_LIMIT:-120} python3 benchmarks/permutation_kernels.py ;;
     lora_kernels) run lora_kernels ${LK_LIMIT:-120} env OUT="$OUT" python3 benchmarks/lora_linear_kernels.py ;;
-    lora_dy) run lora_dy ${LD_LIMIT:-150} env OUT="$OUT" python3 benchmarks/lora_dy_kernel.py ;;
     ggemm) run ggemm ${GGEMM_LIMIT:-150} python3 benchmarks/grouped_gemm.py ${GGEMM_SHAPES:-flash air_ep8} ;;
     flash_train) flash_train flash_train EXTRA="${FLASH_EXTRA:-}" ;;
     flash_train_[b-d]) # the same run again: ${FLASH_EXTRA_B} overrides, ${FLASH_ENV_B} environment (B, C or D)

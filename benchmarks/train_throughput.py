@@ -343,12 +343,6 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
               "ours_experts_4x1024", "ours_fp8_qkvo_4x1024_cg", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_sep"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": False, "lora_first": False})
-# LoRA's backward products of dy by torch's two GEMMs (_dy0: lora_dy.DY_KERNEL False), before the one-read kernel
-for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_flash_mlaexperts_1x4096_cg",
-              "ours_experts_4x1024", "ours_fp8_qkvo_4x1024_cg", "ours_fp8_flash_mla_1x4096_cg"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_dy0"] = (_s, _b, _t, _tg, {**_x, "dy_kernel": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -451,15 +445,6 @@ def build_ours(cfg: dict, targets, extra, device):
     lora_module.LORA_ALONG_K = extra.get("lora_along_k", lora_module.LORA_ALONG_K)
     lora_module.LORA_FIRST = extra.get("lora_first", lora_module.LORA_FIRST)
     lora_module.JOINT_INPUTS = extra.get("joint_inputs", lora_module.JOINT_INPUTS)
-    import moetune.model.lora_dy as lora_dy_module
-
-    # LoRA's backward products of dy from one read (lora_dy.DY_KERNEL); DY_CONFIG (JSON, benchmarks/lora_dy_kernel.py's
-    # last line) its launch config
-    lora_dy_module.DY_KERNEL = extra.get("dy_kernel", lora_dy_module.DY_KERNEL)
-    if os.environ.get("DY_CONFIG"):
-        dy_config = json.loads(os.environ["DY_CONFIG"])
-        lora_dy_module._TARGET_PROGRAMS = dy_config.pop("programs", lora_dy_module._TARGET_PROGRAMS)
-        lora_dy_module._CONFIG = dy_config
     # the compiled SwiGLU's backward as one row kernel ("kernel", the default) or Inductor's traced ops
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetune.model.experts import grouped_linear
-from moetune.model.lora_dy import dy_products
 from moetune.model.quant.matmul import fp8_mm, fp8_mm_dgrad, fp8_mm_in_one_op, fp8_mm_lora, fp8_mm_lora_fits
 from moetune.model.quant.modules import Fp8Linear, frozen_linear, transposed_copy, weight_scale
 from moetune.model.recompute import register_product
@@ -159,18 +158,15 @@ def _lora_linear_bwd_op(grads: list[torch.Tensor], x: torch.Tensor, h: torch.Ten
     # an fp8 GEMM's operand is quantised row by row
     gs = [gr.reshape(-1, gr.shape[-1]) if s is None else gr.reshape(-1, gr.shape[-1]).contiguous()
           for gr, s in zip(grads, scales)]
-    grad_hs, parts, grad_B = [], [], []  # parts: each member's base input gradient, or None where it comes later
-    for g, weight, scale, A, B, scaling, hi in zip(gs, weights, scales, lora_A, lora_B, scalings, _split(h, lora_A)):
+    grad_hs, parts = [], []  # parts: each member's base input gradient, or None where it comes later
+    for g, weight, scale, A, B, scaling in zip(gs, weights, scales, lora_A, lora_B, scalings):
         if input_grad and scale is None and LORA_ALONG_K and _wide_output(g.shape[0], weight, A.shape[0]):
             part, grad_h = _grads_along_k(g, weight, B, scaling)
             grad_hs.append(grad_h)
             parts.append(part)
-            grad_B.append(torch.mm(g.t(), hi * scaling))
-        else:  # the gradient reaching x·Aᵀ and B's, from one read of dy
-            grad_h, grad_b = dy_products(g, B, hi, scaling)
-            grad_hs.append(grad_h)
+        else:
+            grad_hs.append(torch.mm(g, B * scaling))  # the gradient reaching x·Aᵀ
             parts.append(None)
-            grad_B.append(grad_b)
     grad_h, A = grad_hs[0] if len(grad_hs) == 1 else torch.cat(grad_hs, 1), _joined(lora_A)
     dx = x.new_empty(0)
     if input_grad:
@@ -189,6 +185,7 @@ def _lora_linear_bwd_op(grads: list[torch.Tensor], x: torch.Tensor, h: torch.Ten
     grad_A = torch.mm(grad_h.t(), x2)
     # an op's outputs may not alias each other: the members' rows of one product are copied apart (r × in each)
     grad_As = [grad_A] if len(lora_A) == 1 else [t.clone() for t in grad_A.split([a.shape[0] for a in lora_A])]
+    grad_B = [torch.mm(g.t(), hi * scaling) for g, hi, scaling in zip(gs, _split(h, lora_A), scalings)]
     return [dx, *grad_As, *grad_B]
 
 
