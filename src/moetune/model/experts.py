@@ -405,17 +405,28 @@ class _FrozenLoRALinearSummed(torch.autograd.Function):
         return grad_a, None, None, None, None, None, grad_A, grad_B, None
 
 
+def gathers_in_gemm_settings(fp8_stacks: bool, lora_rank: int | None, lora_dropout: bool) -> bool:
+    """The part of gathers_in_gemm that settings decide, without tensors (also the memory estimate's, for a GPU run):
+    the switches, stacks not fp8, and expert LoRA of rank `lora_rank` (None: no expert LoRA) in the TMA kernel's
+    epilogue, a rank it takes and no dropout. The rest is the device's and the operands' (16-bit, TMA)."""
+    if not (GATHER_IN_GEMM and GROUPED_GEMM == "triton") or fp8_stacks:
+        return False
+    return lora_rank is None or (LORA_IN_EPILOGUE and not lora_dropout
+                                 and lora_rank in grouped_gemm_tiles.LORA_RANKS)
+
+
 def gathers_in_gemm(x, gate_up, down, lora, lora_weights=None) -> bool:
     """Whether routed_experts runs these stacks with the expansion's gathers inside the GEMMs (GATHER_IN_GEMM): frozen
     16-bit stacks through the TMA kernel, and expert LoRA (`lora_weights`, else its own) in its epilogue or none."""
-    if not (GATHER_IN_GEMM and GROUPED_GEMM == "triton" and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
+    fp8 = isinstance(gate_up, FrozenFp8) or isinstance(down, FrozenFp8)
+    A_gate_up, _, A_down, _ = (None,) * 4 if lora is None else (lora_weights or lora.pairs())
+    rank = None if lora is None else A_gate_up.shape[1]
+    dropout = lora is not None and not isinstance(lora.dropout, torch.nn.Identity)
+    if not (gathers_in_gemm_settings(fp8, rank, dropout) and (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU)):
         return False
-    if isinstance(gate_up, FrozenFp8) or isinstance(down, FrozenFp8):
+    if lora is not None and not (_lora_in_epilogue(x, gate_up, lora, A_gate_up)
+                                 and _lora_in_epilogue(x, down, lora, A_down)):
         return False
-    if lora is not None:
-        A_gate_up, _, A_down, _ = lora_weights or lora.pairs()
-        if not (_lora_in_epilogue(x, gate_up, lora, A_gate_up) and _lora_in_epilogue(x, down, lora, A_down)):
-            return False
     gate_up, down = local_tensor(gate_up), local_tensor(down)
     return (not gate_up.requires_grad and not down.requires_grad and gate_up.dtype == down.dtype == x.dtype
             and kernel_supported(x, gate_up, None) and tma.tma_supported(x, gate_up, True)

@@ -231,15 +231,13 @@ def count_params(model) -> ParamCounts:
 
 def gathers_expert_inputs(cfg, counts: ParamCounts) -> bool:
     """Whether a GPU run's routed experts read their LoRA rows through the token map inside the grouped GEMMs
-    (model/experts.py's gathers_in_gemm) and so keep the tokens, not the expanded rows, for A's gradient: LoRA on
-    the experts in the TMA kernel's epilogue (16-bit frozen stacks, rank 16, 32 or 64, no dropout; lora_epilogue_fits)
-    and the gathers inside the GEMMs (GATHER_IN_GEMM). Off the GPU the rows are expanded; the estimate is a GPU's."""
-    from moetune.model import experts, grouped_gemm_tiles
+    (model/experts.py's gathers_in_gemm, whose settings part decides here) and so keep the tokens, not the expanded
+    rows, for A's gradient. Off the GPU the rows are expanded; the estimate is a GPU's."""
+    from moetune.model import experts
 
-    return (cfg.finetune.mode != "full" and "experts" in cfg.lora.targets and not cfg.lora.dropout
-            and cfg.lora.rank in grouped_gemm_tiles.LORA_RANKS and cfg.model.dtype == "bfloat16"
-            and not counts.experts_frozen.stored
-            and experts.GATHER_IN_GEMM and experts.LORA_IN_EPILOGUE and experts.GROUPED_GEMM == "triton")
+    return (cfg.finetune.mode != "full" and "experts" in cfg.lora.targets and cfg.model.dtype == "bfloat16"
+            and experts.gathers_in_gemm_settings(counts.experts_frozen.stored > 0, cfg.lora.rank,
+                                                 bool(cfg.lora.dropout)))
 
 
 def _pow2(n: int) -> int:
@@ -314,11 +312,11 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         where = "one process" if world_size == 1 else "replicas without FSDP"
         w = add("weights", b * P, f"{b}·P{per}, {where}: the {cfg.model.dtype} weights are the master copy")
         grads = b * P_t
-        opt = add("optimizer", 2 * b * P_t, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable{per}")
+        add("optimizer", 2 * b * P_t, f"AdamW moments in {cfg.model.dtype}: 2·{b}·P_trainable{per}")
     elif full:
         w = add("weights", 4 * P, f"fp32 master weights sharded: 4·P{per}")
         grads = 4 * P_t
-        opt = add("optimizer", 8 * P_t, f"AdamW moments fp32: 8·P_trainable{per}")
+        add("optimizer", 8 * P_t, f"AdamW moments fp32: 8·P_trainable{per}")
     else:
         frozen = counts.frozen / S if fsdp else counts.frozen - counts.experts_frozen + counts.experts_frozen / ep
         stored = f"{b}·P" if not frozen.stored else f"fp8 base: 1 byte per weight + fp32 scales, the rest {b}·P"
@@ -327,7 +325,7 @@ def estimate_memory(cfg, m, counts: ParamCounts, layout) -> Estimate:
         # set to None after each update (zero_grad): none at the start of a step's backward unless micro-batches
         # accumulate; expert LoRA of full-size Air: 4.4 GiB counted at the start of backward until 2026-12
         grads = 0 if offload else 4 * P_lora
-        opt = add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
+        add("optimizer", 8 * P_lora, f"AdamW moments fp32: 8·P_lora{per}")
         notes.append(f"the bad-step rollback copies the LoRA state to host memory, twice: "
                      f"~{24 * P_lora / GIB:.1f} GiB per rank (train/bad_steps.py)")
     if layout.fp8_copies:
