@@ -53,11 +53,16 @@ def main():
     rt = [e for e in ev if e.get("cat") == "cuda_runtime"]
     start, end = gpu[0][0], max(t for _, t in gpu)
     gaps, busy, cur_s, cur_e = [], 0.0, *gpu[0]
+    sizes = collections.Counter()  # every gap by its size: the short ones are kernel boundaries, not the host
+    bins = ((2, "< 2 us"), (5, "2-5 us"), (20, "5-20 us"), (float("inf"), ">= 20 us"))
     for s, e in gpu[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
             if s - cur_e >= a.min_us:
                 gaps.append((cur_e, s))
+            label = next(name for bound, name in bins if s - cur_e < bound)
+            sizes[label, "n"] += 1
+            sizes[label, "us"] += s - cur_e
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
@@ -65,6 +70,8 @@ def main():
     span = end - start
     print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms; "
           f"{len(gaps)} gaps >= {a.min_us:.0f} us total {sum(e - s for s, e in gaps) / 1e3:.1f} ms")
+    print(f"  {len(gpu)} kernels, copies and sets; gaps by size: "
+          + ", ".join(f"{name} {sizes[name, 'n']} ({sizes[name, 'us'] / 1e3:.1f} ms)" for _, name in bins))
     # several profiled steps (train_throughput.py's BENCH_PROFILE_STEPS): each one's host time and the GPU's work in it
     for step in sorted((e for e in cpu if e["name"].startswith("profiled step ")), key=lambda e: e["ts"]):
         t0, t1 = step["ts"], step["ts"] + step["dur"]
