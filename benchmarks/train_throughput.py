@@ -343,6 +343,13 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_pa
               "ours_experts_4x1024", "ours_fp8_qkvo_4x1024_cg", "ours_fp8_flash_mla_1x4096_cg"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_sep"] = (_s, _b, _t, _tg, {**_x, "joint_inputs": False, "lora_first": False})
+# one EP-8 rank through the dispatcher with the compiled parts of its layers (before and after the exchange, a graph
+# break) replayed as CUDA graphs, the exchange eager between them (_cg): on one GPU the dispatcher's step waits on the
+# host (BENCHMARKS.md, thirty-sixth session)
+for _base in ("ours_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep8rank_qkvo_1x4096_packed_dispatch_fa4",
+              "ours_ep1_qkvo_4x1024"):
+    _s, _b, _t, _tg, _x = VARIANTS[_base]
+    VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
