@@ -23,14 +23,19 @@ from moetune.train.trainer import Trainer
 ONE = make_layout(1, n_layers=3)
 FSDP = make_layout(2, n_layers=3)
 EP = make_layout(2, ep=2, dp_shard=1, n_layers=3, n_experts=8)
+EP_FSDP = make_layout(4, ep=2, dp_shard=2, n_layers=3, n_experts=8)
 
 
-def test_one_gpu_compiled_allows_them():
-    check_cuda_graphs(ONE, compile=True, device="cuda:0")
+@pytest.mark.parametrize("layout", [ONE, EP], ids=["one_gpu", "ep_without_fsdp"])
+def test_compiled_on_a_gpu_without_fsdp_allows_them(layout):
+    """One GPU, or expert parallelism with the rest replicated: the compiled parts of each layer replay as graphs (under
+    EP the exchange between them runs eagerly)."""
+    assert not layout.fsdp
+    check_cuda_graphs(layout, compile=True, device="cuda:0")
 
 
 @pytest.mark.parametrize("layout,compile,device,reason", [
-    (FSDP, True, "cuda", "FSDP or expert parallelism"), (EP, True, "cuda", "FSDP or expert parallelism"),
+    (FSDP, True, "cuda", "FSDP is on"), (EP_FSDP, True, "cuda", "FSDP is on"),
     (ONE, False, "cuda", "train.compile is false"), (ONE, True, "cpu", "not a GPU")])
 def test_asked_where_they_cannot_run_is_a_config_error(layout, compile, device, reason):
     with pytest.raises(ConfigError, match=reason):

@@ -197,8 +197,9 @@ class TrainConfig(_Section):
     activation_checkpointing: Union[str, dict[str, Any]] = "none"
     compile: bool = False
     # CUDA graphs around each compiled layer (torch.compile mode "reduce-overhead"): the GPU no longer waits for the
-    # host to launch a layer's many small kernels. One GPU, compiled, no FSDP, no expert parallelism (whose collectives
-    # and per-step buffers a graph cannot replay); anywhere else true is an error
+    # host to launch a layer's many small kernels. A GPU, compiled, no FSDP (whose parameter storage moves); under
+    # expert parallelism the parts of a layer around its exchange replay as graphs, the exchange runs eagerly between
+    # them; anywhere else true is an error
     cuda_graphs: bool = False
     # bit-for-bit repeatable runs in another process (train/determinism.py): "compile" holds Inductor to choices made
     # without timing (~1% on GLM-4.7-Flash); true also torch's deterministic algorithms and cuDNN/cuBLAS fixed (−26%)

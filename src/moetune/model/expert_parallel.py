@@ -14,7 +14,9 @@ not need those sizes — the send-side plan, the gather of the rows to send, the
 shared expert — is queued before the copy, so the GPU works while the host waits, and after it the host only
 launches the exchange and the expert GEMMs.
 
-The exchange is a graph break, so the work between its collectives runs eagerly: some seventy small kernels a layer
+The exchange is a graph break (with train.cuda_graphs the compiled parts of the layer before and after it replay as
+CUDA graphs: one EP-8 rank of Air through this dispatcher on one H100 7,983 tokens/s against 6,395, BENCHMARKS.md's
+thirty-sixth session), so the work between its collectives runs eagerly: some seventy small kernels a layer
 for the two plans, and on an fp8 base the activations' quantisations, each compiled on its own
 (`quant.matmul.EAGER_QUANT`; op by op they had made one EP-8 rank of Air through the exchange 5,253 tokens/s against
 9,836 locally, BENCHMARKS.md). `COMPILE` compiles the rest of that work on its own too (the send plan with the

@@ -72,9 +72,9 @@ def check_cuda_graphs(layout, compile: bool, device) -> None:
     """train.cuda_graphs: true where CUDA graphs cannot replay the layers is a ConfigError naming the reason."""
     reason = ("train.compile is false" if not compile else "the device is not a GPU"
               if torch.device(device).type != "cuda" else "" if layout.allows_cuda_graphs
-              else "FSDP or expert parallelism is on (parallel layout)")
+              else "FSDP is on (parallel layout)")
     if reason:
-        raise ConfigError(f"train.cuda_graphs: true, but {reason}: CUDA graphs replay compiled layers on one GPU "
+        raise ConfigError(f"train.cuda_graphs: true, but {reason}: CUDA graphs replay compiled layers on a GPU "
                           "whose parameters stay in place; set it to false")
 
 

@@ -122,9 +122,10 @@ class Layout:
 
     @property
     def allows_cuda_graphs(self) -> bool:
-        """Whether a compiled layer may replay as a CUDA graph: FSDP2 swaps parameter storage in and out around each
-        layer, and expert parallelism's exchange has data-dependent sizes; neither can be captured."""
-        return not self.fsdp and self.ep == 1
+        """Whether a compiled layer may replay as a CUDA graph: not under FSDP2, which swaps parameter storage in and
+        out around each layer. Under expert parallelism the exchange (data-dependent sizes, a host copy) is a graph
+        break: the compiled parts before and after it replay as graphs, the exchange runs eagerly between them."""
+        return not self.fsdp
 
     @property
     def shard_size(self) -> int:
