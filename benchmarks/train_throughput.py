@@ -350,6 +350,9 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep8rank_qkvo_1x4
               "ours_ep1_qkvo_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
+    # and the exchange's local work compiled on its own (ep.COMPILE), which the graphs leave eager
+    VARIANTS[f"{_base}_cg_epcompile"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead",
+                                                          "ep_compile": True})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
