@@ -803,6 +803,7 @@ def test_a_model_with_joint_lora_linears_gives_the_same_loss_and_gradients(model
     """The tiny GLM-4.5 (q, k, v; the shared expert's and the dense MLP's gate and up) and GLM-4.7-Flash (q_a and
     kv_a) with lora.JOINT_INPUTS: the same loss and LoRA gradients as each linear its own op (fp32: the sums' order is
     all that differs), with fewer LoRA ops (compiled: the test above)."""
+    from family_models import TINY_MLA
     from moetune.model import lora
     from moetune.model.build import build_model
     from moetune.model.config import BUILTIN, ModelConfig
@@ -813,10 +814,7 @@ def test_a_model_with_joint_lora_linears_gives_the_same_loss_and_gradients(model
         cfg = dict(BUILTIN["tiny"], num_hidden_layers=2)
         targets, lora_ops = ["q_proj", "k_proj", "v_proj", "o_proj", "shared_experts", "dense_mlp"], (14, 8)
     else:
-        cfg = dict(model_type="glm4_moe_lite", vocab_size=96, hidden_size=64, intermediate_size=96,
-                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                   n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=12,
-                   qk_rope_head_dim=8, v_head_dim=20, first_k_dense_replace=1)
+        cfg = dict(TINY_MLA, model_type="glm4_moe_lite", num_hidden_layers=2, first_k_dense_replace=1)
         targets, lora_ops = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"], (10, 8)
     monkeypatch.setattr(lora, "LORA_LINEAR", "op")
     model = build_model(ModelConfig.from_hf_dict(cfg), "meta")
