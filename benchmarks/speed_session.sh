@@ -3,7 +3,8 @@
 #   STAGES="attention trace variants" bash benchmarks/speed_session.sh
 # attention: benchmarks/attention_kernels.py (every attention kernel on Flash's MLA and Air's GQA shapes)
 # trace:     one profiled step of each of $TRACE_VARIANT (default GLM-4.7-Flash's; Chrome trace + top kernels) and
-#            its idle gaps (trace_gaps.py); TRACE_LIMIT bounds the stage (120 s); TRACE_STEPS consecutive steps (1)
+#            its idle gaps (trace_gaps.py); TRACE_LIMIT bounds the stage (120 s); TRACE_STEPS consecutive steps (1);
+#            TRACE_ARGS more of trace_gaps.py's options (--host, --chains N)
 # variants:  benchmarks/train_throughput.py on $VARIANTS (each in its own process)
 # perm:      benchmarks/permutation_kernels.py (the MoE permutation's gathers and sums, each way of writing them)
 # ggemm:     benchmarks/grouped_gemm.py (Triton grouped GEMM vs torch._grouped_mm on the expert shapes)
@@ -66,7 +67,7 @@ for stage in ${STAGES:-attention trace variants}; do
         --variants ${TRACE_VARIANT:-ours_flash_mla_1x4096}
       grep KERNEL "$LOGS/trace.log" > "$OUT/trace_kernels.txt"
       for t in "$OUT"/trace/*.json; do python3 benchmarks/trace_gaps.py "$t" ${TRACE_CALLS:+--calls "$TRACE_CALLS"} \
-        > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
+        $TRACE_ARGS > "${t%.json}_gaps.txt" 2>&1; gzip -f "$t"; done ;;
     variants) run variants ${VARIANTS_LIMIT:-400} python3 benchmarks/train_throughput.py --timeout ${VARIANT_TIMEOUT:-80} --variants $VARIANTS ;;
     perm) run perm ${PERM_LIMIT:-120} python3 benchmarks/permutation_kernels.py ;;
     lora_kernels) run lora_kernels ${LK_LIMIT:-120} env OUT="$OUT" python3 benchmarks/lora_linear_kernels.py ;;

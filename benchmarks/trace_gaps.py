@@ -46,6 +46,10 @@ def main():
     ap.add_argument("--min-us", type=float, default=20.0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--calls", default=None, help="a regular expression over kernel names")
+    ap.add_argument("--host", action="store_true",
+                    help="also the host's time by outermost op, per thread (where a host-bound step spends it)")
+    ap.add_argument("--chains", type=int, default=0,
+                    help="also the idle time by the N innermost host ops at each gap's start, outer to inner")
     a = ap.parse_args()
     ev = [e for e in load(a.trace) if e.get("ph") == "X"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in GPU_CATS)
@@ -83,19 +87,25 @@ def main():
         return [e for e in events if e["ts"] <= t < e["ts"] + e["dur"]]
 
     by_outer, by_inner, by_rt = collections.Counter(), collections.Counter(), collections.Counter()
+    by_chain = collections.Counter()
     for s, e in gaps:
         ops = sorted(covering(cpu, s), key=lambda x: -x["dur"])
         outer = ops[0]["name"][:80] if ops else "(no host op)"
         inner = ops[-1]["name"][:80] if ops else "(no host op)"
         by_outer[outer] += e - s
         by_inner[inner] += e - s
+        if a.chains:  # which compiled region or Python-level op the innermost one ran under
+            by_chain[" > ".join(o["name"][:50] for o in ops[-a.chains:]) or "(no host op)"] += e - s
         r = covering(rt, s)
         by_rt[r[0]["name"][:60] if r else "(none)"] += e - s
-    for title, c in (("outermost host op at the gap's start", by_outer), ("innermost host op", by_inner),
-                     ("CUDA runtime call at the gap's start", by_rt)):
+    tables = [("outermost host op at the gap's start", by_outer), ("innermost host op", by_inner),
+              ("CUDA runtime call at the gap's start", by_rt)]
+    for title, c in tables + ([(f"{a.chains} innermost host ops, outer to inner", by_chain)] if a.chains else []):
         print(f"\nidle ms by {title}:")
         for name, us in c.most_common(a.top):
             print(f"  {us / 1e3:8.2f}  {name}")
+    if a.host:
+        host_time(cpu, a.top)
     syncs = collections.Counter(e["name"] for e in rt if e["name"].startswith(SYNCS) or "Synchronize" in e["name"])
     print("\nhost synchronisations:", dict(syncs))
     if a.calls:
@@ -106,6 +116,28 @@ def main():
         print(f"\nkernels matching {a.calls!r}: calls, total ms, min / median / max ms a call")
         for name, d in sorted(calls.items(), key=lambda kv: -sum(kv[1])):
             print(f"  {len(d):4d} {sum(d):9.2f}  {min(d):.3f} / {statistics.median(d):.3f} / {max(d):.3f}  {name[:90]}")
+
+
+def host_time(cpu, top: int) -> None:
+    """Each thread's time in its outermost ops below the profiled steps (the forward's thread and autograd's)."""
+    steps = [e for e in cpu if e["name"].startswith("profiled step ")]
+    by_thread = collections.defaultdict(list)
+    for e in cpu:
+        if not e["name"].startswith("profiled step "):
+            by_thread[e.get("tid")].append(e)
+    for tid, evs in by_thread.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        outer, end = collections.Counter(), -1.0
+        for e in evs:
+            if e["ts"] >= end and any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps):
+                outer[e["name"][:80]] += e["dur"]
+                end = e["ts"] + e["dur"]
+        total = sum(outer.values())
+        if total < 1e3:
+            continue
+        print(f"\nhost thread {tid}: {total / 1e3:.1f} ms in outermost ops, by op:")
+        for name, us in outer.most_common(top):
+            print(f"  {us / 1e3:8.2f}  {name}")
 
 
 if __name__ == "__main__":
