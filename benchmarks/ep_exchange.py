@@ -3,6 +3,7 @@ grouped expert GEMMs of the rows a rank receives, and how much of the exchange h
 are issued together (the dispatcher's pipelining relies on it).
 
     torchrun --nproc-per-node 2 benchmarks/ep_exchange.py        # writes $OUT/ep_exchange.json on rank 0
+    RESERVED_SMS=16 torchrun ...                                  # the experts' persistent GEMM leaves 16 SMs free
 
 Rows: T tokens per rank × top-8 slots × hidden 4096 bf16, routed uniformly, so half of each rank's rows cross to
 the other GPU. Bandwidth = bytes that leave the GPU / time. overlap = (t_comm + t_compute − t_both) / t_comm:
@@ -42,8 +43,10 @@ def timed(fn, reps=20):
 
 
 def main():
+    from moetune.model import grouped_gemm_tma
     from moetune.model.experts import experts_forward
 
+    grouped_gemm_tma.RESERVED_SMS = int(os.environ.get("RESERVED_SMS", 0))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -83,6 +86,7 @@ def main():
     if rank == 0 and os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "ep_exchange.json"), "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev),
+                       "reserved_sms": grouped_gemm_tma.RESERVED_SMS,
                        "torch": torch.__version__, "results": results}, f, indent=1)
     dist.destroy_process_group()
 

@@ -1,6 +1,6 @@
-"""The host's time a call for the expert-parallel exchange's pieces, eager against compiled (`expert_parallel.COMPILE`):
-one MoE layer through the dispatcher on a world of one (gloo), shapes small enough that the host's work, not the
-kernels, is what is timed. A proxy for what the host spends between the exchange's collectives on a GPU.
+"""The host's time a call for the expert-parallel exchange's pieces, eager against compiled (the dispatcher's
+`compiled`): one MoE layer through the dispatcher on a world of one (gloo), shapes small enough that the host's work,
+not the kernels, is what is timed. A proxy for what the host spends between the exchange's collectives on a GPU.
 
     python benchmarks/exchange_host_time.py [--tokens 64] [--calls 200] [--fp8]
 
@@ -62,20 +62,20 @@ def measure(mode: str, tokens: int, calls: int, fp8: bool) -> None:
         matmul._fp8_kernels = lambda x, w8, scheme: x.dtype == torch.bfloat16
         torch._scaled_grouped_mm = _scaled_grouped_mm_stand_in
         matmul.EAGER_QUANT = "compiled" if mode.endswith("_cq") else "torch"
-    shard_experts(ex, mesh)
-    ep.COMPILE = mode.startswith("compiled")
+    compiled = mode.startswith("compiled")
+    shard_experts(ex, mesh, compiled=compiled)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, H, generator=g).bfloat16().requires_grad_()
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
     w = torch.rand(tokens, k, generator=g).requires_grad_()
     routing = torch.cat([w.detach(), idx.float()], 1)
-    receive = ep._maybe_compiled(ep._receive_plan_tensors)
+    receive = ep._maybe_compiled(ep._receive_plan_tensors, compiled)
 
     def layer():
         y, _, side = ex(x, idx, w, side_work=lambda: x * 2)
         (y + side).float().sum().backward()
 
-    pieces = (("send plan", lambda: ep._plan_send(idx, w, 1, E, 1)),
+    pieces = (("send plan", lambda: ep._plan_send(idx, w, 1, E, 1, compiled)),
               ("receive plan (no grad, as inside the exchange)", lambda: receive(routing, k, E, torch.float32)),
               ("MoE layer forward + backward", layer))
     for name, fn in pieces:

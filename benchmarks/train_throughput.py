@@ -170,11 +170,13 @@ for _base in ("ours_flash_mla_1x4096", "ours_flash_mla_1x4096_demo", "ours_qkvo_
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cppw"] = (_s, _b, _t, _tg, {**_x, "inductor": {"cpp_wrapper": True}})
     VARIANTS[f"{_base}_combo"] = (_s, _b, _t, _tg, {**_x, "inductor": {"combo_kernels": True}})
-# the expert-parallel exchange's local work (plans, expert MLP, shared expert) compiled on its own (ep.COMPILE)
+# the expert-parallel exchange's local work (plans, expert MLP, shared expert) compiled on its own (the dispatcher's
+# `compiled`, the default where the layers are compiled: _epcompile as its base), and eager (_epeager)
 for _base in ("ours_ep1_qkvo_4x1024", "ours_ep1_experts_4x1024", "ours_ep8rank_qkvo_1x4096_packed_dispatch",
               "ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep1_experts_4x1024_ac"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_epcompile"] = (_s, _b, _t, _tg, {**_x, "ep_compile": True})
+    VARIANTS[f"{_base}_epeager"] = (_s, _b, _t, _tg, {**_x, "ep_compile": False})
 # an fp8 base's operands quantised in eager code op by op (quant.matmul.EAGER_QUANT "torch"; the default compiles
 # each quantisation): the exchange's local work, an eager model
 for _base in ("ours_fp8_ep8rank_qkvo_1x4096_packed_dispatch", "ours_fp8_qkvo_4x1024_eager"):
@@ -350,9 +352,11 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep8rank_qkvo_1x4
               "ours_ep1_qkvo_4x1024"):
     _s, _b, _t, _tg, _x = VARIANTS[_base]
     VARIANTS[f"{_base}_cg"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead"})
-    # and the exchange's local work compiled on its own (ep.COMPILE), which the graphs leave eager
+    # and the exchange's local work compiled on its own (the default where the layers are compiled), and eager
     VARIANTS[f"{_base}_cg_epcompile"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead",
                                                           "ep_compile": True})
+    VARIANTS[f"{_base}_cg_epeager"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead",
+                                                        "ep_compile": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -472,10 +476,6 @@ def build_ours(cfg: dict, targets, extra, device):
         for option, value in extra.get("inductor", {}).items():  # a candidate: Inductor options for every graph
             setattr(inductor_config, option, value)
         apply_compile(model, mode=extra.get("compile_mode"))  # a candidate: another mode (reduce-overhead)
-    if "ep_compile" in extra:  # a candidate setting: the exchange's local work compiled on its own
-        import moetune.model.expert_parallel as ep_module
-
-        ep_module.COMPILE = extra["ep_compile"]
     if extra.get("nproc", 1) > 1 or extra.get("dispatch"):
         from moetune.parallel.apply import apply_ep, apply_fsdp
         from moetune.parallel.layout import make_layout
@@ -484,12 +484,14 @@ def build_ours(cfg: dict, targets, extra, device):
         layout = make_layout(launch_world_size(), extra.get("ep", 1), extra.get("dp_shard", -1),
                              extra.get("ac", "none"), extra.get("offload", False), n_layers=mcfg.num_hidden_layers)
         dist = init_distributed(layout)
+        # the exchange's local work compiled on its own where the layers are (the trainer's choice), or as the row says
+        ep_compiled = extra.get("ep_compile", bool(extra.get("compile")))
         if extra.get("ep", 1) > 1:
-            apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 1))
+            apply_ep(model, dist.mesh["ep"], overlap_chunks=extra.get("chunks", 1), compiled=ep_compiled)
         elif extra.get("dispatch"):
             from torch.distributed.device_mesh import init_device_mesh
 
-            apply_ep(model, init_device_mesh(dist.device.type, (1,), mesh_dim_names=("ep",)))
+            apply_ep(model, init_device_mesh(dist.device.type, (1,), mesh_dim_names=("ep",)), compiled=ep_compiled)
         if layout.fsdp:
             apply_fsdp(model, dist.mesh, param_dtype=torch.bfloat16, reshard_after_forward=extra.get("reshard", True),
                        cpu_offload=extra.get("offload", False))

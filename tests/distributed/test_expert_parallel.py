@@ -144,7 +144,7 @@ def _compiled_checks(rank, mesh):
         results = []
         for compiled in (False, True):
             counter = CompileCounterWithBackend("aot_eager")  # traced as Inductor would, without its code generation
-            ep_module.COMPILE, ep_module.BACKEND = compiled, counter
+            ep_module.BACKEND = counter
             try:
                 ex = _experts()
                 with torch.no_grad():
@@ -153,13 +153,13 @@ def _compiled_checks(rank, mesh):
                         getattr(ex, name).requires_grad_(False)
                 if not lora:
                     ex.lora = None
-                shard_experts(ex, mesh, overlap_chunks=2)
+                shard_experts(ex, mesh, overlap_chunks=2, compiled=compiled)
                 x, idx, w, g = _inputs(rank, list(range(E)))
                 x, w = x.to(torch.bfloat16).requires_grad_(), w.requires_grad_()
                 y, counts, side = ex(x, idx, w, side_work=lambda: shared(x), recompute=recompute)
                 ((y + side).float() * g).sum().backward()
             finally:
-                ep_module.COMPILE, ep_module.BACKEND = False, "inductor"
+                ep_module.BACKEND = "inductor"
             grads = {n: p.grad.to_local() for n, p in ex.named_parameters() if p.grad is not None}
             results.append((y, side, counts, x.grad, w.grad, grads, counter.frame_count))
         (y0, s0, c0, xg0, wg0, g0, frames0), (y1, s1, c1, xg1, wg1, g1, frames1) = results
@@ -175,10 +175,23 @@ def _compiled_checks(rank, mesh):
         for name in g0:
             torch.testing.assert_close(g1[name], g0[name], msg=f"{what}: {name}")
 
+    from moetune.model.config import BUILTIN, ModelConfig
+    from moetune.model.hf_io import build_model
+    from moetune.parallel.apply import parallelize
+    from moetune.parallel.layout import make_layout
+
+    for compile in (False, True):
+        model = build_model(ModelConfig.from_hf_dict(dict(BUILTIN["tiny"], num_hidden_layers=2)), "meta")
+        parallelize(model, make_layout(WORLD, ep=WORLD, n_layers=2), {"ep": mesh}, compile=compile,
+                    param_dtype=torch.bfloat16)
+        moes = list(model.moe_layers())
+        assert moes and all(moe.experts.dispatcher.compiled == compile for moe in moes), compile
+
 
 def test_the_exchange_compiled_equals_eager():
-    """What runs between the exchange's collectives, compiled on its own (`COMPILE`: the plans, the local expert
-    work, the shared expert), computes what the eager exchange computes, forward and backward."""
+    """What runs between the exchange's collectives, compiled on its own (the dispatcher's `compiled`: the plans, the
+    local expert work, the shared expert), computes what the eager exchange computes, forward and backward; and it is
+    compiled exactly where the layers are (parallelize's `compile`)."""
     mp.spawn(_compiled_worker, args=(free_port(),), nprocs=WORLD)
 
 

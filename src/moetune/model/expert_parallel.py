@@ -19,11 +19,13 @@ CUDA graphs: one EP-8 rank of Air through this dispatcher on one H100 7,983 toke
 thirty-sixth session), so the work between its collectives runs eagerly: some seventy small kernels a layer
 for the two plans, and on an fp8 base the activations' quantisations, each compiled on its own
 (`quant.matmul.EAGER_QUANT`; op by op they had made one EP-8 rank of Air through the exchange 5,253 tokens/s against
-9,836 locally, BENCHMARKS.md). `COMPILE` compiles the rest of that work on its own too (the send plan with the
-layer's shapes, the receive plan and the local expert computation with the received rows dynamic, the shared
-expert). It is off: on a bf16 base it measured −3% to +3% (AIR-8 and one EP-8 rank, on an H100); on the fp8 rank it
-was 5–10% ahead in each of three calls on one H200 (7,922 against 7,408 tokens/s in one), a gain not yet made a
-default that depends on the base's dtype.
+9,836 locally, BENCHMARKS.md). Where the layers are compiled (train.compile), the rest of that work is compiled on
+its own too (`AllToAllDispatcher.compiled`: the send plan with the layer's shapes, the receive plan and the local
+expert computation with the received rows dynamic, the shared expert): the host launches a few generated kernels
+instead of the ops one by one, which is what bounds the layer's forward between its device→host copy and the expert
+GEMMs. One EP-8 rank of Air through this dispatcher with CUDA graphs, same call: 8,243 tokens/s against 7,628 on an
+H200, 7,640 against 7,446 on an H100 (BENCHMARKS.md, thirty-seventh session); on an fp8 base without graphs 5–10%
+ahead in three calls, on a bf16 base without them −3% to +3%.
 """
 
 from __future__ import annotations
@@ -40,13 +42,12 @@ from moetune.model.experts import Bags, combine, count_values, expand, sort_by_k
 from moetune.model.recompute import Rebuilt, recompute as recompute_fn
 from moetune.tensors import local_tensor
 
-# Compile the exchange's local work (module docstring): a candidate setting, off.
-COMPILE = False
+# the backend the exchange's local work is compiled with where the layers are (`AllToAllDispatcher.compiled`)
 BACKEND = "inductor"
 
 
-def _maybe_compiled(fn):
-    return compiled_for_eager(fn, BACKEND) if COMPILE else fn
+def _maybe_compiled(fn, compiled: bool):
+    return compiled_for_eager(fn, BACKEND) if compiled else fn
 
 
 # Compiled, each is one graph for every layer's `fn` (a bound method or closure of the layer's module); two
@@ -73,10 +74,11 @@ class _SendPlan:
     bounds: list[int]  # chunk c holds tokens bounds[c]:bounds[c+1] and send-buffer rows from ep·bounds[c]
 
 
-def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_local: int, chunks: int) -> _SendPlan:
+def _plan_send(topk_idx: torch.Tensor, topk_weights: torch.Tensor, ep: int, n_local: int, chunks: int,
+               compiled: bool = False) -> _SendPlan:
     T = topk_idx.shape[0]
     bounds = [T * c // chunks for c in range(chunks + 1)]
-    plan = _maybe_compiled(_send_plan_tensors)
+    plan = _maybe_compiled(_send_plan_tensors, compiled)
     bag, slots, routing, counts, expert_counts = plan(topk_idx, topk_weights.detach(), ep, n_local, bounds)
     return _SendPlan(Bags(bag, slots), routing, counts, expert_counts, bounds)
 
@@ -129,8 +131,9 @@ class _Received:
     weights: torch.Tensor  # [R, k] routing weights of the received rows
 
 
-def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype) -> _Received:
-    plan = _maybe_compiled(_receive_plan_tensors)
+def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype,
+                   compiled: bool = False) -> _Received:
+    plan = _maybe_compiled(_receive_plan_tensors, compiled)
     order, offs, slots, weights = plan(routing, k, n_local, weights_dtype)
     order = order[:n_pairs]  # the local pairs (the host knows their number from the counts exchange)
     return _Received(Bags(bag=order // k, slots=slots), order, offs, weights)
@@ -178,8 +181,9 @@ class _ExchangeAndCompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, group, chunks, plan, compute, recompute, grad, rows, row_weights, *weights):
-        # grad: whether the caller records gradients (inside forward autograd is always off)
+    def forward(ctx, group, chunks, plan, compute, recompute, grad, compiled, rows, row_weights, *weights):
+        # grad: whether the caller records gradients (inside forward autograd is always off); compiled: the local
+        # expert work compiled on its own (AllToAllDispatcher.compiled)
         sent = [_all_to_all(rows[ch.start:ch.start + ch.n_send], ch.recv_splits, ch.send_splits, group)
                 for ch in chunks]
         result = rows.new_empty(rows.shape)  # one row back per row sent
@@ -201,12 +205,12 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 w_in = rec.weights.detach().requires_grad_(grad and row_weights.requires_grad)
                 local = [t.detach().requires_grad_(grad and t.requires_grad) for t in weights]
 
-                # With COMPILE, compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective
+                # Compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective
                 # recompute tags its ops as they dispatch (an eager dispatch mode): both must see the ops one by one.
                 if rebuilt is not None or recompute == "selective":
                     local_compute = functools.partial(compute, rebuilt=rebuilt)
                 else:
-                    local_compute = functools.partial(_maybe_compiled(_local_experts), compute)
+                    local_compute = functools.partial(_maybe_compiled(_local_experts, compiled), compute)
 
                 def run(r_rows, w_rows, *local_weights, rec=rec, local_compute=local_compute):
                     pair_weights = w_rows.reshape(-1)[rec.order]
@@ -270,7 +274,7 @@ class _ExchangeAndCompute(torch.autograd.Function):
             work.wait()
         it = iter(weight_grads or [])
         grad_weights = [next(it) if need else None for need in ctx.weights_need_grad]
-        return (None, None, None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
+        return (None, None, None, None, None, None, None, grad_rows, grad_row_weights, *grad_weights)
 
 
 class AllToAllDispatcher:
@@ -280,11 +284,13 @@ class AllToAllDispatcher:
     expert computation (1: the plain exchange; on H200 the transfers do not run beside the grouped GEMMs,
     BENCHMARKS.md). Every rank takes part in every collective whatever its tokens route to (split sizes may be 0),
     so uneven routing cannot desynchronise them. Split sizes must be host integers: one device→host copy per layer,
-    taken while the GPU gathers the rows to send and runs the shared expert (`side_work`).
+    taken while the GPU gathers the rows to send and runs the shared expert (`side_work`). `compiled`: the work
+    between the collectives compiled on its own (the module docstring), as `parallel.apply_ep` sets it where the
+    layers are compiled.
     """
 
-    def __init__(self, group, chunks: int = 1):
-        self.group, self.chunks = group, max(1, int(chunks))
+    def __init__(self, group, chunks: int = 1, compiled: bool = False):
+        self.group, self.chunks, self.compiled = group, max(1, int(chunks)), compiled
         self._copy_stream = None
 
     @torch.compiler.disable  # collectives with data-dependent sizes: a graph break, the layer's rest stays compiled
@@ -298,7 +304,7 @@ class AllToAllDispatcher:
         k = topk_idx.shape[1]
         weights = [local_tensor(w) for w in weights]
         n_local = num_experts // ep
-        send = _plan_send(topk_idx, topk_weights, ep, n_local, self.chunks)
+        send = _plan_send(topk_idx, topk_weights, ep, n_local, self.chunks, self.compiled)
         recv_counts = torch.empty_like(send.counts)  # [source rank, chunk, (rows, pairs)]
         routed = torch.cuda.current_stream().record_event() if x.is_cuda else None
         work = dist.all_to_all_single(recv_counts, send.counts, group=self.group, async_op=True)
@@ -306,7 +312,7 @@ class AllToAllDispatcher:
         # shared expert.
         rows = expand(x, send.origin)
         row_weights = topk_weights[send.origin.bag]
-        side = _maybe_compiled(_shared_expert)(side_work) if side_work is not None else None
+        side = _maybe_compiled(_shared_expert, self.compiled)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
         send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
         recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
@@ -319,10 +325,10 @@ class AllToAllDispatcher:
             chunks.append(ch)
 
         def plan(ch):
-            return _plan_received(ch.routing, k, n_local, ch.recv_pairs, topk_weights.dtype)
+            return _plan_received(ch.routing, k, n_local, ch.recv_pairs, topk_weights.dtype, self.compiled)
 
-        y = _ExchangeAndCompute.apply(self.group, chunks, plan, compute, recompute, torch.is_grad_enabled(), rows,
-                                      row_weights, *weights)
+        y = _ExchangeAndCompute.apply(self.group, chunks, plan, compute, recompute, torch.is_grad_enabled(),
+                                      self.compiled, rows, row_weights, *weights)
         return combine(y, send.origin), send.expert_counts, side
 
     def _to_host(self, make, work, routed) -> list[int]:

@@ -232,6 +232,10 @@ TMA_PERSISTENT = True
 TMA_SWAP_PAIRS = True
 # programs of the persistent kernel under the interpreter (a GPU: its SM count)
 _INTERPRETER_PROGRAMS = 3
+# SMs the persistent kernel leaves to kernels of other streams (NCCL's, an exchange's transfers): a program an SM on
+# every SM holds them all until its last tile, and a collective launched beside it waits for the whole GEMM (2 × H200,
+# BENCHMARKS.md "Several GPUs": overlap 0). benchmarks/comm_overlap.py measures what a reservation costs and hides.
+RESERVED_SMS = 0
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -330,7 +334,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     launch = launch or (lambda k: k)
     if TMA_PERSISTENT if persistent is None else persistent:
         programs = min(tiles, _INTERPRETER_PROGRAMS if _interpreting()
-                       else torch.cuda.get_device_properties(x.device).multi_processor_count)
+                       else torch.cuda.get_device_properties(x.device).multi_processor_count - RESERVED_SMS)
         launch(_grouped_gemm_tma_persistent_kernel)[(programs,)](*args, **meta, **config, num_programs=programs,
                                                                  FLATTEN=not _interpreting())
     else:

@@ -20,7 +20,7 @@ def parallelize(model, layout, mesh, *, compile: bool, param_dtype: torch.dtype,
     """Apply `layout` (layout.Layout) to a model still on meta: EP → activation checkpointing → compile → FSDP2.
     `cuda_graphs`: the compiled layers replay as CUDA graphs (check_cuda_graphs says where they can)."""
     if layout.ep > 1:
-        apply_ep(model, mesh["ep"], overlap_chunks)
+        apply_ep(model, mesh["ep"], overlap_chunks, compiled=compile)
     apply_ac(model, layout.recompute)
     if compile:
         apply_compile(model, mode="reduce-overhead" if cuda_graphs else None)
@@ -29,16 +29,17 @@ def parallelize(model, layout, mesh, *, compile: bool, param_dtype: torch.dtype,
                    cpu_offload=layout.cpu_offload)
 
 
-def apply_ep(model, ep_mesh, overlap_chunks: int = 1) -> None:
+def apply_ep(model, ep_mesh, overlap_chunks: int = 1, compiled: bool = False) -> None:
     """Expert parallelism: shard every MoE layer's routed experts by expert over `ep_mesh` (see shard_experts).
     The router and the shared expert stay whole on every rank, so routing is local. `overlap_chunks` pipeline
     chunks per exchange. 1 by default: on H200 the all-to-all does not run beside the grouped GEMMs (measured,
-    BENCHMARKS.md), so splitting only makes the GEMMs smaller."""
+    BENCHMARKS.md), so splitting only makes the GEMMs smaller. `compiled`: the exchange's local work compiled on its
+    own, as the layers around it are (expert_parallel.AllToAllDispatcher)."""
     for moe in model.moe_layers():
-        shard_experts(moe.experts, ep_mesh, overlap_chunks)
+        shard_experts(moe.experts, ep_mesh, overlap_chunks, compiled)
 
 
-def shard_experts(experts, ep_mesh, overlap_chunks: int = 1) -> None:
+def shard_experts(experts, ep_mesh, overlap_chunks: int = 1, compiled: bool = False) -> None:
     """Split stacked experts (base and LoRA tensors) by expert into DTensors Shard(0) over `ep_mesh` — so init
     and loading by global offset, DCP and export keep working — and give `Experts` the all-to-all dispatcher."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -55,7 +56,7 @@ def shard_experts(experts, ep_mesh, overlap_chunks: int = 1) -> None:
             # src_data_rank=None: each rank keeps its own slice, no scatter (the model is normally still on meta)
             shard = distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, torch.nn.Parameter(shard, requires_grad=p.requires_grad))
-    experts.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), overlap_chunks)
+    experts.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), overlap_chunks, compiled)
 
 
 def apply_ac(model, spec) -> None:
