@@ -232,9 +232,11 @@ TMA_PERSISTENT = True
 TMA_SWAP_PAIRS = True
 # programs of the persistent kernel under the interpreter (a GPU: its SM count)
 _INTERPRETER_PROGRAMS = 3
-# SMs the persistent kernel leaves to kernels of other streams (NCCL's, an exchange's transfers): a program an SM on
-# every SM holds them all until its last tile, and a collective launched beside it waits for the whole GEMM (2 × H200,
-# BENCHMARKS.md "Several GPUs": overlap 0). benchmarks/comm_overlap.py measures what a reservation costs and hides.
+# SMs the persistent kernel leaves to kernels of other streams (NCCL's, an exchange's transfers), which a program on
+# every SM may keep waiting until its last tile. On one H100 a stand-in transfer ran beside it in part with none left
+# (overlap 0.2–0.8), 0.7–0.9 with 16 at ~5% of the GEMM (benchmarks/comm_overlap.py, BENCHMARKS.md thirty-seventh
+# session); on 2 × H200 an all-to-all beside torch's CUTLASS grouped GEMM did not run at all ("Several GPUs").
+# 0 until several GPUs measure it with this kernel.
 RESERVED_SMS = 0
 
 
