@@ -314,12 +314,16 @@ class AllToAllDispatcher:
         row_weights = topk_weights[send.origin.bag]
         side = _maybe_compiled(_shared_expert, self.compiled)(side_work) if side_work is not None else None
         host = self._to_host(lambda: torch.cat([send.counts[..., 0].flatten(), recv_counts.flatten()]), work, routed)
-        send_rows = torch.tensor(host[: ep * self.chunks]).view(ep, self.chunks)
-        recv = torch.tensor(host[ep * self.chunks:]).view(ep, self.chunks, 2)
+        # [rank, chunk] rows sent, then [rank, chunk, (rows, pairs)] received, read as Python ints: between the
+        # device→host copy and the expert GEMMs the GPU waits for the host, which CPU tensor ops here would lengthen
+        n = ep * self.chunks
+        sent_rows, received = host[:n], host[n:]
 
         chunks = []
         for c, a in enumerate(send.bounds[:-1]):
-            ch = _Chunk(ep * a, send_rows[:, c].tolist(), recv[:, c, 0].tolist(), int(recv[:, c, 1].sum()))
+            at = range(c, n, self.chunks)  # (rank, chunk c) for every rank
+            ch = _Chunk(ep * a, [sent_rows[i] for i in at], [received[2 * i] for i in at],
+                        sum(received[2 * i + 1] for i in at))
             ch.routing, ch.routing_work = _all_to_all(send.routing[ch.start:ch.start + ch.n_send], ch.recv_splits,
                                                       ch.send_splits, self.group)
             chunks.append(ch)
