@@ -415,9 +415,9 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, lor
     else:  # this rank holds experts 0..n_exp-1 of 2·n_exp; n_exp: another rank's
         topk = torch.stack([torch.randperm(2 * n_exp)[:k] for _ in range(T)]).to(dev)
         routing = torch.cat([torch.rand(T, k, device=dev), torch.where(topk < n_exp, topk, n_exp).float()], 1)
-        order, offs, slots, weights = expert_parallel._receive_plan_tensors(routing, k, n_exp, torch.float32)
-        order = order[:int(offs[-1])]
-        bags, w = experts.Bags(order // k, slots), weights.reshape(-1)[order]
+        order, bag, offs, slots, weights = expert_parallel._receive_plan_tensors(routing, k, n_exp, torch.float32)
+        order, bag = order[:int(offs[-1])], bag[:int(offs[-1])]
+        bags, w = experts.Bags(bag, slots), weights.reshape(-1)[order]
         assert (slots < 0).any() and not bags.full
     g = torch.randn(T, H).bfloat16().to(dev)
     expert_lora = None

@@ -52,8 +52,10 @@ def _maybe_compiled(fn, compiled: bool):
 
 # Compiled, each is one graph for every layer's `fn` (a bound method or closure of the layer's module); two
 # functions, so that the experts (rows dynamic) and the shared expert (the layer's shapes) keep their own caches.
-def _local_experts(fn, *args):
-    return fn(*args)
+def _local_experts(fn, rows, row_weights, order, bag, slots, offs, *weights):
+    """fn's expert work on the received rows' (row, expert) pairs, each weighted by its slot's routing weight (the
+    gather inside the compiled graph: one op fewer for the host to launch before the expert GEMMs)."""
+    return fn(rows, bag, slots, offs, row_weights.reshape(-1)[order], *weights)
 
 
 def _shared_expert(fn):
@@ -134,22 +136,22 @@ class _Received:
 def _plan_received(routing: torch.Tensor, k: int, n_local: int, n_pairs: int, weights_dtype,
                    compiled: bool = False) -> _Received:
     plan = _maybe_compiled(_receive_plan_tensors, compiled)
-    order, offs, slots, weights = plan(routing, k, n_local, weights_dtype)
-    order = order[:n_pairs]  # the local pairs (the host knows their number from the counts exchange)
-    return _Received(Bags(bag=order // k, slots=slots), order, offs, weights)
+    order, bag, offs, slots, weights = plan(routing, k, n_local, weights_dtype)
+    # the local pairs (the host knows their number from the counts exchange)
+    return _Received(Bags(bag=bag[:n_pairs], slots=slots), order[:n_pairs], offs, weights)
 
 
 def _receive_plan_tensors(routing: torch.Tensor, k: int, n_local: int, weights_dtype):
-    """(every (row, slot) sorted by local expert, the slots of other ranks' experts last; group ends; each row's
-    slots' pair or −1; the rows' weights). Shapes follow the rows only, not the number of local pairs, so that one
-    graph with the rows dynamic serves every layer and step."""
+    """(every (row, slot) sorted by local expert, the slots of other ranks' experts last; its row; group ends; each
+    row's slots' pair or −1; the rows' weights). Shapes follow the rows only, not the number of local pairs, so that
+    one graph with the rows dynamic serves every layer and step."""
     weights, key = routing[:, :k].to(weights_dtype), routing[:, k:].long().flatten()  # key n_local: not here
     order = sort_by_key(key, n_local + 1)
     offs = count_values(key, n_local + 1)[:n_local].cumsum(0)
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=key.device)
     slots = torch.where(position < offs[-1], position, -1)
-    return order, offs.to(torch.int32), slots.view(-1, k), weights
+    return order, order // k, offs.to(torch.int32), slots.view(-1, k), weights
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, out=None):
@@ -208,13 +210,12 @@ class _ExchangeAndCompute(torch.autograd.Function):
                 # Compiled unless Rebuilt saves its tensors (eager autograd's hooks) or selective
                 # recompute tags its ops as they dispatch (an eager dispatch mode): both must see the ops one by one.
                 if rebuilt is not None or recompute == "selective":
-                    local_compute = functools.partial(compute, rebuilt=rebuilt)
+                    local_compute = functools.partial(_local_experts, functools.partial(compute, rebuilt=rebuilt))
                 else:
                     local_compute = functools.partial(_maybe_compiled(_local_experts, compiled), compute)
 
                 def run(r_rows, w_rows, *local_weights, rec=rec, local_compute=local_compute):
-                    pair_weights = w_rows.reshape(-1)[rec.order]
-                    return local_compute(r_rows, rec.pairs.bag, rec.pairs.slots, rec.offs, pair_weights,
+                    return local_compute(r_rows, w_rows, rec.order, rec.pairs.bag, rec.pairs.slots, rec.offs,
                                          *local_weights)
 
                 y = recompute_fn(run, recompute, r_in, w_in, *local)
