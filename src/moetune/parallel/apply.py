@@ -32,9 +32,10 @@ def parallelize(model, layout, mesh, *, compile: bool, param_dtype: torch.dtype,
 def apply_ep(model, ep_mesh, overlap_chunks: int = 1, compiled: bool = False) -> None:
     """Expert parallelism: shard every MoE layer's routed experts by expert over `ep_mesh` (see shard_experts).
     The router and the shared expert stay whole on every rank, so routing is local. `overlap_chunks` pipeline
-    chunks per exchange. 1 by default: on H200 the all-to-all does not run beside the grouped GEMMs (measured,
-    BENCHMARKS.md), so splitting only makes the GEMMs smaller. `compiled`: the exchange's local work compiled on its
-    own, as the layers around it are (expert_parallel.AllToAllDispatcher)."""
+    chunks per exchange. 1 by default: on 2 × H200 the all-to-all did not run beside torch's grouped GEMM (measured,
+    BENCHMARKS.md), so splitting only made the GEMMs smaller; today's persistent TMA kernel is not yet measured there
+    (benchmarks/ep_exchange.py). `compiled`: the exchange's local work compiled on its own, as the layers around it
+    are (expert_parallel.AllToAllDispatcher)."""
     for moe in model.moe_layers():
         shard_experts(moe.experts, ep_mesh, overlap_chunks, compiled)
 
