@@ -3,13 +3,14 @@ SMs free for it costs the GEMM (model/grouped_gemm_tma.py's RESERVED_SMS).
 
     python benchmarks/comm_overlap.py        # one GPU; writes $OUT/comm_overlap.json after every case
 
-On 2 × H200 an all-to-all issued beside the grouped GEMM did not run until the GEMM ended (BENCHMARKS.md, "Several
-GPUs": overlap 0): the GEMM holds every SM. NCCL moves an all-to-all's rows with copy kernels of a few CTAs per peer
-(its channels), so a kernel of that shape stands in for it here, on a second stream: C programs copying the bytes of
-one pipeline chunk of an EP-8 rank of GLM-4.5-Air (its rows leaving for the other ranks). Its duration on one GPU is
-not NVLink's; what the case shows is whether it runs at the same time as the GEMM (overlap = (t_gemm + t_copy −
-t_both) / t_copy: 1.0 completely hidden, 0 serialised), issued before the GEMM (a chunk's dispatch while the previous
-chunk computes) and after it (a chunk's results going back while the next one computes).
+On 2 × H200 an all-to-all issued beside torch's CUTLASS grouped GEMM did not run until the GEMM ended (BENCHMARKS.md,
+"Several GPUs": overlap 0), presumably because the GEMM held every SM. NCCL moves an all-to-all's rows with copy
+kernels of a few CTAs per peer (its channels), so a kernel of that shape stands in for it here, on a second stream: C
+programs copying the bytes of one pipeline chunk of an EP-8 rank of GLM-4.5-Air (its rows leaving for the other
+ranks). Its duration on one GPU is not NVLink's; what the case shows is whether it runs at the same time as the GEMM
+(overlap = (t_gemm + t_copy − t_both) / t_copy: 1.0 completely hidden, 0 serialised), issued before the GEMM (a
+chunk's dispatch while the previous chunk computes) and after it (a chunk's results going back while the next one
+computes).
 
 The GEMM: gate_up's forward of one chunk on an EP-8 rank of Air (16 experts, 2 × 1,408 × 4,096, the chunk's rows in
 equal groups) through the persistent TMA kernel with RESERVED_SMS programs fewer than SMs.
