@@ -223,7 +223,7 @@ def run_shape(name, p, results):
             aq, sa = matmul._gmm_dgrad_operand(a, s8, offs)
             kinds.append(("w8a8", (w8, None, ref8)))
         run_tma(res, record, a, W, w8, s8, offs, transpose, ref, ref8)
-        if ("tma_rows" in KINDS or "tma_swiglu" in KINDS) and op in ("gate_up_fwd", "down_dgrad"):
+        if "tma_rows" in KINDS and op in ("gate_up_fwd", "down_dgrad"):
             run_rows(res, record, a, W, offs, transpose, p["k"])
         for kind, (w, s, reference) in [k for k in kinds if k[0] in KINDS]:
             best = None
@@ -248,8 +248,7 @@ def run_shape(name, p, results):
                   "torch_fp8", "torch_fp8_gemm_only", "torch_fp8_on_copy", "triton_fp8", "triton_fp8_autotuned",
                   "triton_w8a8", "triton_w8a8_autotuned", "tma_w8a8", "tma_w8a8_autotuned", "tma_w8a8_nmajor",
                   "tma_w8a8_nmajor_bytes", "tma_bf16_persistent", "tma_w8a8_persistent", "tma_w8a8_nmajor_persistent",
-                  "tma_w8a8_nmajor_bytes_persistent", "tma_bf16_rows", "tma_bf16_gather_then_gemm", "gather_only",
-                  "tma_bf16_rows_then_swiglu", "swiglu_only", *(m for m in res["methods"] if "swiglu_rows[" in m)):
+                  "tma_w8a8_nmajor_bytes_persistent", "tma_bf16_rows", "tma_bf16_gather_then_gemm", "gather_only"):
             r = res["methods"].get(m)
             if r and "ms" in r:
                 line.append(f"{m} {r['ms']:.3f} ms {r['tflops']:.0f} TF/s err {r['rel_err']:.1e}"
@@ -345,24 +344,6 @@ def run_rows(res, record, a, W, offs, transpose, k):
     record("tma_bf16_gather_then_gemm", lambda: tma.grouped_gemm_tma(src[idx], W, offs, None, transpose, config=cfg,
                                                                      persistent=True), reference)
     record("gather_only", lambda: src[idx], src[idx])
-    if transpose and "tma_swiglu" in KINDS:  # gate_up's forward with the weighted SwiGLU in its epilogue
-        from moetune.model.kernels import weighted_swiglu_fwd_torch
-
-        w = torch.rand(a.shape[0], device=DEV)
-        swiglu = torch.compile(weighted_swiglu_fwd_torch) if not CPU else weighted_swiglu_fwd_torch
-        want = weighted_swiglu_fwd_torch(reference.to(a.dtype), w)
-        record("tma_bf16_rows_then_swiglu", lambda: swiglu(tma.grouped_gemm_tma(
-            src, W, offs, None, True, config=cfg, persistent=True, a_rows=idx), w), want)
-        h = tma.grouped_gemm_tma(src, W, offs, None, True, config=cfg, persistent=True, a_rows=idx)
-        record("swiglu_only", lambda: swiglu(h, w), want)
-        for bm, bn, bk, warps, stages in ([(16, 16, 16, 1, 1)] if CPU else SWIGLU_CONFIGS):
-            c = dict(BM=bm, BN=bn, BK=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-            record(f"tma_swiglu_rows[{bm}x{bn}x{bk}_s{stages}_w{warps}]", lambda: tma.grouped_gemm_tma(
-                src, W, offs, None, True, config=c, persistent=True, a_rows=idx, swiglu=w)[1], want)
-
-
-# the SwiGLU epilogue's launch configs timed (BM, BN of each half, BK, warps, stages)
-SWIGLU_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 4)]
 
 
 # ------------------------------------------------------------------------------------------------ CPU: sm_90 compile
@@ -414,20 +395,16 @@ for name, k, stored, pairs, rows in [("fp8 fwd tma", tma._grouped_gemm_tma_kerne
                                      ("bf16 fwd tma_persistent", P, False, False, False),
                                      ("bf16 fwd rows tma_persistent", P, False, False, True),
                                      ("bf16 dgrad tma_persistent", P, True, False, False),
-                                     ("bf16 dgrad rows tma_persistent", P, True, False, True),
-                                     ("bf16 fwd rows swiglu tma_persistent", P, False, False, True)]:
-    fp8, swiglu = name.startswith("fp8"), "swiglu" in name
-    cfg = ((tma.TMA_CONFIG_FP8_SWAP if stored else tma.TMA_CONFIG_FP8) if fp8
-           else tma.TMA_CONFIG_SWIGLU if swiglu else tma.TMA_CONFIG)
+                                     ("bf16 dgrad rows tma_persistent", P, True, False, True)]:
+    fp8 = name.startswith("fp8")
+    cfg = (tma.TMA_CONFIG_FP8_SWAP if stored else tma.TMA_CONFIG_FP8) if fp8 else tma.TMA_CONFIG
     const = dict(E_POW2=128, B_KMAJOR=not stored, SCALE_A=fp8, SCALE_B=fp8 and not stored, DOT_FP32=False,
                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8, SWAP=stored and fp8, PAIRS=pairs, l_ptr=None,
                  p_ptr=None, stride_pe=0, stride_pr=0, stride_pn=0, LORA=False, RANK=16, A_ROWS=rows,
-                 **({} if rows else {"rows_ptr": None}), **({"FLATTEN": True} if "persistent" in name else {}),
-                 SWIGLU=swiglu, **({} if swiglu else {"s_ptr": None, "w_ptr": None}))
+                 **({} if rows else {"rows_ptr": None}), **({"FLATTEN": True} if "persistent" in name else {}))
     dt = "*fp8e4nv" if fp8 else "*bf16"
     ptrs = {"a_ptr": dt, "b_ptr": "*i16" if pairs else dt, "c_ptr": "*bf16", "scale_ptr": "*fp32",
-            "ascale_ptr": "*fp32", "offs_ptr": "*i32", **({"rows_ptr": "*i64"} if rows else {}),
-            **({"s_ptr": "*bf16", "w_ptr": "*fp32"} if swiglu else {})}
+            "ascale_ptr": "*fp32", "offs_ptr": "*i32", **({"rows_ptr": "*i64"} if rows else {})}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in k.arg_names}
     div16 = [n for n in k.arg_names if n in ptrs or n in ("N", "K", "stride_am", "stride_cm", "stride_se")]
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},

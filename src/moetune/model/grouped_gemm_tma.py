@@ -34,18 +34,16 @@ if triton is not None:
     def _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr = False,
                          A_ROWS: tl.constexpr = False, SWIGLU: tl.constexpr = False):
-        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major; SWIGLU: [E·2, N, K]) or
+        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major; SWIGLU: [E·2N, K]) or
         [E·K, N] matrix (PAIRS: b_ptr is an fp8 stack's int16 view, [E·K, N/2]). A_ROWS: A's rows are gathered by
         pointer loads, and a_ptr is handed on as it is."""
         if A_ROWS:
             a_desc = a_ptr
         else:
             a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
-        if SWIGLU:  # [E·2, N, K]: a tile is BN rows of the gate and the same rows of the up, one load
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * 2, N, K], strides=[N * K, K, 1],
-                                               block_shape=[2, BN, BK])
-        elif B_KMAJOR:
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
+        if B_KMAJOR:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N * (2 if SWIGLU else 1), K], strides=[K, 1],
+                                               block_shape=[BN, BK])
         elif PAIRS:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N // 2], strides=[N // 2, 1],
                                                block_shape=[BK, BN // 2])
@@ -74,11 +72,12 @@ if triton is not None:
         `stride_am` apart), loaded by pointer loads, which Triton pipelines as TMA's are; the tile's rows past its
         group load as zeros.
         SWIGLU (16-bit, B_KMAJOR, no SWAP or LORA): the stack is gate_up [E, 2N, K] and the tile is columns tn·BN.. of
-        both halves, loaded as one [2, BN, BK] box and multiplied as 2·BN columns; C [M, 2N] gets both (the gate's,
-        then the up's, as one GEMM writes them) and S [M, N] silu(gate)·up·w[row] from C's values as stored (fp32
-        inside), w fp32 [M]."""
+        both halves, two accumulators over one A tile; C [M, 2N] gets both (the gate's, then the up's, as one GEMM
+        writes them) and S [M, N] silu(gate)·up·w[row] from C's values as stored (fp32 inside), w fp32 [M]."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
-        acc = tl.zeros((BN, BM) if SWAP else (BM, 2 * BN if SWIGLU else BN), dtype=tl.float32)
+        acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
+        if SWIGLU:
+            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         if A_ROWS:
             ra = row0 + tl.arange(0, BM)
             rk = tl.arange(0, BK)
@@ -89,8 +88,11 @@ if triton is not None:
                 a = tl.load(a_ptrs + k0, mask=(ra < row_b)[:, None] & (rk < K - k0)[None, :], other=0.0)
             else:
                 a = a_desc.load([row0, k0])
-            if SWIGLU:  # the gate's BN rows, then the up's: one product of 2·BN columns
-                b = tl.trans(tl.reshape(b_desc.load([ge * 2, tn * BN, k0]), (2 * BN, BK)))
+            if SWIGLU:
+                b = tl.trans(b_desc.load([ge * 2 * N + tn * BN, k0]))
+                b_up = tl.trans(b_desc.load([ge * 2 * N + N + tn * BN, k0]))
+                if DOT_FP32:
+                    b_up = b_up.to(tl.float32)
             elif B_KMAJOR:
                 b = tl.trans(b_desc.load([ge * N + tn * BN, k0]))
             else:
@@ -110,6 +112,8 @@ if triton is not None:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(b, a, acc) if SWAP else tl.dot(a, b, acc)
+            if SWIGLU:
+                acc_up = tl.dot(a, b_up, acc_up)
         if SWAP:
             acc = tl.trans(acc)
         rm = row0 + tl.arange(0, BM)
@@ -132,15 +136,11 @@ if triton is not None:
         acc = tl.where(g < E, acc, 0.0)  # not a product: the padding rows may hold anything
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
-        if SWIGLU:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-            gate = gate.to(c_ptr.dtype.element_ty)
-            up = up.to(c_ptr.dtype.element_ty)
-            tl.store(c_ptrs + N, up, mask=mask)
-        else:
-            gate = acc.to(c_ptr.dtype.element_ty)
+        gate = acc.to(c_ptr.dtype.element_ty)
         tl.store(c_ptrs, gate, mask=mask)
         if SWIGLU:
+            up = tl.where(g < E, acc_up, 0.0).to(c_ptr.dtype.element_ty)
+            tl.store(c_ptrs + N, up, mask=mask)
             gf = gate.to(tl.float32)
             wr = tl.load(w_ptr + rm, mask=m_mask, other=0.0)
             act = gf * tl.sigmoid(gf) * up.to(tl.float32) * wr[:, None]
