@@ -357,13 +357,6 @@ for _base in ("ours_ep8rank_qkvo_1x4096_packed_dispatch", "ours_ep8rank_qkvo_1x4
                                                           "ep_compile": True})
     VARIANTS[f"{_base}_cg_epeager"] = (_s, _b, _t, _tg, {**_x, "compile_mode": "reduce-overhead",
                                                         "ep_compile": False})
-# the weighted SwiGLU as its own pass over gate_up's output (_nsg), against the default (experts.SWIGLU_IN_GEMM: in
-# gate_up's epilogue where the gathers run inside the GEMMs, experts frozen)
-for _base in ("ours_ep8rank_qkvo_1x4096_packed_cg", "ours_ep8rank_qkvo_1x4096_packed_cg_fa4", "ours_qkvo_4x1024",
-              "ours_qkvo_4x1024_cg", "ours_flash_mla_1x4096_cg", "ours_ep8rank_qkvo_1x4096_packed_dispatch_cg",
-              "ours_ep8rank_qkvo_1x4096_packed_dispatch_fa4_cg"):
-    _s, _b, _t, _tg, _x = VARIANTS[_base]
-    VARIANTS[f"{_base}_nsg"] = (_s, _b, _t, _tg, {**_x, "swiglu_in_gemm": False})
 # transformers' best setting that fits: every HF variant also runs without gradient checkpointing (faster when it
 # fits; an out-of-memory there is a result, and the table compares against the faster of the two that ran)
 VARIANTS.update({f"{k}_nogc": (v[0], v[1], v[2], v[3], {**v[4], "gc": False})
@@ -470,7 +463,6 @@ def build_ours(cfg: dict, targets, extra, device):
     experts_module.SWIGLU_BACKWARD = extra.get("swiglu_backward", experts_module.SWIGLU_BACKWARD)
     experts_module.LORA_IN_EPILOGUE = extra.get("expert_lora_epilogue", experts_module.LORA_IN_EPILOGUE)
     experts_module.GATHER_IN_GEMM = extra.get("gather_in_gemm", experts_module.GATHER_IN_GEMM)
-    experts_module.SWIGLU_IN_GEMM = extra.get("swiglu_in_gemm", experts_module.SWIGLU_IN_GEMM)
     grouped_lora_kernels_module.LORA_KERNELS = extra.get("lora_kernels", grouped_lora_kernels_module.LORA_KERNELS)
     if "tma_persistent" in extra:  # the TMA kernel a program a tile (False) or an SM (True, the default)
         grouped_gemm_tma_module.TMA_PERSISTENT = extra["tma_persistent"]

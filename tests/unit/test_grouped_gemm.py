@@ -287,37 +287,6 @@ def test_tma_kernel_matches_reference(case, pad, persistent, tma_on_cpu, monkeyp
     assert (y[int(offs[-1]):] == 0).all()
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["tile_a_program", "persistent"])
-@pytest.mark.parametrize("gathered", [False, True], ids=["rows", "rows_gathered"])
-@pytest.mark.parametrize("pad", [0, 3])
-def test_tma_swiglu_epilogue_matches_reference(pad, gathered, persistent, tma_on_cpu, monkeypatch):
-    """gate_up's forward with the weighted SwiGLU in the TMA kernel's epilogue (`swiglu`): the product as the plain
-    launch writes it (gate columns, then up), and silu(gate)·up·w per row from those values, rounded once. Groups end
-    mid-tile and are empty, padding rows get zeros (both outputs); under the interpreter I (24) is no multiple of the
-    column tile (16), so a gate tile runs into the up rows (never stored). Both launches; its rows read as they are and
-    gathered through an index. On a GPU (its twin) with its launch configs, else under the interpreter."""
-    monkeypatch.setattr(tma, "TMA_PERSISTENT", persistent)
-    if torch.cuda.is_available():
-        rows, offs, w = _tma_gpu_case(pad)
-    else:
-        rows, offs, w = _tma_case(fp8=False, pad=pad, seed=13)
-    wb = w.bfloat16()
-    tokens = rows // 3 + 2 if gathered else rows
-    x = torch.randn(tokens, wb.shape[2], device=w.device).bfloat16()
-    a_rows = torch.randint(0, tokens, (rows,), device=w.device) if gathered else None
-    rw = torch.rand(rows, device=w.device)
-    y, s = tma.grouped_gemm_tma(x, wb, offs, None, True, a_rows=a_rows, swiglu=rw)
-    plain = tma.grouped_gemm_tma(x, wb, offs, None, True, a_rows=a_rows)
-    assert y.shape == plain.shape and s.shape == (rows, wb.shape[1] // 2) and s.dtype == torch.bfloat16
-    _close(y, grouped_mm_reference(x if a_rows is None else x[a_rows], wb, offs, None))
-    _close(y, plain)
-    gate, up = y.float().chunk(2, dim=-1)
-    want = torch.nn.functional.silu(gate) * up * rw[:, None]
-    _close(s, want)
-    assert (s.float() - want).abs().max() <= 1e-2 * want.abs().max()  # from y's own values, not some other rounding
-    assert (y[int(offs[-1]):] == 0).all() and (s[int(offs[-1]):] == 0).all()
-
-
 def test_gathered_rows_past_the_last_k_tile_load_as_zeros(tma_on_cpu):
     """A forward whose K (40) is no multiple of the K tile (16 under the interpreter, 64 on a GPU): the gathered rows'
     last tile is partial, its columns past K load as zeros (as TMA's would), and the product is the reference's."""
@@ -433,7 +402,6 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, lor
     real = tma.grouped_gemm_tma
     monkeypatch.setattr(tma, "grouped_gemm_tma",
                         lambda *a, **k: launches.append((a[4], k.get("a_rows") is not None)) or real(*a, **k))
-    monkeypatch.setattr(experts, "SWIGLU_IN_GEMM", False)  # its own test below: not bit for bit
     torch.manual_seed(3)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     T, k, H, I, n_exp = (300, 3, 128, 64, 4) if dev == "cuda" else (13, 3, 32, 16, 4)
@@ -485,72 +453,6 @@ def test_permutation_gathers_inside_the_gemms_change_nothing(compiled, rows, lor
         assert not experts.gathers_in_gemm(x, gate_up, down, ExpertLoRA(n_exp, H, I, 16, 32, 0.1, False).to(dev))
     assert experts.gathers_in_gemm(x, gate_up, down, expert_lora)
     assert not experts.gathers_in_gemm(x, gate_up.clone().requires_grad_(), down, None)
-
-
-@pytest.mark.parametrize("rows", ["tokens", "received"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_swiglu_in_the_gate_up_epilogue_gives_the_layers_values(compiled, rows, tma_on_cpu, monkeypatch):
-    """experts.SWIGLU_IN_GEMM: frozen 16-bit stacks without expert LoRA (the gathers inside the GEMMs) write the
-    weighted SwiGLU from gate_up's epilogue, one launch fewer forward. The layer's output and the gradients of the
-    rows and of the routing weights are those of the SwiGLU as its own pass, to bf16's rounding of the SwiGLU (the
-    epilogue computes it in fp32 from h as stored, as Inductor's fused pass does; the eager row kernel of a CPU
-    rounds its product to bf16 first); the launch that writes it gets the routing weights. Rows as in the test above;
-    on a GPU (its twin) with the GPU's launch configs, else under the interpreter."""
-    from moetune.model import expert_parallel, experts
-
-    launches = []
-    real = tma.grouped_gemm_tma
-    monkeypatch.setattr(tma, "grouped_gemm_tma",
-                        lambda *a, **k: launches.append((a[4], k.get("swiglu") is not None)) or real(*a, **k))
-    torch.manual_seed(5)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    T, k, H, I, n_exp = (300, 3, 128, 64, 4) if dev == "cuda" else (13, 3, 32, 16, 4)
-    gate_up = (torch.randn(n_exp, 2 * I, H) / H ** 0.5).bfloat16().to(dev)
-    down = (torch.randn(n_exp, H, I) / I ** 0.5).bfloat16().to(dev)
-    x = torch.randn(T, H).bfloat16().to(dev)
-    if rows == "tokens":
-        topk = torch.stack([torch.randperm(n_exp)[:k] for _ in range(T)]).to(dev)
-        perm = experts.permute(topk, n_exp)
-        bags, offs, w = perm.bags, perm.offs, torch.rand(T * k, device=dev)[perm.order]
-    else:
-        topk = torch.stack([torch.randperm(2 * n_exp)[:k] for _ in range(T)]).to(dev)
-        routing = torch.cat([torch.rand(T, k, device=dev), torch.where(topk < n_exp, topk, n_exp).float()], 1)
-        order, bag, offs, slots, weights = expert_parallel._receive_plan_tensors(routing, k, n_exp, torch.float32)
-        order, bag = order[:int(offs[-1])], bag[:int(offs[-1])]
-        bags, w = experts.Bags(bag, slots), weights.reshape(-1)[order]
-    g = torch.randn(T, H).bfloat16().to(dev)
-
-    def run(swiglu_in_gemm):
-        monkeypatch.setattr(experts, "SWIGLU_IN_GEMM", swiglu_in_gemm)
-        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        fn = experts.routed_experts
-        if compiled:
-            torch._dynamo.reset()  # routed_experts' compiles in the tests before may have reached Dynamo's limit
-            fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=BACKEND)
-        y = fn(xx, bags, offs, ww, gate_up, down, None)
-        y.backward(g)
-        return y, xx.grad, ww.grad
-
-    want = run(False)
-    assert launches == [(True, False)] * 2 + [(False, False)] * 2
-    launches.clear()
-    got = run(True)
-    # gate_up forward with the SwiGLU, down forward; down's input gradient, gate_up's
-    assert launches == [(True, True), (True, False), (False, False), (False, False)]
-    for a, b in zip(got, want):
-        _close(a, b)
-
-
-def test_swiglu_rows_op_passes_opcheck():
-    """moetune::grouped_mm_frozen_swiglu_rows as the opaque op compiled layers call (torch.library.opcheck: schema,
-    fake tensor, no aliasing), on the path this machine takes (the TMA kernel on a GPU, the torch computation here)."""
-    torch.manual_seed(6)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    rows, offs, w = _tma_gpu_case(0) if dev == "cuda" else _tma_case(fp8=False, pad=0, seed=6)
-    x = torch.randn(rows // 2 + 1, w.shape[2], device=dev).bfloat16()
-    idx = torch.randint(0, x.shape[0], (rows,), device=dev)
-    torch.library.opcheck(torch.ops.moetune.grouped_mm_frozen_swiglu_rows.default,
-                          (x, idx, w.bfloat16(), offs, torch.rand(rows, device=dev)))
 
 
 def test_tma_triton_op_equals_the_direct_launch(tma_on_cpu):

@@ -129,7 +129,6 @@ def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(
     monkeypatch.setattr(tma, "grouped_gemm_tma",
                         lambda *a, **k: gathered.append(k.get("a_rows") is not None) or real(*a, **k))
     config, mode, targets = CASES[case]
-    monkeypatch.setattr(experts, "SWIGLU_IN_GEMM", False)  # the next test's: not bit for bit
     monkeypatch.setattr(experts, "GATHER_IN_GEMM", False)
     want = _grads(config, mode, targets, "none", torch.bfloat16, compiled, rank=16)
     assert gathered and not any(gathered)
@@ -141,39 +140,3 @@ def test_gathers_inside_the_gemms_give_the_gradients_of_the_gathers_written_out(
         differ = [n for n, g in want.items() if not torch.equal(got[n], g)]
         assert not differ, (ac, differ)
 
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's twin of a GPU path")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_swiglu_in_the_gate_up_epilogue_recomputes_what_it_ran(compiled, monkeypatch):
-    """experts.SWIGLU_IN_GEMM through the tiny model (frozen bf16 experts through the TMA kernel under Triton's
-    interpreter, LoRA on attention): the SwiGLU written by gate_up's epilogue, each layer eager or compiled as one
-    graph. Recomputed whole or selectively, the LoRA gradients are those of the run without recompute bit for bit
-    (the recompute runs the same kernel); and they are the SwiGLU-as-its-own-pass run's to bf16's rounding."""
-    from moetune.model import experts
-    from moetune.model import grouped_gemm_tiles as tiles
-    from moetune.model import grouped_gemm_tma as tma
-
-    monkeypatch.setattr(tiles, "KERNEL_ON_CPU", True)
-    monkeypatch.setattr(tma, "TMA_CONFIG", dict(tma.TMA_CONFIG, BK=tiles._INTERPRETER_CONFIG["BK"]))
-    fused = []
-    real = tma.grouped_gemm_tma
-    monkeypatch.setattr(tma, "grouped_gemm_tma",
-                        lambda *a, **k: fused.append(k.get("swiglu") is not None) or real(*a, **k))
-    config, mode, targets = CASES["gqa-lora-attention"]
-    monkeypatch.setattr(experts, "SWIGLU_IN_GEMM", False)
-    apart = _grads(config, mode, targets, "none", torch.bfloat16, compiled, rank=16)
-    assert fused and not any(fused)
-    monkeypatch.setattr(experts, "SWIGLU_IN_GEMM", True)
-    fused.clear()
-    want = _grads(config, mode, targets, "none", torch.bfloat16, compiled, rank=16)
-    assert fused.count(True) >= 1
-    for name, g in want.items():
-        assert torch.isfinite(g).all(), name
-        torch.testing.assert_close(g.float(), apart[name].float(), rtol=5e-2, atol=5e-2 * apart[name].abs().max())
-    for ac in ["selective", "full"]:
-        fused.clear()
-        got = _grads(config, mode, targets, ac, torch.bfloat16, compiled, rank=16)
-        assert fused.count(True) >= 2, ac  # the forward and its recompute
-        differ = [n for n, g in want.items() if not torch.equal(got[n], g)]
-        assert not differ, (ac, differ)

@@ -344,36 +344,6 @@ class _GatheredFrozenLinear(torch.autograd.Function):
         return _bag_sums(grad_rows, slots, ctx.full), None, None, None, None, None
 
 
-# gate_up's forward writes the weighted SwiGLU from its epilogue too (frozen 16-bit stacks without expert LoRA, where
-# the gathers run inside the GEMMs): the SwiGLU's pass, which read gate_up's output [rows, 2I] back whole, is not
-# made; h is still written, for the SwiGLU's backward.
-SWIGLU_IN_GEMM = True
-
-
-class _GatheredFrozenSwiGLU(torch.autograd.Function):
-    """weighted_swiglu(grouped_mm_frozen_rows(x, bags, W), w) with the gather in the kernel's loads and the SwiGLU in
-    its epilogue; the backward: the SwiGLU's (the opaque kernel in compiled code, as weighted_swiglu's), then the input
-    gradient, each bag's rows' summed."""
-
-    @staticmethod
-    def forward(ctx, x, weight, offs, bag, slots, full, row_weights):
-        h, a = torch.ops.moetune.grouped_mm_frozen_swiglu_rows(x, bag, weight, offs, row_weights)
-        ctx.save_for_backward(weight, offs, slots, h, row_weights)
-        ctx.full = full
-        return a
-
-    @staticmethod
-    def backward(ctx, g):
-        weight, offs, slots, h, row_weights = ctx.saved_tensors
-        if torch.compiler.is_compiling():
-            grad_h, grad_w = torch.ops.moetune.weighted_swiglu_bwd(h, row_weights, g)
-        else:
-            grad_h, grad_w = weighted_swiglu_bwd(h, row_weights, g, ctx.needs_input_grad[6])
-        grad_rows = torch.ops.moetune.grouped_mm_frozen_dgrad(grad_h, weight, offs, None)
-        grad_w = grad_w if ctx.needs_input_grad[6] else None
-        return _bag_sums(grad_rows, slots, ctx.full), None, None, None, None, None, grad_w
-
-
 class _FrozenLinearSummed(torch.autograd.Function):
     """combine(grouped_mm_frozen(a, W), bags): each bag's rows summed; the backward's input gradient reads its operand
     rows from the bags' gradient in the kernel's loads."""
@@ -473,11 +443,8 @@ def routed_experts(x, bags: Bags, offs, row_weights, gate_up, down, lora=None, l
         gate_up, down = local_tensor(gate_up), local_tensor(down)
         maps = (bags.bag, bags.slots, bags.full)
         if lora is None:
-            if SWIGLU_IN_GEMM:
-                a = _GatheredFrozenSwiGLU.apply(x, gate_up, offs, *maps, row_weights)
-            else:
-                a = weighted_swiglu(_GatheredFrozenLinear.apply(x, gate_up, offs, *maps), row_weights)
-            return _FrozenLinearSummed.apply(a, down, offs, *maps)
+            h = _GatheredFrozenLinear.apply(x, gate_up, offs, *maps)
+            return _FrozenLinearSummed.apply(weighted_swiglu(h, row_weights), down, offs, *maps)
         A1, B1, A2, B2 = (local_tensor(t).to(x.dtype) for t in lora_weights or lora.pairs())
         h = _GatheredFrozenLoRALinear.apply(x, gate_up, offs, *maps, A1, B1, lora.scaling)
         a = weighted_swiglu(h, row_weights)

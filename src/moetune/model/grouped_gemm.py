@@ -12,8 +12,7 @@ gradient (the scale lies inside that sum).
 input's gradient (the weight is frozen); it and the fp8 ops run model/grouped_gemm_tma.py's TMA kernel where that
 takes the operands, else this kernel. `grouped_mm_frozen_lora` adds a LoRA branch in the TMA kernel's epilogue, its
 thin products by model/grouped_lora_kernels.py; `grouped_mm_frozen_rows` reads its rows through an index in the TMA
-kernel's loads (the permutation's gathers, model/experts.py's GATHER_IN_GEMM), `grouped_mm_frozen_swiglu_rows` also
-writes the weighted SwiGLU from its epilogue (SWIGLU_IN_GEMM there). `grouped_mm_reference` is the torch
+kernel's loads (the permutation's gathers, model/experts.py's GATHER_IN_GEMM). `grouped_mm_reference` is the torch
 computation, which is also the path off CUDA; the tests run the kernels on the CPU under Triton's interpreter against
 it.
 """
@@ -292,29 +291,6 @@ def _(x, rows, weight, offs, transpose):
 
 
 register_product(torch.ops.moetune.grouped_mm_frozen_rows.default)
-
-
-# gate_up's forward with the weighted SwiGLU in the TMA kernel's epilogue (experts.SWIGLU_IN_GEMM): the SwiGLU's
-# pass over gate_up's output (read back whole, [rows, 2I]) is not made.
-@torch.library.custom_op("moetune::grouped_mm_frozen_swiglu_rows", mutates_args=())
-def _grouped_mm_frozen_swiglu_rows_op(x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                                      row_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h = x[rows] · W[e]ᵀ [R, 2I] per group of a frozen 16-bit gate_up stack, silu(gate)·up·w [R, I] from h's
-    values, fp32 inside): the TMA kernel's SwiGLU epilogue where it takes the operands, else the two computed apart.
-    No autograd (experts.py composes the backward)."""
-    if (x.is_cuda or grouped_gemm_tiles.KERNEL_ON_CPU) and tma.tma_supported(x, weight, True):
-        return tma.grouped_gemm_tma(x, weight, offs, None, True, a_rows=rows, swiglu=row_weights)
-    h = _run(x[rows], weight, offs, None, True)
-    gate, up = h.float().chunk(2, dim=-1)
-    return h, (torch.nn.functional.silu(gate) * up * row_weights.float()[:, None]).to(h.dtype)
-
-
-@_grouped_mm_frozen_swiglu_rows_op.register_fake
-def _(x, rows, weight, offs, row_weights):
-    return x.new_empty(rows.shape[0], weight.shape[1]), x.new_empty(rows.shape[0], weight.shape[1] // 2)
-
-
-register_product(torch.ops.moetune.grouped_mm_frozen_swiglu_rows.default)
 
 
 @torch.library.custom_op("moetune::grouped_mm_fp8", mutates_args=())

@@ -33,17 +33,16 @@ if triton is not None:
     @triton.jit
     def _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr = False,
-                         A_ROWS: tl.constexpr = False, SWIGLU: tl.constexpr = False):
-        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major; SWIGLU: [E·2N, K]) or
-        [E·K, N] matrix (PAIRS: b_ptr is an fp8 stack's int16 view, [E·K, N/2]). A_ROWS: A's rows are gathered by
-        pointer loads, and a_ptr is handed on as it is."""
+                         A_ROWS: tl.constexpr = False):
+        """The operands' TMA descriptors: A as [M, K], the stack as one [E·N, K] (K-major) or [E·K, N] matrix
+        (PAIRS: b_ptr is an fp8 stack's int16 view, [E·K, N/2]). A_ROWS: A's rows are gathered by pointer loads,
+        and a_ptr is handed on as it is."""
         if A_ROWS:
             a_desc = a_ptr
         else:
             a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
         if B_KMAJOR:
-            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N * (2 if SWIGLU else 1), K], strides=[K, 1],
-                                               block_shape=[BN, BK])
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
         elif PAIRS:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * K, N // 2], strides=[N // 2, 1],
                                                block_shape=[BK, BN // 2])
@@ -57,7 +56,7 @@ if triton is not None:
                   DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   SWAP: tl.constexpr = False, PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
                   stride_pr=0, stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16, rows_ptr=None,
-                  stride_am=0, A_ROWS: tl.constexpr = False, s_ptr=None, w_ptr=None, SWIGLU: tl.constexpr = False):
+                  stride_am=0, A_ROWS: tl.constexpr = False):
         """One output tile (rows row0.. of group g below row_b, column tile tn): C = A · B[g] summed over K up to
         k_end, the scales applied, stored; the padding group E's rows are stored as zeros whatever they summed.
         SWAP (an N-major fp8 stack): Cᵀ = B[g]ᵀ · Aᵀ, the stack's tile transposed in registers as the MMA's first
@@ -70,14 +69,9 @@ if triton is not None:
         added in the epilogue).
         A_ROWS (16-bit, no SWAP): row m of A is row rows[m] of the matrix at a_desc (a pointer here, rows
         `stride_am` apart), loaded by pointer loads, which Triton pipelines as TMA's are; the tile's rows past its
-        group load as zeros.
-        SWIGLU (16-bit, B_KMAJOR, no SWAP or LORA): the stack is gate_up [E, 2N, K] and the tile is columns tn·BN.. of
-        both halves, two accumulators over one A tile; C [M, 2N] gets both (the gate's, then the up's, as one GEMM
-        writes them) and S [M, N] silu(gate)·up·w[row] from C's values as stored (fp32 inside), w fp32 [M]."""
+        group load as zeros."""
         ge = tl.minimum(g, E - 1)  # the padding group reads expert E − 1 (in bounds, finite)
         acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
-        if SWIGLU:
-            acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         if A_ROWS:
             ra = row0 + tl.arange(0, BM)
             rk = tl.arange(0, BK)
@@ -88,12 +82,7 @@ if triton is not None:
                 a = tl.load(a_ptrs + k0, mask=(ra < row_b)[:, None] & (rk < K - k0)[None, :], other=0.0)
             else:
                 a = a_desc.load([row0, k0])
-            if SWIGLU:
-                b = tl.trans(b_desc.load([ge * 2 * N + tn * BN, k0]))
-                b_up = tl.trans(b_desc.load([ge * 2 * N + N + tn * BN, k0]))
-                if DOT_FP32:
-                    b_up = b_up.to(tl.float32)
-            elif B_KMAJOR:
+            if B_KMAJOR:
                 b = tl.trans(b_desc.load([ge * N + tn * BN, k0]))
             else:
                 b = b_desc.load([ge * K + k0, tn * (BN // 2 if PAIRS else BN)])
@@ -112,8 +101,6 @@ if triton is not None:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(b, a, acc) if SWAP else tl.dot(a, b, acc)
-            if SWIGLU:
-                acc_up = tl.dot(a, b_up, acc_up)
         if SWAP:
             acc = tl.trans(acc)
         rm = row0 + tl.arange(0, BM)
@@ -135,16 +122,7 @@ if triton is not None:
             acc = tl.dot(lo, pg, acc)
         acc = tl.where(g < E, acc, 0.0)  # not a product: the padding rows may hold anything
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        gate = acc.to(c_ptr.dtype.element_ty)
-        tl.store(c_ptrs, gate, mask=mask)
-        if SWIGLU:
-            up = tl.where(g < E, acc_up, 0.0).to(c_ptr.dtype.element_ty)
-            tl.store(c_ptrs + N, up, mask=mask)
-            gf = gate.to(tl.float32)
-            wr = tl.load(w_ptr + rm, mask=m_mask, other=0.0)
-            act = gf * tl.sigmoid(gf) * up.to(tl.float32) * wr[:, None]
-            tl.store(s_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], act.to(s_ptr.dtype.element_ty), mask=mask)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     @triton.jit
     def _real_tile(t, starts, ends, first, R, num_n, E_POW2: tl.constexpr, BM: tl.constexpr,
@@ -180,8 +158,7 @@ if triton is not None:
                                  BK: tl.constexpr, GROUP_M: tl.constexpr, SWAP: tl.constexpr = False,
                                  PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0, stride_pr=0,
                                  stride_pn=0, LORA: tl.constexpr = False, RANK: tl.constexpr = 16, rows_ptr=None,
-                                 A_ROWS: tl.constexpr = False, s_ptr=None, w_ptr=None,
-                                 SWIGLU: tl.constexpr = False):
+                                 A_ROWS: tl.constexpr = False):
         """C[rows of g] = A[rows of g] · B[g], operand tiles loaded by the tensor memory accelerator (TMA: one
         asynchronous copy per tile into shared memory, which Triton pipelines over K), one output tile a program.
         B_KMAJOR: the stack is [E, N, K] (the forward on a stack as stored, or the input gradient on a K-major
@@ -196,11 +173,11 @@ if triton is not None:
         if row0 >= row_b:
             return
         a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS,
-                                          A_ROWS, SWIGLU)
+                                          A_ROWS)
         k_end = tl.where(g < E, K, 0)  # the padding group has nothing to sum
         _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, k_end, N, K, E, stride_cm,
                   stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr, stride_pe,
-                  stride_pr, stride_pn, LORA, RANK, rows_ptr, stride_am, A_ROWS, s_ptr, w_ptr, SWIGLU)
+                  stride_pr, stride_pn, LORA, RANK, rows_ptr, stride_am, A_ROWS)
 
     @triton.jit
     def _grouped_gemm_tma_persistent_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ascale_ptr, offs_ptr, M, N, K, E,
@@ -211,8 +188,7 @@ if triton is not None:
                                             num_programs, FLATTEN: tl.constexpr, SWAP: tl.constexpr = False,
                                             PAIRS: tl.constexpr = False, l_ptr=None, p_ptr=None, stride_pe=0,
                                             stride_pr=0, stride_pn=0, LORA: tl.constexpr = False,
-                                            RANK: tl.constexpr = 16, rows_ptr=None, A_ROWS: tl.constexpr = False,
-                                            s_ptr=None, w_ptr=None, SWIGLU: tl.constexpr = False):
+                                            RANK: tl.constexpr = 16, rows_ptr=None, A_ROWS: tl.constexpr = False):
         """The tiles with rows, each program taking every `num_programs`-th one (a program an SM): with FLATTEN,
         Triton's pipeliner runs the tile loop and the K loop as one, so the next tile's first operand loads overlap
         this tile's epilogue. On Flash's ~256-row groups a tile sums 12–16 K tiles, so the loads that start a tile
@@ -220,14 +196,14 @@ if triton is not None:
         on small groups: BENCHMARKS.md, twenty-first session). Only tiles with rows are enumerated (`_row_tiles`):
         every tile runs the whole K loop, which the loops' flattening needs; the padding group's is stored as zeros."""
         a_desc, b_desc = _tma_descriptors(a_ptr, b_ptr, M, N, K, E, stride_am, B_KMAJOR, BM, BN, BK, PAIRS,
-                                          A_ROWS, SWIGLU)
+                                          A_ROWS)
         starts, ends, first, R = _row_tiles(offs_ptr, M, E, E_POW2, BM)
         num_n = tl.cdiv(N, BN)
         for t in tl.range(tl.program_id(0), R * num_n, num_programs, flatten=FLATTEN):
             g, row0, row_b, tn = _real_tile(t, starts, ends, first, R, num_n, E_POW2, BM, GROUP_M)
             _tma_tile(a_desc, b_desc, c_ptr, scale_ptr, ascale_ptr, g, row0, row_b, tn, K, N, K, E, stride_cm,
                       stride_se, B_KMAJOR, SCALE_A, SCALE_B, DOT_FP32, BM, BN, BK, SWAP, PAIRS, l_ptr, p_ptr,
-                      stride_pe, stride_pr, stride_pn, LORA, RANK, rows_ptr, stride_am, A_ROWS, s_ptr, w_ptr, SWIGLU)
+                      stride_pe, stride_pr, stride_pn, LORA, RANK, rows_ptr, stride_am, A_ROWS)
 
 
 # The TMA kernel's launch configs (BM, BN, BK, GROUP_M, warps, stages): the fastest of a sweep on one H200 on Air's,
@@ -236,8 +212,6 @@ if triton is not None:
 # N-major (a 16-bit input gradient) needs its K to be a multiple of BK, so that no K tile crosses into the next expert.
 TMA_CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3)
 TMA_CONFIG_FP8 = dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=3)
-# gate_up's forward with the SwiGLU in its epilogue: BN columns of each half, TMA_CONFIG's 256 in all
-TMA_CONFIG_SWIGLU = dict(TMA_CONFIG, BN=128)
 # The fp8 input gradient on a stack as stored (SWAP: the stack's BK × BN tile transposed on its way from shared memory
 # to registers): 256-row tiles halve that work per MMA against TMA_CONFIG_FP8's 128. On one H200, the tile moved byte
 # by byte, Flash's gate_up 0.42 ms against 0.48, AIR-8's 1.55 against 1.70 (BENCHMARKS.md, twenty-third session).
@@ -312,7 +286,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
                      transpose: bool = True, x_scale: torch.Tensor | None = None,
                      config: dict | None = None, launch=None, persistent: bool | None = None,
                      pairs: bool | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     a_rows: torch.Tensor | None = None, swiglu: torch.Tensor | None = None):
+                     a_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The TMA kernel's launch (operands as `tma_supported` says): y = x · op(W[e]) per group, op(W) = Wᵀ
     (`transpose`) or W; `scale` [E, out(, 1)] the fp8 stack's row scales for the forward (None: the input gradient,
     on a K-major copy or the stack as stored, the weight's scales folded into x), `x_scale` [M(, 1)] fp8 x's row
@@ -324,23 +298,16 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     says; not with `transpose` False on fp8): y[rows of e] += L[rows] · P[e] (after an fp8 product's scales),
     summed with the product in fp32 and rounded once.
     `a_rows` (integer [M], 16-bit operands): the product's rows are x[a_rows], read by the kernel where it loads them
-    (no [M, K] copy of the gathered rows is made); y has M rows.
-    `swiglu` (w fp32 [M], 16-bit operands, `transpose`, no `lora`): W is gate_up [E, 2I, in] and the result is
-    (y [M, 2I], s [M, I]), s = silu(gate)·up·w per row from y's values (`_tma_tile`'s SWIGLU epilogue)."""
+    (no [M, K] copy of the gathered rows is made); y has M rows."""
     E, n_out, n_in = weight.shape
     M = x.shape[0] if a_rows is None else a_rows.shape[0]
     N, K = (n_out, n_in) if transpose else (n_in, n_out)
     fp8 = x.dtype == torch.float8_e4m3fn
     assert x.shape[1] == K and offs.shape == (E,) and (x_scale is not None) == fp8, (x.shape, weight.shape)
     y = x.new_empty(M, N, dtype=torch.bfloat16 if fp8 else x.dtype)
-    if swiglu is not None:
-        assert transpose and not fp8 and lora is None and N % 2 == 0 and swiglu.shape == (M,), (N, swiglu.shape)
-        s = y.new_empty(M, N // 2)
-        if M == 0 or N == 0 or K == 0 or E == 0:
-            return y.zero_(), s.zero_()
-    elif M == 0 or N == 0:
+    if M == 0 or N == 0:
         return y
-    elif K == 0 or E == 0:
+    if K == 0 or E == 0:
         return y.zero_()
     scale_t = offs if scale is None else scale.reshape(E, n_out)  # offs: an unread placeholder
     assert scale is None or (transpose and scale_t.stride(1) == 1)
@@ -348,7 +315,6 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
     swap = fp8 and not transpose
     # _aligned(weight): its rows are 16-byte multiples, so an fp8 stack's `in` is even
     pairs = swap and (TMA_SWAP_PAIRS if pairs is None else pairs)
-    N = N if swiglu is None else N // 2  # the kernel's N: the columns of each half
     args = (x, weight.view(torch.int16) if pairs else weight, y, scale_t, x_scale, offs.to(torch.int32), M, N, K, E,
             x.stride(0), y.stride(0), scale_t.stride(0) if scale is not None else 0)
     meta = dict(E_POW2=triton.next_power_of_2(E + 1), B_KMAJOR=transpose, SCALE_A=fp8, SCALE_B=scale is not None,
@@ -362,11 +328,8 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
         L = L.contiguous()
         meta.update(l_ptr=L, p_ptr=P, stride_pe=P.stride(0), stride_pr=P.stride(1), stride_pn=P.stride(2), LORA=True,
                     RANK=L.shape[1])
-    if swiglu is not None:
-        meta.update(s_ptr=s, w_ptr=swiglu.float().contiguous(), SWIGLU=True)
     config = config or grouped_gemm_tiles.CONFIG or (
-        grouped_gemm_tiles._INTERPRETER_CONFIG if _interpreting()
-        else TMA_CONFIG_SWIGLU if swiglu is not None else _tma_config(fp8, transpose))
+        grouped_gemm_tiles._INTERPRETER_CONFIG if _interpreting() else _tma_config(fp8, transpose))
     config = {k: v for k, v in config.items() if k not in ("SWAP", "PREFETCH")}
     triton.set_allocator(_tma_scratch)
     tiles = (M // config["BM"] + E + 1) * triton.cdiv(N, config["BN"])
@@ -378,7 +341,7 @@ def grouped_gemm_tma(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, 
                                                                  FLATTEN=not _interpreting())
     else:
         launch(_grouped_gemm_tma_kernel)[(tiles,)](*args, **meta, **config)
-    return y if swiglu is None else (y, s)
+    return y
 
 
 if triton is not None:
