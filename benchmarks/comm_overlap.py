@@ -22,26 +22,15 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 
-CPU = bool(os.environ.get("BENCH_CPU"))
-if CPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+from kernel_bench import CPU, DEV, OUT  # first: it chooses Triton's interpreter for BENCH_CPU=1
 
-import torch
-import triton
-import triton.language as tl
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
-
-from moetune.model import grouped_gemm_tiles  # noqa: E402
 from moetune.model import grouped_gemm_tma as tma  # noqa: E402
-
-DEV = torch.device("cpu" if CPU else "cuda")
-grouped_gemm_tiles.KERNEL_ON_CPU = CPU
-OUT = os.environ.get("OUT", "/tmp")
 # an EP-8 rank of Air: 16 local experts; a chunk of 2: half of the ~32,768 (row, expert) pairs it receives; its sent
 # rows: 4,096 tokens x 4.67 other ranks a token / 2 chunks, hidden 4,096 bf16 (~78 MB)
 E, H, N2, PAIRS, SENT_ROWS = (3, 32, 48, 24, 16) if CPU else (16, 4096, 2816, 16384, 9564)

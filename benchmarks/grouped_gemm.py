@@ -23,24 +23,16 @@ import os
 import sys
 import time
 
-CPU = bool(os.environ.get("BENCH_CPU"))
-if CPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+from kernel_bench import CPU, DEV, OUT  # first: it chooses Triton's interpreter for BENCH_CPU=1
 
-import torch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+import torch  # noqa: E402
 
 from moetune.model import grouped_gemm as gg  # noqa: E402
-from moetune.model import grouped_gemm_tiles  # noqa: E402
 from moetune.model import grouped_gemm_tma as tma  # noqa: E402
 from moetune.model.quant import matmul  # noqa: E402
 from moetune.model.quant.fp8 import quantize_rows  # noqa: E402
 
-DEV = torch.device("cpu" if CPU else "cuda")
-grouped_gemm_tiles.KERNEL_ON_CPU = CPU  # the rehearsal runs the kernels under the interpreter
-OUT = os.environ.get("OUT", "/tmp")
+HERE = os.path.dirname(os.path.abspath(__file__))
 SWEEP = os.environ.get("SWEEP", "quick")
 # which Triton kinds to sweep (torch's always run): bf16 | fp8 (W8A16) | w8a8 (pointer loads), tma | tma_w8a8 (TMA);
 # tma_persistent: the TMA kinds asked for, again through the persistent kernel; copy: the K-major copies of the stacks;
