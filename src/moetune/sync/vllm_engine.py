@@ -33,9 +33,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any, ClassVar, Iterator
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
                                                    WeightSource, WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
@@ -48,6 +50,8 @@ from moetune.sync.vllm_load import load_weights_consumer, repack_cpu_experts
 from moetune.sync.wire import DTYPES, compare_manifests, manifest
 
 BACKEND = "moetune"
+# vLLM 0.34 declares each parameter's owners in its metadata and iterates owned names only (iter_full / iter_local)
+OWNED_METADATA = hasattr(WeightSource, "iter_full")
 
 
 # ---------------------------------------------------------------------------------------------- the trainer's side
@@ -55,8 +59,12 @@ class MoetuneSource(WeightSource):
     """A moetune model as vLLM's `WeightSource`: what a sync sends (checkpoint names; LoRA merged; experts one by one,
     in fp8 with their `weight_scale_inv` for format "fp8", as is what a block-scaled base stores in fp8), produced a
     bucket at a time within the plan's memory bound. Every training rank iterates it (the owners of a bucket's shards
-    send them to rank 0); a yielded tensor is valid until the next but one bucket is produced. The "moetune" engine
-    sends its buckets whole instead."""
+    send them to the sending rank, which alone yields tensors); a yielded tensor is valid until the next but one bucket
+    is produced. The "moetune" engine sends its buckets whole instead.
+
+    Both of vLLM's contracts: up to 0.33 `metadata()` is a method and every rank iterates every name (None where it
+    holds no data); from 0.34 `metadata` is a cached property whose entries name their owners, and `iter_full()`
+    yields the names a rank owns, here every name on the sending rank and none on the others."""
 
     def __init__(self, model, format: str = "bf16", lora: str = "merge", device=None, **sender_kw):
         if device is None:
@@ -64,17 +72,38 @@ class MoetuneSource(WeightSource):
             device = torch.device("cuda", torch.cuda.current_device()) if p.is_cuda else torch.device("cpu")
         self.sender = WeightSender(model, None, format=format, lora=lora, device=device, **sender_kw)
 
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, DTYPES[dtype], shape) for name, (shape, dtype) in
+    def _metadata(self) -> list[ParamMeta]:
+        owners = {"owners": (self._sending_rank(),)} if OWNED_METADATA else {}
+        return [ParamMeta(name, DTYPES[dtype], shape, **owners) for name, (shape, dtype) in
                 manifest(self.sender.metadata()).items()]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _sending_rank(self) -> int:
+        """The sending rank's rank in torch.distributed's world (vLLM's trainer ranks)."""
+        group = self.sender.train_group
+        return 0 if group is None else dist.get_global_rank(group, self.sender.root)
+
+    def _tensors(self, absent: bool) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Every bucket produced (the gathers need every rank); off the sending rank its names with None if `absent`,
+        else nothing."""
         header = self.sender.metadata()
         for meta, bucket in zip(header["buckets"], self.sender.buckets()):
-            if bucket is None:  # not the sending rank: the names, in order, without data
-                yield from ((name, None) for name in manifest({"buckets": [meta]}))
+            if bucket is None:
+                if absent:
+                    yield from ((name, None) for name in manifest({"buckets": [meta]}))
             else:
                 yield from bucket.tensors()
+
+    if OWNED_METADATA:
+        metadata = cached_property(_metadata)
+
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+            yield from self._tensors(absent=False)
+    else:
+        def metadata(self) -> list[ParamMeta]:
+            return self._metadata()
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+            yield from self._tensors(absent=True)
 
 
 @dataclass
