@@ -636,8 +636,10 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
     """The merged export in fp8 (compressed-tensors: an FP8 checkpoint's own format, or ours for a bf16 base trained
     with model.quantize fp8; or a checkpoint storing in bf16 a linear its config declares fp8, which the export's config
     then excludes by name) loaded by transformers through the compressed-tensors package: every weight it ends with
-    is our dequantised one (its routed experts come out in bf16: equal to bf16 rounding), and its logits, with the
-    activations quantised as the format says (dynamic, per token), equal ours with the same quantisation."""
+    is our dequantised one (its routed experts come out in bf16: equal to bf16 rounding), and its logits equal ours
+    with the activations quantised where transformers quantises them: 5.17's dequantize=True keeps compressed-tensors'
+    scheme on every fp8 linear and quantises its input (dynamic, per token); 5.25's dequantises into a dense model and
+    quantises none."""
     from compressed_tensors import __version__  # noqa: F401  (a test dependency: pyproject's [test] extra)
     from helpers import random_adapter
     from moetune.export.merged import export_merged
@@ -687,10 +689,11 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
         for k, v in got.items():
             if v.dtype == torch.bfloat16:
                 theirs.get_parameter(k).data = mine[k].clone()
-    # The format's dynamic activations: transformers quantises the input of every linear the file stores in fp8 (its
-    # expert stacks, dequantised at load, see bf16 inputs); ours the same, by hooks. compressed-tensors' "token"
-    # scales reduce all dims but the first two: per token for [B, T, in], but per sequence for the [B, 1, T, r]
-    # input transformers' MLA attention gives kv_b_proj (3.1% off per-token scales on one product): mirrored.
+    # The format's dynamic activations, where transformers applies them: the linears that carry compressed-tensors'
+    # scheme with input activations (in 5.17 every linear the file stores in fp8; its expert stacks, dequantised at
+    # load, see bf16 inputs) quantise their input; ours the same, by hooks. compressed-tensors' "token" scales reduce
+    # all dims but the first two: per token for [B, T, in], but per sequence for the [B, 1, T, r] input transformers'
+    # MLA attention gives kv_b_proj (3.1% off per-token scales on one product): mirrored.
     ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     their_inputs = {}
 
@@ -700,7 +703,9 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
         return hook
 
     for name, module in theirs.named_modules():
-        if f"{name}.weight" in fp8_in_file:
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is not None and scheme.input_activations is not None:
+            assert f"{name}.weight" in fp8_in_file and scheme.input_activations.dynamic, name
             module.register_forward_pre_hook(record(name))
     with torch.no_grad():
         theirs(input_ids=ids)
@@ -713,7 +718,7 @@ def test_transformers_reads_the_fp8_export_as_we_do(tmp_path, arch, base_kind):
         return hook
 
     for name, module in ours.named_modules():
-        if f"{name}.weight" in fp8_in_file:
+        if name in their_inputs:
             shape = their_inputs[name]
             assert len(shape) == 3 or (len(shape) == 4 and shape[1] == 1), (name, shape)
             module.register_forward_pre_hook(quantised_input(len(shape) == 4))
