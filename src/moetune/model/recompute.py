@@ -10,12 +10,19 @@ and keeps the MLP's or MoE's activations.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from moetune.names import SELECTIVE_RECOMPUTE_MAX_K
+
+# torch 2.15 asks whether what selective recompute saves goes through the saved-tensor hooks around it (Rebuilt, below)
+# and will say yes by default later: kept as measured, SAC holding its tensors itself (eager only; compiled regions
+# never route them).
+_SAC_KEEPS_ITS_TENSORS = ({"respect_saved_tensors_hooks": False}
+                          if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
 
 
 @functools.cache
@@ -96,7 +103,7 @@ def recompute(fn, mode: str, *args):
         kw = {"context_fn": selective_checkpoint_context}
     else:  # eager, the plain checkpoint reruns fn as it is (no dispatch mode in the way)
         kw = {"context_fn": full_checkpoint_context} if torch.compiler.is_compiling() else {}
-    return checkpoint(fn, *args, use_reentrant=False, **kw)
+    return checkpoint(fn, *args, use_reentrant=False, **_SAC_KEEPS_ITS_TENSORS, **kw)
 
 
 def split_modes(mode: str, expert_parallel: bool) -> tuple[str, str] | None:
