@@ -5,12 +5,10 @@ iter_full() on such a rank only for the gathers). `make test-vllm` runs it on vl
 on vLLM 0.34's classes."""
 
 import os
-import traceback
 
 import torch
-import torch.multiprocessing as mp
 
-from helpers import free_port
+from helpers import free_port, run_processes
 
 N_LAYERS, N_EXPERTS = 3, 6
 
@@ -53,43 +51,26 @@ def _iterate(source):
 
 
 def _rank(out_dir, rank, port):
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-        from moetune.parallel.layout import make_layout
-        from moetune.parallel.mesh import init_distributed
-        from moetune.sync.vllm_engine import OWNED_METADATA, MoetuneSource
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from moetune.parallel.layout import make_layout
+    from moetune.parallel.mesh import init_distributed
+    from moetune.sync.vllm_engine import OWNED_METADATA, MoetuneSource
 
-        dist = init_distributed(make_layout(2, 1, n_layers=N_LAYERS, n_experts=N_EXPERTS), device="cpu")
-        source = MoetuneSource(_model(dist), "bf16", bucket_bytes=32 << 10)
-        names, pairs, meta = _iterate(source)
-        owners = sorted({m.owners for m in meta}) if OWNED_METADATA else None
-        torch.save({"names": names, "pairs": pairs, "owners": owners,
-                    "owned": source.owned_names(rank) if OWNED_METADATA else None},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-        torch.distributed.barrier()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    dist = init_distributed(make_layout(2, 1, n_layers=N_LAYERS, n_experts=N_EXPERTS), device="cpu")
+    source = MoetuneSource(_model(dist), "bf16", bucket_bytes=32 << 10)
+    names, pairs, meta = _iterate(source)
+    owners = sorted({m.owners for m in meta}) if OWNED_METADATA else None
+    torch.save({"names": names, "pairs": pairs, "owners": owners,
+                "owned": source.owned_names(rank) if OWNED_METADATA else None}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()
 
 
 def test_weight_source_on_two_ranks_sends_what_one_process_does(tmp_path):
     from moetune.sync.vllm_engine import OWNED_METADATA, MoetuneSource
 
     out, port = str(tmp_path), free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(out, r, port)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    errors = [open(os.path.join(out, f)).read() for f in sorted(os.listdir(out)) if f.startswith("error_")]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or [p.exitcode for p in procs]
+    run_processes(out, {f"rank{r}": (_rank, r, port) for r in range(2)})
     r0, r1 = (torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2))
 
     names, pairs, _ = _iterate(MoetuneSource(_model(None), "bf16", bucket_bytes=32 << 10))
