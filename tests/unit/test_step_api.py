@@ -8,11 +8,13 @@
 - bad input: a loss that is NaN (the guard undoes the step, then stops the run), shapes that disagree.
 """
 
+import threading
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import run_inprocess, small_run_args, step_losses
+from helpers import read_metrics, run_inprocess, small_run_args, step_losses
 from moetune.config import load_config
 from moetune.errors import DataError, NumericalFault
 from moetune.train import trainer as trainer_mod
@@ -156,8 +158,13 @@ def test_reference_logprobs_are_the_base_without_the_adapter(tmp_path):
         assert torch.equal(trainer.logprobs(b), policy)  # the LoRA scaling is back
 
 
+def _tensorboard_writer_threads():
+    return {t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread"}
+
+
 def test_a_nan_loss_changes_nothing_and_too_many_stop_the_run(tmp_path):
     cfg = load_config(None, small_run_args(tmp_path, "nan", **{"train.steps": 10, "checkpoint.max_bad_steps": 2}))
+    writers = _tensorboard_writer_threads()
     trainer = Trainer(cfg, data=False)
     with pytest.raises(NumericalFault, match="2 bad steps"), trainer:
         initial = _lora_state(trainer)
@@ -172,6 +179,14 @@ def test_a_nan_loss_changes_nothing_and_too_many_stop_the_run(tmp_path):
         trainer.step(_rl_batches(trainer, seed=4), loss_fn=lambda lp, w, b: lp * float("nan"))
     saved = sorted((cfg.run_dir / "checkpoints").iterdir())
     assert [p.name for p in saved] == ["step_000003"]  # the last good weights, saved for a resume
+    # the failed run's trackers are closed as it ends (its TensorBoard writer thread no longer writes into the run
+    # directory, nor outlives the run in a caller's process), with every step it logged, the bad ones included
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert _tensorboard_writer_threads() <= writers
+    logged = [r["step"] for r in read_metrics(cfg.run_dir) if "loss" in r]
+    events = EventAccumulator(str(cfg.run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert len(logged) >= 2 and [e.step for e in events.Scalars("train/loss")] == logged
 
 
 def test_batches_whose_shapes_disagree_are_named(tmp_path):

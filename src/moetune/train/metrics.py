@@ -317,19 +317,23 @@ class MetricsWriter:
                 log.warning("tracker %s failed (%s): no longer logging to it", type(t).__name__, e)
                 self._trackers.remove(t)
 
-    def close(self):
-        if self._f is not None:
-            f, self._f = self._f, None
-            try:
-                f.close()
-            except OSError as e:
-                raise OutputError(f"cannot write {self.path}: {e}") from None
-        for t in self._trackers or []:
-            try:
-                t.close()
-            except Exception as e:  # a tracker's final flush (disk full): metrics.jsonl has everything
-                log.warning("tracker %s failed on close (%s)", type(t).__name__, e)
-        self._trackers = []
+    def close(self, failed: bool = False):
+        """Flush and close metrics.jsonl and the trackers (TensorBoard's writer thread holds up to FLUSH_SECONDS of
+        events until then). failed: the run ended in an error (W&B marks it so)."""
+        try:
+            if self._f is not None:
+                f, self._f = self._f, None
+                try:
+                    f.close()
+                except OSError as e:
+                    raise OutputError(f"cannot write {self.path}: {e}") from None
+        finally:
+            for t in self._trackers or []:
+                try:
+                    t.close(failed)
+                except Exception as e:  # a tracker's final flush (disk full): metrics.jsonl has everything
+                    log.warning("tracker %s failed on close (%s)", type(t).__name__, e)
+            self._trackers = []
 
 
 def _truncate_after(path: Path, step: int) -> None:

@@ -101,7 +101,7 @@ class TensorBoardTracker:
         for k, img in (images or {}).items():
             self.writer.add_image(k, img, step, dataformats="HWC")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -128,5 +128,5 @@ class WandbTracker:
             data[k] = self.wandb.Image(img)
         self.run.log(data, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a run that ended in an error shows as failed, not finished

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from moetune.config import Config, config_hash, config_to_yaml
-from moetune.errors import ConfigError, DataError, NumericalFault, RunDirInUse
+from moetune.errors import ConfigError, DataError, NumericalFault, OutputError, RunDirInUse
 from moetune.model.adapter_io import gather_lora_state, save_adapter
 from moetune.model.attention import check_attn_implementation
 from moetune.model.lora import ExpertLoRA, LoRALinear, format_trainable_table
@@ -304,7 +304,14 @@ class Trainer:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # a failed run writes no adapter from weights nobody checked; its checkpoints stay
+            return
+        # a failed run writes no adapter from weights nobody checked; its checkpoints stay, and what it logged reaches
+        # metrics.jsonl and the dashboards (the steps that led to the error are the ones its user reads)
+        try:
+            self.metrics.close(failed=True)
+        except OutputError as e:  # the run's own error is the one to report
+            log.warning("%s", e)
+        finally:
             self._release()
 
     # ------------------------------------------------------------------------------------------ one step
