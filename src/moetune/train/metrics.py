@@ -318,8 +318,8 @@ class MetricsWriter:
                 self._trackers.remove(t)
 
     def close(self, failed: bool = False):
-        """Flush and close metrics.jsonl and the trackers (TensorBoard's writer thread holds up to FLUSH_SECONDS of
-        events until then). failed: the run ended in an error (W&B marks it so)."""
+        """Close metrics.jsonl and the trackers: TensorBoard's writer thread writes what is queued and ends, W&B's run
+        finishes. failed: the run ended in an error (W&B marks it so)."""
         try:
             if self._f is not None:
                 f, self._f = self._f, None
