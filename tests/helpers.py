@@ -222,39 +222,3 @@ def vllm_adapter_table(cfg: dict, r: int, targets, attn: dict, dense_layers: int
                 for name, (i, o) in mlp.items():
                     lin(f"model.layers.{n}.mlp.experts.{e}.{name}", i or Ie, o or Ie)
     return table
-
-
-def _guarded(fn, out_dir, role, *args):
-    """fn(out_dir, *args) in a spawned process with one intra-op thread; a failure's traceback is written to
-    out_dir/error_<role>.txt, for run_processes to report."""
-    import os
-    import traceback
-
-    try:
-        torch.set_num_threads(1)
-        fn(out_dir, *args)
-    except BaseException:
-        with open(os.path.join(out_dir, f"error_{role}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def run_processes(out_dir, roles: dict, timeout=300):
-    """Run each role's (fn, *args) as fn(out_dir, *args) in its own spawned process, all at once, and wait for them
-    (`timeout` seconds each); fails with every failed process's traceback (or the exit codes). fn must be a
-    module-level function of an importable module."""
-    import os
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_guarded, args=(fn, str(out_dir), role, *args)) for role, (fn, *args) in roles.items()]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error_")]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or [p.exitcode for p in procs]

@@ -14,10 +14,12 @@ the same model built in one process, merged and requantised by rows or blocks.
 """
 
 import os
+import traceback
 
 import torch
+import torch.multiprocessing as mp
 
-from helpers import free_port, run_processes
+from helpers import free_port
 
 SCALING = 2.0  # alpha 8 / rank 4
 SYNCS = [("lora", dict(format="bf16")), ("lora", dict(format="fp8")), ("lora", dict(lora="adapter")),
@@ -87,6 +89,16 @@ def _trainer_model(dist, full: bool, ep: int, kind: str, fp8=None):
     return model, step
 
 
+def _guard(fn, out_dir, role, *args):
+    try:
+        torch.set_num_threads(1)
+        fn(out_dir, *args)
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_{role}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
 def _trainer(out_dir, rank, world, train_port, sync_addr, ep, kind):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(train_port))
@@ -142,8 +154,19 @@ def _run(tmp_path, trainers=2, ep=1, kind="glm4_moe"):
     out = str(tmp_path)
     sync_addr = f"tcp://127.0.0.1:{free_port()}"
     train_port = free_port()
-    run_processes(out, {**{f"trainer{r}": (_trainer, r, trainers, train_port, sync_addr, ep, kind)
-                           for r in range(trainers)}, "receiver": (_receiver, sync_addr, kind)})
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_guard, args=(_trainer, out, f"trainer{r}", r, trainers, train_port, sync_addr, ep,
+                                              kind)) for r in range(trainers)]
+    procs.append(ctx.Process(target=_guard, args=(_receiver, out, "receiver", sync_addr, kind)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    errors = [open(os.path.join(out, f)).read() for f in sorted(os.listdir(out)) if f.startswith("error_")]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors) or [p.exitcode for p in procs]
     return torch.load(os.path.join(out, "trainer.pt")), torch.load(os.path.join(out, "receiver.pt"))
 
 

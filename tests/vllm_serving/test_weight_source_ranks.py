@@ -7,8 +7,9 @@ on vLLM 0.34's classes."""
 import os
 
 import torch
+import torch.multiprocessing as mp
 
-from helpers import free_port, run_processes
+from helpers import free_port
 
 N_LAYERS, N_EXPERTS = 3, 6
 
@@ -50,7 +51,8 @@ def _iterate(source):
     return [m.name for m in meta], [(n, None if t is None else t.clone()) for n, t in source], meta
 
 
-def _rank(out_dir, rank, port):
+def _rank(rank, out_dir, port):
+    torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from moetune.parallel.layout import make_layout
@@ -70,7 +72,7 @@ def test_weight_source_on_two_ranks_sends_what_one_process_does(tmp_path):
     from moetune.sync.vllm_engine import OWNED_METADATA, MoetuneSource
 
     out, port = str(tmp_path), free_port()
-    run_processes(out, {f"rank{r}": (_rank, r, port) for r in range(2)})
+    mp.spawn(_rank, args=(out, port), nprocs=2)  # a rank's exception fails the test with its traceback
     r0, r1 = (torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2))
 
     names, pairs, _ = _iterate(MoetuneSource(_model(None), "bf16", bucket_bytes=32 << 10))
